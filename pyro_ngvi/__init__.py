@@ -1,0 +1,1 @@
+"""pyro_ngvi: natural-gradient variational inference for Pyro."""

@@ -1,0 +1,154 @@
+"""
+The exponential-family view of a mean-field Gaussian guide.
+
+:class:`~pyro.infer.autoguide.AutoNormal` and
+:class:`~pyro.infer.autoguide.AutoDiagonalNormal` store, in the unconstrained
+coordinates ``u`` of the model's latent sites, a Gaussian
+
+.. math:: q(u) = \\mathcal{N}(u; \\mu, \\lambda^{-1}),
+          \\qquad \\mu = \\text{loc}, \\quad \\lambda = \\text{scale}^{-2},
+
+with natural parameters :math:`\\eta_1 = \\lambda\\mu`, :math:`\\eta_2 = -\\lambda/2`.
+This module finds those (loc, scale) pairs among the tensors ``SVI`` hands an
+optimizer, reads :math:`(\\mu, \\lambda)` off them and writes updated values back.
+
+It also holds the one protocol by which an ELBO hands curvature to
+:class:`~pyro_ngvi.NGVI`: :class:`SiteCurvature`, attached to the site's
+unconstrained ``loc`` tensor with :func:`attach_curvature` (BackPACK style: the
+result lives on the parameter) and taken off by :func:`pop_curvature`.
+"""
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch.distributions import biject_to
+
+import pyro
+
+_CURVATURE_ATTR = "_pyro_ngvi_curvature"
+_SUPPORTED = "AutoNormal and AutoDiagonalNormal"
+
+
+@dataclass
+class SiteCurvature:
+    """
+    What an ELBO hands :class:`~pyro_ngvi.NGVI` for one guide site. Every tensor
+    has the shape of the site's ``loc`` (all rows, also under a subsampled plate).
+
+    :param torch.Tensor grad: gradient of the non-conjugate part :math:`\\ell`
+        of the negative log joint w.r.t. ``u`` (likelihood plus any prior that is
+        not Normal in ``u``), averaged over particles and divided by the site's
+        own plate scale, so touched rows carry their full-data value.
+    :param torch.Tensor curvature: diagonal curvature :math:`h` of the same part.
+    :param prior_loc: mean :math:`m_0` of a conjugate Normal prior in ``u``,
+        or ``None`` when the prior is already inside ``grad``/``curvature``.
+    :param prior_precision: precision :math:`\\lambda_0` of that prior, or ``None``.
+    :param mask: boolean tensor of the rows this step touched (``None``: all).
+    """
+
+    grad: torch.Tensor
+    curvature: torch.Tensor
+    prior_loc: Optional[torch.Tensor] = None
+    prior_precision: Optional[torch.Tensor] = None
+    mask: Optional[torch.Tensor] = None
+
+
+def attach_curvature(loc: torch.Tensor, stats: SiteCurvature) -> None:
+    """Hand ``stats`` to the optimizer on the site's unconstrained ``loc`` tensor."""
+    setattr(loc, _CURVATURE_ATTR, stats)
+
+
+def pop_curvature(loc: torch.Tensor) -> Optional[SiteCurvature]:
+    """Take the :class:`SiteCurvature` an ELBO attached to ``loc`` (or ``None``)."""
+    stats = getattr(loc, _CURVATURE_ATTR, None)
+    if stats is not None:
+        delattr(loc, _CURVATURE_ATTR)
+    return stats
+
+
+@dataclass
+class GaussianSite:
+    """
+    One mean-field Gaussian block of a guide: the unconstrained ``loc`` tensor and
+    the unconstrained (raw) ``scale`` tensor as stored in Pyro's param store.
+    """
+
+    name: str
+    loc: torch.Tensor
+    raw_scale: torch.Tensor
+    scale_name: str
+
+    @property
+    def _scale_transform(self):
+        constraint = pyro.get_param_store()._constraints[self.scale_name]
+        return biject_to(constraint)
+
+    @property
+    def mean(self) -> torch.Tensor:
+        return self.loc.detach()
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self._scale_transform(self.raw_scale.detach())
+
+    @property
+    def precision(self) -> torch.Tensor:
+        return self.scale.pow(-2)
+
+    def natural_params(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """:math:`(\\eta_1, \\eta_2) = (\\lambda\\mu, -\\lambda/2)`."""
+        lam = self.precision
+        return lam * self.mean, -0.5 * lam
+
+    @torch.no_grad()
+    def write(self, mean: torch.Tensor, precision: torch.Tensor, mask=None) -> None:
+        """Set :math:`\\mu` and :math:`\\lambda` in place (only the ``mask`` rows)."""
+        raw = self._scale_transform.inv(precision.rsqrt())
+        if mask is None:
+            self.loc.copy_(mean)
+            self.raw_scale.copy_(raw)
+        else:
+            self.loc.copy_(torch.where(mask, mean, self.loc))
+            self.raw_scale.copy_(torch.where(mask, raw, self.raw_scale))
+
+
+def split_params(params) -> Tuple[List[GaussianSite], List[torch.Tensor]]:
+    """
+    Pair the tensors ``SVI.step`` hands an optimizer into Gaussian guide sites
+    (``<prefix>.locs.<site>`` with ``<prefix>.scales.<site>``, or ``<prefix>.loc``
+    with ``<prefix>.scale`` of an AutoDiagonalNormal) and everything else.
+
+    :raises NotImplementedError: for a low-rank or full-covariance autoguide.
+    """
+    store = pyro.get_param_store()
+    by_name: Dict[str, torch.Tensor] = {}
+    others = []
+    for p in params:
+        name = store.param_name(p)
+        if name is None:
+            others.append(p)
+        else:
+            by_name[name] = p
+    sites, used = [], set()
+    for name in sorted(by_name):
+        prefix, sep, site = name.partition(".locs.")
+        if sep:
+            scale_name = prefix + ".scales." + site
+        elif name.endswith(".loc") or name == "loc":
+            prefix = name[: -len("loc")]
+            for extra in ("cov_factor", "scale_tril"):
+                if prefix + extra in store:
+                    raise NotImplementedError(
+                        f"NGVI supports mean-field Gaussian guides ({_SUPPORTED}); "
+                        f"'{prefix + extra}' belongs to a guide with correlations. "
+                        "Use AutoNormal or AutoDiagonalNormal."
+                    )
+            site, scale_name = name, prefix + "scale"
+        else:
+            continue
+        if scale_name in by_name:
+            sites.append(GaussianSite(site, by_name[name], by_name[scale_name], scale_name))
+            used.update((name, scale_name))
+    others += [p for n, p in by_name.items() if n not in used]
+    return sites, others
