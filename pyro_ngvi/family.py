@@ -45,6 +45,8 @@ class SiteCurvature:
         or ``None`` when the prior is already inside ``grad``/``curvature``.
     :param prior_precision: precision :math:`\\lambda_0` of that prior, or ``None``.
     :param mask: boolean tensor of the rows this step touched (``None``: all).
+    :param bool sampled: ``curvature`` is a Price (reparameterisation) estimate
+        :math:`g\\epsilon/\\sigma`, whose noise grows with :math:`|g|`.
     """
 
     grad: torch.Tensor
@@ -52,6 +54,7 @@ class SiteCurvature:
     prior_loc: Optional[torch.Tensor] = None
     prior_precision: Optional[torch.Tensor] = None
     mask: Optional[torch.Tensor] = None
+    sampled: bool = False
 
 
 def attach_curvature(loc: torch.Tensor, stats: SiteCurvature) -> None:

@@ -1,0 +1,273 @@
+"""
+Steps and time per step to the exact mean-field optimum on two conjugate models.
+
+Every method runs on Pyro's own ``SVI`` with ``AutoNormal`` and
+``Trace_ELBO(num_particles=K, vectorize_particles=True)``, the same ``K`` for all.
+A run has *converged* at the first step after which every coordinate of the guide
+satisfies ``|loc - m| < 0.01 * std`` and ``|scale / std - 1| < 0.01`` and keeps
+satisfying it for the next ``CONFIRM`` steps; ``(m, std)`` is the exact mean-field
+optimum (the posterior mean, and ``diag(posterior precision) ** -0.5``).
+
+Models:
+
+* Normal-Normal: ``loc ~ N(0, 1)``, three observations ``N(loc, 1)``.
+* Linear regression, ``D = 5``, ``n = 200``, known noise 0.5, features with
+  correlation 0.3, prior ``N(0, 1)``.
+
+Methods: NGVI with a decaying schedule (fixed below, chosen on seeds other than
+the ones reported), ``pyro.optim.Adam`` over a learning-rate grid and
+``pyro.optim.ClippedAdam`` with a learning-rate decay. Time per step is measured
+separately, all methods of a model interleaved in blocks (so that load from
+other processes hits them alike), after a warm-up.
+
+Usage::
+
+    python benchmarks/conjugate.py [--seeds N] [--max-steps M] [--particles K] [--out FILE.md]
+"""
+
+import argparse
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+import pyro
+import pyro.distributions as dist
+from pyro.infer import SVI, Trace_ELBO
+from pyro.infer.autoguide import AutoNormal
+
+from pyro_ngvi import NGVI
+
+TOLERANCE = 0.01  # 1 %
+CONFIRM = 20  # steps the criterion must keep holding after the first entry
+DTYPE = torch.float64
+
+
+# ------------------------------------------------------------------ models
+@dataclass
+class Problem:
+    name: str
+    model: Callable
+    args: Tuple
+    site: str
+    mean: torch.Tensor  # mean-field optimum, flattened
+    std: torch.Tensor
+
+
+def normal_normal(data):
+    loc = pyro.sample("loc", dist.Normal(torch.tensor(0.0, dtype=DTYPE), 1.0))
+    with pyro.plate("data", len(data)):
+        pyro.sample("obs", dist.Normal(loc, 1.0), obs=data)
+
+
+def normal_normal_problem() -> Problem:
+    data = torch.tensor([0.3, 1.2, -0.5], dtype=DTYPE)
+    n = len(data)
+    mean = data.sum() / (n + 1)  # posterior N(sum x / (n + 1), 1 / (n + 1))
+    std = torch.tensor((n + 1) ** -0.5, dtype=DTYPE)
+    return Problem("Normal-Normal", normal_normal, (data,), "loc", mean.reshape(1), std.reshape(1))
+
+
+def linear_regression(x, y, noise=0.5):
+    w = pyro.sample("w", dist.Normal(torch.zeros(x.shape[1], dtype=x.dtype), 1.0).to_event(1))
+    with pyro.plate("data", len(x)):
+        pyro.sample("y", dist.Normal((w.unsqueeze(-2) * x).sum(-1), noise), obs=y)
+
+
+def regression_problem(n=200, d=5, noise=0.5, correlation=0.3, seed=0) -> Problem:
+    g = torch.Generator().manual_seed(seed)
+    cov = (1 - correlation) * torch.eye(d, dtype=DTYPE) + correlation
+    x = torch.randn(n, d, generator=g, dtype=DTYPE) @ torch.linalg.cholesky(cov).T
+    w = torch.randn(d, generator=g, dtype=DTYPE)
+    y = x @ w + noise * torch.randn(n, generator=g, dtype=DTYPE)
+    precision = x.T @ x / noise**2 + torch.eye(d, dtype=DTYPE)  # prior N(0, 1)
+    mean = torch.linalg.solve(precision, x.T @ y / noise**2)
+    std = precision.diagonal().rsqrt()  # mean-field optimum: diag(precision) ** -0.5
+    return Problem(f"Linear regression (D={d})", linear_regression, (x, y), "w", mean, std)
+
+
+# ------------------------------------------------------------------ methods
+def ngvi_lr(t: int) -> float:
+    # Constant 0.6 while the mean travels (Jacobi iteration, fast for the D=5
+    # model's correlation), then ~c / t: the harmonic tail averages the
+    # Monte-Carlo noise away. A floor would leave a noise floor of about
+    # sqrt(floor / (2 K)) posterior stds on the mean; none is used.
+    return min(0.6, 4.0 / (t + 1))
+
+
+def ngvi_beta(t: int) -> float:
+    # Same shape for the precision average: ~1/t averages the curvature noise.
+    return min(0.2, 4.0 / (t + 1))
+
+
+NGVI_LABEL = "NGVI lr=min(0.6, 4/(t+1)), beta=min(0.2, 4/(t+1))"
+
+
+def methods() -> Dict[str, Callable]:
+    found = {NGVI_LABEL: lambda: NGVI(lr=ngvi_lr, beta=ngvi_beta)}
+    for lr in (0.001, 0.01, 0.1):
+        found[f"Adam lr={lr}"] = lambda lr=lr: pyro.optim.Adam({"lr": lr})
+    for lr in (0.01, 0.1):
+        found[f"ClippedAdam lr={lr}, lrd=0.999"] = lambda lr=lr: pyro.optim.ClippedAdam(
+            {"lr": lr, "lrd": 0.999}
+        )
+    return found
+
+
+# ------------------------------------------------------------------ measuring
+def make_svi(problem: Problem, make_optim: Callable, particles: int) -> SVI:
+    guide = AutoNormal(problem.model)
+    elbo = Trace_ELBO(num_particles=particles, vectorize_particles=True, max_plate_nesting=1)
+    return SVI(problem.model, guide, make_optim(), elbo)
+
+
+def within_tolerance(problem: Problem) -> bool:
+    store = pyro.get_param_store()
+    with torch.no_grad():
+        loc = store[f"AutoNormal.locs.{problem.site}"].reshape(-1)
+        scale = store[f"AutoNormal.scales.{problem.site}"].reshape(-1)
+        return bool(
+            ((loc - problem.mean).abs() < TOLERANCE * problem.std).all()
+            and ((scale / problem.std - 1).abs() < TOLERANCE).all()
+        )
+
+
+def steps_to_tolerance(problem, make_optim, seed, particles, max_steps) -> Optional[int]:
+    """First step from which the criterion holds for CONFIRM more steps; None if never."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(seed)
+    svi = make_svi(problem, make_optim, particles)
+    entry = None
+    for step in range(1, max_steps + CONFIRM + 1):
+        svi.step(*problem.args)
+        if within_tolerance(problem):
+            if entry is None:
+                if step > max_steps:
+                    break
+                entry = step
+            elif step - entry >= CONFIRM:
+                return entry
+        else:
+            entry = None
+    return None
+
+
+def ms_per_step(problem, makers: Dict[str, Callable], particles, warmup=50, rounds=5, block=100):
+    """Median ms/step per method, the methods interleaved in blocks of steps."""
+    store = pyro.get_param_store()
+    states, svis, times = {}, {}, {name: [] for name in makers}
+    pyro.set_rng_seed(0)
+    for name, make_optim in makers.items():
+        with store.scope() as state:
+            svis[name] = make_svi(problem, make_optim, particles)
+            for _ in range(warmup):
+                svis[name].step(*problem.args)
+        states[name] = state
+    for _ in range(rounds):
+        for name, svi in svis.items():
+            with store.scope(states[name]):
+                for _ in range(block):
+                    start = time.perf_counter()
+                    svi.step(*problem.args)
+                    times[name].append(time.perf_counter() - start)
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+
+
+# ------------------------------------------------------------------ report
+def median_steps(steps: List[Optional[int]]) -> float:
+    return statistics.median([math.inf if s is None else s for s in steps])
+
+
+def fmt_steps(value: float, max_steps: int) -> str:
+    return f">{max_steps}" if math.isinf(value) else f"{value:g}"
+
+
+def report(problem, results, timing, max_steps) -> Tuple[List[str], str]:
+    medians = {name: median_steps(steps) for name, steps in results.items()}
+    adams = [name for name in results if name != NGVI_LABEL]
+    best = min(adams, key=lambda name: (medians[name], timing[name]))
+    best_steps = medians[best]
+    rows = []
+    for name, steps in results.items():
+        if math.isinf(best_steps):
+            step_ratio = "n/a" if math.isinf(medians[name]) else f"<{medians[name] / max_steps:.3g}"
+        elif math.isinf(medians[name]):
+            step_ratio = f">{max_steps / best_steps:.3g}"
+        else:
+            step_ratio = f"{medians[name] / best_steps:.3g}"
+        per_seed = ", ".join(fmt_steps(math.inf if s is None else s, max_steps) for s in steps)
+        rows.append(
+            f"| {problem.name} | {name}{' (best Adam)' if name == best else ''} "
+            f"| {fmt_steps(medians[name], max_steps)} | {per_seed} | {timing[name]:.2f} "
+            f"| {step_ratio} | {timing[name] / timing[best]:.2f} |"
+        )
+    ngvi_steps, time_ratio = medians[NGVI_LABEL], timing[NGVI_LABEL] / timing[best]
+    # With the best Adam setting capped, NGVI's ratio is an upper bound (Adam > max_steps).
+    fewer = (not math.isinf(ngvi_steps)) and 10 * ngvi_steps <= best_steps if not math.isinf(
+        best_steps
+    ) else 10 * ngvi_steps <= max_steps
+    met = fewer and time_ratio <= 1.15
+    if math.isinf(ngvi_steps):
+        steps_text = f"NGVI did not converge within {max_steps} steps"
+    elif math.isinf(best_steps):
+        steps_text = f"NGVI {ngvi_steps:g} steps, best Adam setting >{max_steps}"
+    else:
+        steps_text = f"{best_steps / ngvi_steps:.1f}x fewer steps than {best}"
+    verdict = (
+        f"**{problem.name}**: target 'NGVI >= 10x fewer steps than the best Adam setting "
+        f"at <= 1.15x its time per step' {'MET' if met else 'NOT MET'} "
+        f"({steps_text}; time/step {time_ratio:.2f}x)."
+    )
+    return rows, verdict
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--max-steps", type=int, default=10000)
+    parser.add_argument("--particles", type=int, default=16, help="K, the same for all methods")
+    parser.add_argument("--out", help="also write the markdown table to this file")
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    pyro.enable_validation(False)  # time the step, not Pyro's argument checks (same for all)
+    makers = methods()
+    header = [
+        f"K = {args.particles} particles (Trace_ELBO, vectorized) for every method; "
+        f"converged = all coordinates within {TOLERANCE:.0%} (mean: of the posterior std; "
+        f"scale: relative) and staying there {CONFIRM} more steps; steps are medians over "
+        f"{args.seeds} seeds (cap {args.max_steps}); ms/step is the median over "
+        "interleaved timed steps after a warm-up, 1 thread; ratios are method / best Adam setting.",
+        "",
+        "| model | method | steps to 1 % (median) | per seed | ms/step | steps ratio vs best Adam "
+        "| time/step ratio vs best Adam |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines, verdicts = list(header), []
+    started = time.perf_counter()
+    for problem in (normal_normal_problem(), regression_problem()):
+        results = {}
+        for name, make_optim in makers.items():
+            results[name] = [
+                steps_to_tolerance(problem, make_optim, seed, args.particles, args.max_steps)
+                for seed in range(args.seeds)
+            ]
+            print(f"  {problem.name} | {name}: {results[name]}", flush=True)
+        timing = ms_per_step(problem, makers, args.particles)
+        rows, verdict = report(problem, results, timing, args.max_steps)
+        lines += rows
+        verdicts.append(verdict)
+    lines += [""] + verdicts
+    text = "\n".join(lines)
+    print(text)
+    print(f"\n(total {time.perf_counter() - started:.0f} s)")
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

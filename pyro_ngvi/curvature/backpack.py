@@ -1,0 +1,274 @@
+"""
+Gradient and diagonal curvature of a network's summed loss with BackPACK.
+
+For a plain :class:`torch.nn.Module` :math:`f(x; w)` followed by a loss module
+whose ``reduction="sum"`` gives the negative log-likelihood of a minibatch
+(up to a per-example weight :math:`c`, see below),
+
+.. math:: L(w) = c \\sum_{i=1}^B \\ell(f(x_i; w), y_i),
+
+one backward pass under :class:`backpack.backpack` returns, for every parameter
+tensor, the gradient :math:`\\nabla_w L` and one of these diagonals:
+
+=========== ======================================================= ===================
+source      curvature                                               BackPACK extension
+=========== ======================================================= ===================
+``ef``      :math:`c^2 \\sum_i (\\nabla_w \\ell_i)^2` (empirical      ``SumGradSquared``
+            Fisher, VOGN's Gauss-Newton)
+``ggn``     :math:`c \\,\\mathrm{diag} \\sum_i J_i^\\top H_i J_i`      ``DiagGGNExact``
+            (:math:`J_i = \\partial f_i / \\partial w`,
+            :math:`H_i = \\partial^2 \\ell_i / \\partial f_i^2`)
+``ggn_mc``  the same with :math:`H_i` replaced by                    ``DiagGGNMC``
+            :math:`\\frac1M\\sum_{m} \\nabla_f \\ell(f_i, \\tilde y_m)
+            \\nabla_f \\ell(f_i, \\tilde y_m)^\\top`,
+            :math:`\\tilde y_m \\sim p(y \\mid f_i)`
+``reparam`` none (plain backward; the caller forms the Price/Stein   --
+            estimate :math:`g\\,\\epsilon/\\sigma` itself)
+``none``    none (plain backward)                                   --
+=========== ======================================================= ===================
+
+The output Hessians :math:`H_i` BackPACK uses, per loss module with
+``reduction="sum"``:
+
+* :class:`~torch.nn.CrossEntropyLoss` (Categorical, logits):
+  :math:`\\mathrm{diag}(p) - p p^\\top`, :math:`p = \\mathrm{softmax}(f)`;
+* :class:`~torch.nn.BCEWithLogitsLoss` (Bernoulli, logits, binary targets,
+  output shape ``(B, 1)``): :math:`\\sigma(f)(1 - \\sigma(f))`;
+* :class:`~torch.nn.MSELoss` (output shape ``(B, D)``):
+  :math:`\\ell = \\|f - y\\|^2`, so :math:`H = 2 I`.
+
+**Factors.** ``loss_scale`` is the per-example weight :math:`c`: the Gaussian
+negative log-likelihood with noise scale :math:`\\sigma` is
+:math:`\\|f - y\\|^2 / (2\\sigma^2) + \\text{const}`, i.e. ``MSELoss`` with
+:math:`c = 1/(2\\sigma^2)`. Because :math:`c` multiplies every example's loss,
+the gradient and the GGNs carry :math:`c` and the empirical Fisher carries
+:math:`c^2`. BackPACK itself must see the unscaled loss (its second-order
+extensions assume ``backward()`` starts at the loss module's output), so the
+factor is applied afterwards. A *multiplicity* such as the full-data factor
+:math:`N/B` is different: it multiplies every quantity, the empirical Fisher
+included, once -- that is the caller's.
+
+**Parameters that get no curvature.** A ``BatchNorm`` layer in train mode mixes
+the examples of a batch, so per-example gradients do not exist. For ``ef`` its
+own parameters get ``None``; the parameters of the other layers get BackPACK's
+per-example formula evaluated with the batch-coupled output gradients (an
+approximation). ``ggn`` and ``ggn_mc`` cannot pass a train-mode ``BatchNorm``
+and BackPACK raises; call ``.eval()`` on the net or use ``ef``.
+"""
+
+import warnings
+from typing import Callable, Dict, List, NamedTuple, Optional, Union
+
+import torch
+from torch import nn
+
+from backpack import backpack, extend
+from backpack.extensions import DiagGGNExact, DiagGGNMC, SumGradSquared
+from backpack.extensions.backprop_extension import BackpropExtension
+from backpack.extensions.firstorder.sum_grad_squared.batchnorm_nd import (
+    SGSBatchNormNd,
+)
+from backpack.extensions.module_extension import ModuleExtension
+from backpack.extensions.saved_quantities import SavedQuantities
+
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+_FIRST_LAYER_HOOK_WARNING = "Full backward hook is firing when gradients are computed"
+
+
+class _SkipInTrainMode(ModuleExtension):
+    """
+    Wraps BackPACK's ``SumGradSquared`` rule for ``BatchNorm``: computes nothing
+    in train mode (where per-example gradients of a ``BatchNorm`` layer do not
+    exist and BackPACK raises), the ordinary rule in eval mode.
+    """
+
+    def __init__(self, extension: ModuleExtension):
+        super().__init__()
+        self.extension = extension
+
+    def __call__(self, ext, module, g_inp, g_out):
+        if not module.training:
+            self.extension(ext, module, g_inp, g_out)
+
+
+def _empirical_fisher(mc_samples: int) -> BackpropExtension:
+    extension = SumGradSquared()
+    for cls in _BATCH_NORMS:
+        extension.set_module_extension(
+            cls, _SkipInTrainMode(SGSBatchNormNd()), overwrite=True
+        )
+    return extension
+
+
+#: Curvature sources: name -> factory ``mc_samples -> BackPACK extension``
+#: (``None``: a plain backward pass, no curvature). Adding a source is adding
+#: an entry; the extension's ``savefield`` says where BackPACK leaves it.
+CURVATURE_EXTENSIONS: Dict[str, Optional[Callable[[int], BackpropExtension]]] = {
+    "ef": _empirical_fisher,
+    "ggn": lambda mc_samples: DiagGGNExact(),
+    "ggn_mc": lambda mc_samples: DiagGGNMC(mc_samples=mc_samples),
+    "reparam": None,
+    "none": None,
+}
+
+#: Per-source power of the per-example weight ``loss_scale`` in the curvature.
+_LOSS_SCALE_POWER = {"ef": 2, "ggn": 1, "ggn_mc": 1}
+
+#: Loss modules BackPACK has output Hessians for -> the likelihood they are.
+LOSS_MODULES = {
+    nn.CrossEntropyLoss: "categorical",
+    nn.BCEWithLogitsLoss: "bernoulli",
+    nn.MSELoss: "gaussian",
+}
+
+
+class NetworkCurvature(NamedTuple):
+    """
+    Result of :func:`network_curvature`, one entry per parameter of the net
+    that requires a gradient (in ``net.parameters()`` order).
+
+    :param torch.Tensor loss: the scaled summed loss :math:`L(w)` (detached).
+    :param list grads: :math:`\\nabla_w L` per parameter.
+    :param list curvatures: the curvature diagonal per parameter, ``None`` for a
+        parameter the source gives none (every parameter under ``reparam`` and
+        ``none``; a train-mode ``BatchNorm`` under ``ef``).
+    """
+
+    loss: torch.Tensor
+    grads: List[torch.Tensor]
+    curvatures: List[Optional[torch.Tensor]]
+
+
+def _check_source(source: str) -> None:
+    """:raises ValueError: unless ``source`` is a key of :data:`CURVATURE_EXTENSIONS`."""
+    if source not in CURVATURE_EXTENSIONS:
+        raise ValueError(
+            f"Unknown curvature source {source!r} for a network; supported: "
+            + ", ".join(repr(name) for name in CURVATURE_EXTENSIONS)
+        )
+
+
+def check_loss_module(loss_module: nn.Module) -> None:
+    """:raises ValueError: unless ``loss_module`` is a supported loss with ``reduction="sum"``."""
+    supported = ", ".join(
+        f"{cls.__name__}(reduction='sum') ({likelihood})"
+        for cls, likelihood in LOSS_MODULES.items()
+    )
+    if type(loss_module) not in LOSS_MODULES:
+        raise ValueError(
+            f"BackPACK curvature needs one of the loss modules {supported}; "
+            f"got {type(loss_module).__name__}"
+        )
+    if loss_module.reduction != "sum":
+        raise ValueError(
+            f"{type(loss_module).__name__} must have reduction='sum' (the summed "
+            f"negative log-likelihood); got reduction={loss_module.reduction!r}"
+        )
+
+
+def network_curvature(
+    net: nn.Module,
+    loss_module: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    source: str,
+    mc_samples: int = 1,
+    loss_scale: Union[float, torch.Tensor] = 1.0,
+) -> NetworkCurvature:
+    """
+    Gradient and diagonal curvature of :math:`L(w) = c\\,\\mathrm{loss}(f(x; w), y)`
+    at the weights the net's parameters hold now (see the module docstring for
+    the sources and their factors).
+
+    The net must be extended with :func:`backpack.extend` and its parameters
+    hold the weights to evaluate at; the loss module is extended here. The
+    ``.grad`` of every parameter of the net is consumed (left ``None``) and the
+    BackPACK fields are removed, so calls do not accumulate.
+
+    :param torch.nn.Module net: a plain, BackPACK-extended network with output
+        ``(B, ...)``.
+    :param torch.nn.Module loss_module: ``CrossEntropyLoss``, ``BCEWithLogitsLoss``
+        or ``MSELoss``, all with ``reduction="sum"``.
+    :param torch.Tensor x: inputs, batch first.
+    :param torch.Tensor y: targets, in the form the loss module expects.
+    :param str source: ``"ef"``, ``"ggn"``, ``"ggn_mc"``, ``"reparam"`` or ``"none"``.
+    :param int mc_samples: samples of :math:`\\tilde y` per example for
+        ``ggn_mc`` (default: 1).
+    :param loss_scale: per-example weight :math:`c`, a number or a 0-d tensor
+        (default: 1). Gradient and GGNs carry :math:`c`, the empirical Fisher
+        :math:`c^2`.
+    :rtype: NetworkCurvature
+    :raises ValueError: for an unknown source or an unsupported loss module.
+    :raises RuntimeError: when BackPACK produced no curvature for a parameter
+        (the net, or one of its layers, is not extended or not supported).
+    """
+    _check_source(source)
+    check_loss_module(loss_module)
+    extension = _extension(source, mc_samples)
+    params = [p for p in net.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = None
+
+    with warnings.catch_warnings():
+        # BackPACK's full backward hook on the first layer, whose input needs no
+        # gradient, fires from the output gradient (as BackPACK expects); recent
+        # torch warns about that on every backward pass.
+        warnings.filterwarnings("ignore", _FIRST_LAYER_HOOK_WARNING, UserWarning)
+        if extension is None:
+            loss = loss_module(net(x), y)
+            loss.backward()
+            curvatures: List[Optional[torch.Tensor]] = [None] * len(params)
+        else:
+            extend(loss_module)
+            with backpack(extension):
+                loss = loss_module(net(x), y)
+                loss.backward()
+            curvatures = [_pop_curvature(net, p, extension.savefield) for p in params]
+
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+    for p in params:
+        p.grad = None
+    loss = loss.detach()
+    if isinstance(loss_scale, torch.Tensor) or loss_scale != 1.0:
+        loss = loss * loss_scale
+        grads = [g * loss_scale for g in grads]
+        factor = loss_scale ** _LOSS_SCALE_POWER.get(source, 0)
+        curvatures = [h if h is None else h * factor for h in curvatures]
+    return NetworkCurvature(loss, grads, curvatures)
+
+
+_EXTENSION_CACHE: Dict[tuple, BackpropExtension] = {}
+
+
+def _extension(source: str, mc_samples: int) -> Optional[BackpropExtension]:
+    """The extension instance for a source, built once (building one costs a
+    noticeable part of a small network's backward pass)."""
+    make_extension = CURVATURE_EXTENSIONS[source]
+    if make_extension is None:
+        return None
+    key = (source, make_extension, mc_samples)
+    if key not in _EXTENSION_CACHE:
+        _EXTENSION_CACHE[key] = make_extension(mc_samples)
+    extension = _EXTENSION_CACHE[key]
+    # Quantities left over by a pass that raised (keyed by data_ptr) must not be
+    # accumulated into this one.
+    extension.saved_quantities = SavedQuantities()
+    return extension
+
+
+def _pop_curvature(net: nn.Module, param: torch.Tensor, savefield: str):
+    value = getattr(param, savefield, None)
+    if value is not None:
+        delattr(param, savefield)
+        return value
+    module = next(
+        m for m in net.modules() if any(q is param for q in m.parameters(recurse=False))
+    )
+    if isinstance(module, _BATCH_NORMS) and module.training and savefield == "sum_grad_squared":
+        return None
+    raise RuntimeError(
+        f"BackPACK computed no {savefield!r} for a parameter of {module!r}. Extend "
+        "the network with backpack.extend(net), use layers BackPACK supports (a "
+        "PyroModule with PyroSample weights gets nothing from BackPACK) and only "
+        "parameters the forward pass uses."
+    )

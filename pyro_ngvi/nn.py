@@ -1,0 +1,563 @@
+"""
+Bayesian neural networks from plain :class:`torch.nn.Module` networks.
+
+:class:`BayesianNet` turns a network, a Normal prior on its weights and a
+likelihood into a Pyro model ``model(x, y=None)`` (usable with any autoguide,
+``SVI`` and ``Predictive``), and keeps the plain network for BackPACK so that
+:class:`~pyro_ngvi.CurvatureELBO` can compute gradient and curvature of the
+likelihood for every weight tensor in one backward pass, without tracing
+(:meth:`BayesianNet.curvature_step`).
+"""
+
+import math
+from copy import deepcopy
+from itertools import chain
+from typing import Dict, List, NamedTuple, Optional, Tuple, Union
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+import pyro
+import pyro.distributions as dist
+from pyro.distributions import constraints
+from pyro.infer.autoguide.initialization import init_to_feasible
+
+from backpack import extend
+
+from .curvature.backpack import network_curvature
+from .family import SiteCurvature, attach_curvature
+
+_HALF_LOG_TWO_PI = 0.5 * math.log(2 * math.pi)
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+_LOSS_MODULES = {
+    "categorical": nn.CrossEntropyLoss,
+    "bernoulli": nn.BCEWithLogitsLoss,
+    "gaussian": nn.MSELoss,
+}
+
+PriorSpec = Union[float, torch.Tensor, Tuple, torch.distributions.Distribution]
+
+
+class _Weight(NamedTuple):
+    site: str  # Pyro site (latent) or param (point estimate) name
+    module: nn.Module
+    param_name: str  # the parameter's name inside ``module``
+    key: str  # the parameter's name inside the network, for functional_call
+    index: int  # position among the network's parameters that require a gradient
+
+    @property
+    def param(self) -> torch.Tensor:
+        return self.module._parameters[self.param_name]
+
+
+class BayesianNet(nn.Module):
+    """
+    A Bayesian neural network as a Pyro model. For a network :math:`f(x; w)`
+    with weight tensors :math:`w_j` the model is
+
+    .. math:: w_j \\sim \\mathcal{N}(m_{0j}, s_{0j}^2) \\text{ element-wise}, \\qquad
+              y_i \\mid x_i, w \\sim p(y_i \\mid f(x_i; w)), \\quad i = 1, \\dots, N,
+
+    with one latent site per weight tensor, named as the parameter in the
+    network (``"0.weight"``, prefixed ``"<name>."`` when ``name`` is given), and
+    the likelihood under a ``pyro.plate("data", num_data, subsample=...)``: a
+    minibatch of :math:`B` examples stands for all :math:`N`, its log-likelihood
+    scaled by :math:`N/B`. Likelihoods, for a network output :math:`f`:
+
+    * ``"categorical"``: :math:`\\mathrm{Categorical}(\\mathrm{logits}=f)`, output
+      ``(B, K)``, integer targets ``(B,)``;
+    * ``"bernoulli"``: :math:`\\mathrm{Bernoulli}(\\mathrm{logits}=f)`, targets 0/1;
+    * ``"gaussian"``: :math:`\\mathcal{N}(f, \\sigma^2)`, with ``noise_scale``
+      :math:`\\sigma` fixed, or a positive ``pyro.param`` (point-estimated) when
+      ``noise_scale=None``.
+
+    For ``bernoulli`` and ``gaussian`` an output ``(B, 1)`` is one scalar per
+    example (targets ``(B,)``); an output ``(B, D)`` is a vector event
+    (targets ``(B, D)``). The model returns the likelihood's parameter (logits
+    or mean) and records it as the deterministic site ``"output"``; the
+    observations are the site ``"obs"``.
+
+    ``BatchNorm`` weights and biases are point-estimated (``pyro.param``);
+    parameters with ``requires_grad=False`` stay fixed. The network's own
+    parameters are not the model's: :meth:`curvature_step` writes the sampled
+    weights into them.
+
+    **Fast path.** :meth:`curvature_step` does what an ELBO does for this model
+    with an :class:`~pyro.infer.autoguide.AutoNormal` guide, without Pyro's
+    tracing: sample, forward, backward under BackPACK, and attach gradient and
+    curvature of the likelihood to each site (see there).
+
+    :param torch.nn.Module net: the plain network; its output for a batch ``x``
+        is ``(B, ...)``. BackPACK curvature needs supported layers (``Linear``,
+        ``Conv*``, activations, ``Flatten``, pooling, ``Dropout``, ...) and, for
+        ``ggn``/``ggn_mc``, a 2-d output.
+    :param str likelihood: ``"categorical"``, ``"bernoulli"`` or ``"gaussian"``.
+    :param int num_data: size :math:`N` of the training set.
+    :param prior: the prior on the weights: a positive scale :math:`s_0` for all
+        weights (mean 0), or a dict from site name to a scale, a pair
+        ``(loc, scale)`` of tensors broadcastable to the weight's shape, or a
+        ``Normal`` distribution (e.g. a previous posterior), one entry per latent
+        site (default: 1.0).
+    :param noise_scale: fixed :math:`\\sigma` of the Gaussian likelihood, or
+        ``None`` to learn it (default: None).
+    :param float init_noise_scale: initial :math:`\\sigma` when learned (default: 1.0).
+    :param str name: prefix of every site and param name (default: "").
+    """
+
+    #: Curvature sources :meth:`curvature_step` supports.
+    curvature_sources = ("ef", "ggn", "ggn_mc", "reparam")
+
+    def __init__(
+        self,
+        net: nn.Module,
+        likelihood: str,
+        num_data: int,
+        prior: Union[PriorSpec, Dict[str, PriorSpec]] = 1.0,
+        noise_scale: Optional[float] = None,
+        init_noise_scale: float = 1.0,
+        name: str = "",
+    ):
+        super().__init__()
+        if likelihood not in _LOSS_MODULES:
+            raise ValueError(
+                f"Unknown likelihood {likelihood!r}; supported: "
+                + ", ".join(repr(k) for k in _LOSS_MODULES)
+            )
+        if int(num_data) < 1:
+            raise ValueError(f"num_data must be a positive integer, got {num_data}")
+        for value, what in ((noise_scale, "noise_scale"), (init_noise_scale, "init_noise_scale")):
+            if value is not None and not value > 0:
+                raise ValueError(f"{what} must be positive, got {value}")
+        self.net = net
+        self.likelihood = likelihood
+        self.num_data = int(num_data)
+        self.noise_scale = noise_scale
+        self.init_noise_scale = float(init_noise_scale)
+        self.prefix = name + "." if name else ""
+
+        # A twin of the network sharing its parameters and buffers (the very
+        # dicts), extended with BackPACK. ``net`` stays free of BackPACK's hooks,
+        # so the traced model path (and torch.func on it) runs the plain network.
+        twin = deepcopy(net, memo={id(t): t for t in chain(net.parameters(), net.buffers())})
+        for twin_module, module in zip(twin.modules(), net.modules()):
+            twin_module._parameters = module._parameters
+            twin_module._buffers = module._buffers
+        loss_module = extend(_LOSS_MODULES[likelihood](reduction="sum"))
+        self._backpack = (extend(twin), loss_module, list(zip(twin.modules(), net.modules())))
+
+        self._latents: List[_Weight] = []
+        self._point_estimates: List[_Weight] = []
+        trainable = [(k, p) for k, p in net.named_parameters() if p.requires_grad]
+        for index, (key, param) in enumerate(trainable):
+            path, _, param_name = key.rpartition(".")
+            module = net.get_submodule(path)
+            weight = _Weight(self.prefix + key, module, param_name, key, index)
+            if isinstance(module, _BATCH_NORMS):
+                self._point_estimates.append(weight)
+            else:
+                self._latents.append(weight)
+        self._prior_cache = None
+        self._set_priors(prior)
+
+    # ------------------------------------------------------------------ priors
+
+    def _set_priors(self, prior):
+        sites = [w.site for w in self._latents]
+        if isinstance(prior, dict):
+            unknown = sorted(set(prior) - set(sites))
+            missing = [s for s in sites if s not in prior]
+            if unknown or missing:
+                raise ValueError(
+                    "The prior dict needs one entry per latent site "
+                    f"({', '.join(sites)}); missing: {missing}, not latent sites: "
+                    f"{unknown} (BatchNorm parameters are point estimates)"
+                )
+        for index, weight in enumerate(self._latents):
+            spec = prior[weight.site] if isinstance(prior, dict) else prior
+            loc, scale = _as_loc_scale(spec, weight)
+            self.register_buffer(f"_prior_loc_{index}", loc)
+            self.register_buffer(f"_prior_scale_{index}", scale)
+            self.register_buffer(f"_prior_precision_{index}", scale.pow(-2))
+            # sum of log s_0 over the weight's elements, the prior's normaliser
+            log_scale_sum = scale.log().expand(weight.param.shape).sum()
+            self.register_buffer(f"_prior_log_scale_sum_{index}", log_scale_sum)
+        like = self._latents[0].param if self._latents else torch.zeros(())
+        total = sum(getattr(self, f"_prior_log_scale_sum_{j}") for j in range(len(self._latents)))
+        self.register_buffer("_prior_log_scale_total", torch.as_tensor(total, dtype=like.dtype))
+        weights = torch.tensor([-0.5, -1.0, 0.5], dtype=like.dtype, device=like.device)
+        self.register_buffer("_log_ratio_weights", weights)
+
+    def _prior_buffers(self, index: int):
+        """``(loc, scale, precision, sum of log scale)`` of the ``index``-th latent site."""
+        if self._prior_cache is None:  # nn.Module attribute lookups are slow: cache
+            self._prior_cache = [
+                tuple(
+                    getattr(self, f"_prior_{what}_{j}")
+                    for what in ("loc", "scale", "precision", "log_scale_sum")
+                )
+                for j in range(len(self._latents))
+            ]
+        return self._prior_cache[index]
+
+    def _apply(self, fn, *args, **kwargs):
+        self._prior_cache = None  # .to(), .double(), ... replace the buffers
+        return super()._apply(fn, *args, **kwargs)
+
+    def prior(self, site: str) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Prior ``(loc, scale)`` of a latent site, broadcastable to its shape."""
+        index = [w.site for w in self._latents].index(site)
+        return self._prior_buffers(index)[:2]
+
+    @property
+    def latent_sites(self) -> List[str]:
+        """Names of the latent sites, one per weight tensor."""
+        return [w.site for w in self._latents]
+
+    def init_loc_fn(self, site) -> torch.Tensor:
+        """
+        An autoguide ``init_loc_fn`` that starts each weight site at the value
+        the network holds now (e.g. PyTorch's initialisation), other sites as
+        :func:`~pyro.infer.autoguide.initialization.init_to_feasible`::
+
+            guide = AutoNormal(bnn, init_loc_fn=bnn.init_loc_fn, init_scale=1e-2)
+        """
+        for weight in self._latents:
+            if weight.site == site["name"]:
+                return weight.param.detach().clone()
+        return init_to_feasible(site)
+
+    # ------------------------------------------------------------- the model
+
+    def _site(self, name: str) -> str:
+        return self.prefix + name
+
+    def _noise_scale(self) -> torch.Tensor:
+        if self.noise_scale is not None:
+            return self.noise_scale
+        like = self._latents[0].param if self._latents else torch.zeros(())
+        return pyro.param(
+            self._site("noise_scale"),
+            lambda: torch.tensor(self.init_noise_scale, dtype=like.dtype, device=like.device),
+            constraint=constraints.positive,
+        )
+
+    def _point_estimate(self, weight: _Weight) -> torch.Tensor:
+        return pyro.param(weight.site, lambda: weight.param.detach().clone())
+
+    def _likelihood_param(self, output: torch.Tensor) -> torch.Tensor:
+        """The network output as the likelihood's parameter (scalar outputs squeezed)."""
+        if self.likelihood != "categorical" and output.dim() == 2 and output.shape[1] == 1:
+            return output.squeeze(-1)
+        return output
+
+    def _likelihood(self, param: torch.Tensor) -> dist.Distribution:
+        if self.likelihood == "categorical":
+            return dist.Categorical(logits=param).to_event(param.dim() - 2)
+        if self.likelihood == "bernoulli":
+            return dist.Bernoulli(logits=param).to_event(param.dim() - 1)
+        return dist.Normal(param, self._noise_scale()).to_event(param.dim() - 1)
+
+    def forward(self, x: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """
+        The Pyro model: sample the weights from the prior, run the network on
+        ``x`` and observe ``y`` (sample it when ``None``).
+
+        :returns: the likelihood's parameter (logits or mean), batch first.
+        """
+        params = {}
+        for index, weight in enumerate(self._latents):
+            loc, scale, _, _ = self._prior_buffers(index)
+            shape = weight.param.shape
+            prior = dist.Normal(loc, scale).expand(shape).to_event(len(shape))
+            params[weight.key] = pyro.sample(weight.site, prior)
+        for weight in self._point_estimates:
+            params[weight.key] = self._point_estimate(weight)
+        output = self._likelihood_param(functional_call(self.net, params, (x,)))
+        likelihood = self._likelihood(output)
+        subsample = torch.arange(len(x), device=x.device)
+        with pyro.plate(self._site("data"), self.num_data, subsample=subsample):
+            pyro.deterministic(self._site("output"), output, event_dim=output.dim() - 1)
+            pyro.sample(self._site("obs"), likelihood, obs=y)
+        return output
+
+    # ------------------------------------------------------------ fast path
+
+    def _loss_target(self, y: torch.Tensor) -> torch.Tensor:
+        """``y`` in the form the BackPACK loss module expects: class indices, or
+        floats shaped as the network output (``(B,)`` targets of a ``(B, 1)`` output)."""
+        if self.likelihood == "categorical":
+            return y.long()
+        dtype = self._latents[0].param.dtype if self._latents else None
+        return (y.unsqueeze(-1) if y.dim() == 1 else y).to(dtype)
+
+    def curvature_step(
+        self,
+        guide,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        curvature: str,
+        num_particles: int = 1,
+        deterministic: bool = False,
+        mc_samples: int = 1,
+    ) -> torch.Tensor:
+        """
+        One ELBO step for an :class:`~pyro.infer.autoguide.AutoNormal` guide,
+        :math:`q(w) = \\mathcal{N}(\\mu, \\mathrm{diag}(\\sigma^2))`, without tracing.
+
+        For each of ``num_particles`` samples :math:`w = \\mu + \\sigma\\epsilon`,
+        :math:`\\epsilon \\sim \\mathcal{N}(0, I)` drawn from torch's global RNG
+        (site by site, in :attr:`latent_sites` order; :math:`w = \\mu` when
+        ``deterministic``), the negative log-likelihood of the minibatch,
+        :math:`\\ell(w) = -\\frac{N}{B}\\sum_{i=1}^B \\log p(y_i \\mid x_i, w)`, gives
+
+        .. math::
+
+            g = \\nabla_w \\ell, \\qquad h = \\begin{cases}
+                \\frac{N}{B} \\sum_i (\\nabla_w \\log p(y_i \\mid x_i, w))^2 & \\texttt{ef} \\\\
+                \\frac{N}{B} \\,\\mathrm{diag} \\sum_i J_i^\\top H_i J_i & \\texttt{ggn} \\\\
+                \\text{the same, } H_i \\text{ from sampled targets} & \\texttt{ggn\\_mc} \\\\
+                g \\, \\epsilon / \\sigma & \\texttt{reparam}
+            \\end{cases}
+
+        (:math:`J_i` the Jacobian of the output, :math:`H_i` the Hessian of
+        :math:`-\\log p(y_i \\mid f)` in the output). For the Gaussian likelihood
+        :math:`-\\log p = \\|f - y\\|^2 / (2\\sigma^2) + \\text{const}`, so the
+        per-example gradients carry :math:`1/(2\\sigma^2)` (squared in ``ef``).
+        :math:`g` and :math:`h` are averaged over particles and attached as
+        :class:`~pyro_ngvi.family.SiteCurvature` ``(g, h, m_0, 1/s_0^2)`` to each
+        site's unconstrained ``loc`` in the param store: the Normal prior is
+        conjugate and left to the optimizer. Point-estimated params (a learned
+        noise scale, ``BatchNorm``) get the gradient of the particle average of
+        :math:`\\ell` in ``.grad``. The guide's locs and scales are read through
+        ``pyro.param`` statements, so ``SVI.step`` hands them to the optimizer.
+
+        :param guide: an :class:`~pyro.infer.autoguide.AutoNormal` of this model
+            (run once on ``(x, y)`` if it has not been).
+        :param torch.Tensor x: a minibatch of inputs.
+        :param torch.Tensor y: its targets.
+        :param str curvature: ``"ef"``, ``"ggn"``, ``"ggn_mc"`` or ``"reparam"``.
+        :param int num_particles: samples of the weights (default: 1).
+        :param bool deterministic: evaluate at the mean (default: False).
+        :param int mc_samples: sampled targets per example for ``ggn_mc`` (default: 1).
+        :returns: an estimate of the negative ELBO with the meaning of
+            ``Trace_ELBO().loss``: the particle average of
+            :math:`\\ell(w) + \\sum_j [\\log q(w_j) - \\log p_0(w_j)]`, constants
+            included; when ``deterministic``, :math:`\\ell(\\mu) + \\mathrm{KL}(q \\| p_0)`.
+        :rtype: torch.Tensor
+        """
+        self._check_step(guide, y, curvature, deterministic)
+        loc_scales = self._read_guide(guide, x, y)
+        points = [self._point_estimate(w) for w in self._point_estimates]
+        noise_scale = self._noise_scale() if self.likelihood == "gaussian" else None
+        twin, loss_module, module_pairs = self._backpack
+        for twin_module, module in module_pairs:
+            if twin_module.training != module.training:
+                twin_module.training = module.training
+        with torch.no_grad():
+            for weight, value in zip(self._point_estimates, points):
+                weight.param.copy_(value)
+
+        # per-example weight c of the loss module: -log p = c * MSE + const
+        if noise_scale is None:
+            loss_scale = 1.0
+        elif isinstance(noise_scale, torch.Tensor):  # no .item(): no device sync
+            loss_scale = 0.5 / noise_scale.detach() ** 2
+        else:
+            loss_scale = 0.5 / noise_scale**2
+        means = [loc.detach() for loc, _ in loc_scales]
+        stddevs = [scale.detach() for _, scale in loc_scales]
+        target = self._loss_target(y)
+        source = "none" if curvature == "reparam" else curvature
+        grads: List[torch.Tensor] = []
+        curvatures: List[torch.Tensor] = []
+        point_grads: List[torch.Tensor] = []
+        nll, log_ratio = 0.0, 0.0
+        for particle in range(num_particles):
+            noises = self._sample_into_net(means, stddevs, deterministic)
+            result = network_curvature(
+                twin, loss_module, x, target, source, mc_samples=mc_samples, loss_scale=loss_scale
+            )
+            site_grads = [result.grads[w.index] for w in self._latents]
+            if curvature == "reparam":
+                site_curvatures = [g * e / s for g, e, s in zip(site_grads, noises, stddevs)]
+            else:
+                site_curvatures = [result.curvatures[w.index] for w in self._latents]
+            site_point_grads = [result.grads[w.index] for w in self._point_estimates]
+            if particle == 0:  # fresh tensors, ours to scale in place below
+                grads, curvatures, point_grads = site_grads, site_curvatures, site_point_grads
+            else:
+                torch._foreach_add_(grads, site_grads)
+                torch._foreach_add_(curvatures, site_curvatures)
+                if point_grads:
+                    torch._foreach_add_(point_grads, site_point_grads)
+            nll = nll + result.loss
+            if not deterministic:
+                log_ratio = log_ratio + self._log_ratio(stddevs, noises)
+
+        # full-data scale N/B and particle average; hand g, h over on each loc
+        factor = self.num_data / len(x) / num_particles
+        torch._foreach_mul_(grads, factor)
+        torch._foreach_mul_(curvatures, factor)
+        for j, ((loc, _), grad, curv) in enumerate(zip(loc_scales, grads, curvatures)):
+            prior_loc, _, prior_precision, _ = self._prior_buffers(j)
+            stats = SiteCurvature(
+                grad=grad,
+                curvature=curv,
+                prior_loc=prior_loc.expand(loc.shape),
+                prior_precision=prior_precision.expand(loc.shape),
+                sampled=curvature == "reparam",
+            )
+            attach_curvature(loc.unconstrained(), stats)
+        for value, grad in zip(points, point_grads):
+            _accumulate_grad(value.unconstrained(), grad.mul_(factor))
+
+        nll = self._full_nll(nll / num_particles, loss_scale, noise_scale, target, len(x))
+        if deterministic:
+            return (nll + self._kl(means, stddevs)).detach()
+        return (nll + log_ratio / num_particles).detach()
+
+    def _read_guide(self, guide, x, y) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """
+        Each site's ``(loc, scale)`` from the guide, read by ``pyro.param``
+        statements (which ``SVI.step`` records to find the optimizer's tensors).
+        """
+        if guide.prototype_trace is None:
+            guide(x, y)
+        store = pyro.get_param_store()
+        names = [
+            (f"{guide._pyro_name}.locs.{w.site}", f"{guide._pyro_name}.scales.{w.site}")
+            for w in self._latents
+        ]
+        if all(loc in store and scale in store for loc, scale in names):
+            # what the guide's PyroModule attributes do, at a quarter of the cost
+            return [(pyro.param(loc), pyro.param(scale)) for loc, scale in names]
+        with guide._pyro_context:  # (re-)registers the guide's own tensors
+            return [guide._get_loc_and_scale(w.site) for w in self._latents]
+
+    def _sample_into_net(self, means, stddevs, deterministic) -> List[Optional[torch.Tensor]]:
+        """Draw :math:`\\epsilon` per site, write :math:`\\mu + \\sigma\\epsilon` into the net."""
+        noises = [None if deterministic else torch.randn_like(mean) for mean in means]
+        with torch.no_grad():
+            for weight, mean, stddev, noise in zip(self._latents, means, stddevs, noises):
+                weight.param.copy_(mean if noise is None else torch.addcmul(mean, stddev, noise))
+        return noises
+
+    def _full_nll(self, nll, loss_scale, noise_scale, target, batch_size) -> torch.Tensor:
+        """
+        :math:`\\ell = \\frac{N}{B}(-\\sum_i \\log p(y_i \\mid f_i))` with constants, from the
+        loss module's :math:`c \\cdot` batch sum ``nll``; for a learned Gaussian noise scale
+        also sets its ``.grad`` to :math:`\\partial \\ell / \\partial` (unconstrained).
+        """
+        scale = self.num_data / batch_size
+        if noise_scale is None:
+            return scale * nll
+        # l = N/B [sse / (2 sigma^2) + B D (log sigma + log(2 pi) / 2)], sse = nll / c
+        events = target.numel()
+        if isinstance(noise_scale, torch.Tensor):
+            sse = nll / loss_scale
+            sigma_term = scale * (0.5 * sse / noise_scale**2 + events * noise_scale.log())
+            if noise_scale.requires_grad:
+                sigma_term.backward()
+            sigma_term = sigma_term.detach()
+        else:
+            sigma_term = scale * (nll + events * math.log(noise_scale))
+        return sigma_term + scale * events * _HALF_LOG_TWO_PI
+
+    def _check_step(self, guide, y, curvature, deterministic):
+        if curvature not in self.curvature_sources:
+            raise ValueError(
+                f"Curvature source {curvature!r} is not available on the BayesianNet "
+                "fast path; supported: " + ", ".join(repr(c) for c in self.curvature_sources)
+            )
+        if curvature == "reparam" and deterministic:
+            raise ValueError(
+                "The 'reparam' curvature g * eps / sigma needs sampled weights; "
+                "use deterministic=False or a curvature 'ef', 'ggn', 'ggn_mc'"
+            )
+        if y is None:
+            raise ValueError("curvature_step needs the targets y")
+        if not hasattr(guide, "_get_loc_and_scale") or not hasattr(guide, "prototype_trace"):
+            raise NotImplementedError(
+                f"The BayesianNet fast path needs an AutoNormal guide, got {type(guide).__name__}"
+            )
+
+    def _log_ratio(self, stddevs, noises) -> torch.Tensor:
+        """
+        :math:`\\sum_j \\log q(w_j) - \\log p_0(w_j)` at the sample
+        :math:`w = \\mu + \\sigma\\epsilon` the net holds:
+        :math:`\\sum [-\\epsilon^2/2 - \\log\\sigma + \\lambda_0 (w - m_0)^2 / 2 + \\log s_0]`.
+        """
+        terms = []  # per site: sum eps^2, sum log sigma, sum lambda_0 (w - m_0)^2
+        with torch.no_grad():
+            for j, (weight, stddev, noise) in enumerate(zip(self._latents, stddevs, noises)):
+                prior_loc, _, prior_precision, _ = self._prior_buffers(j)
+                deviation = weight.param - prior_loc
+                if prior_precision.numel() == 1:
+                    flat = deviation.view(-1)
+                    quadratic = flat.dot(flat) * prior_precision.view(())
+                else:
+                    quadratic = deviation.view(-1).dot((prior_precision * deviation).view(-1))
+                noise = noise.view(-1)
+                terms += [noise.dot(noise), stddev.log().sum(), quadratic]
+            terms = torch.stack(terms).view(-1, 3)
+        return terms.sum(0).dot(self._log_ratio_weights) + self._prior_log_scale_total
+
+    def _kl(self, means, stddevs) -> torch.Tensor:
+        """
+        :math:`\\sum_j \\mathrm{KL}(q_j \\| p_{0j})
+        = \\sum [\\log(s_0/\\sigma) + \\lambda_0(\\sigma^2 + (\\mu - m_0)^2)/2 - 1/2]`.
+        """
+        total = 0.0
+        for j, (mean, stddev) in enumerate(zip(means, stddevs)):
+            prior_loc, _, prior_precision, log_scale_sum = self._prior_buffers(j)
+            second_moment = stddev.square() + (mean - prior_loc).square()
+            total = (
+                total
+                + log_scale_sum
+                - stddev.log().sum()
+                + 0.5 * (prior_precision * second_moment).sum()
+                - 0.5 * mean.numel()
+            )
+        return total
+
+
+def _accumulate_grad(tensor: torch.Tensor, grad: torch.Tensor) -> None:
+    if tensor.grad is None:
+        tensor.grad = grad
+    else:
+        tensor.grad += grad
+
+
+def _as_loc_scale(spec, weight: _Weight) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A prior spec as ``(loc, scale)`` tensors of the weight's dtype and device."""
+    if isinstance(spec, torch.distributions.Independent):
+        spec = spec.base_dist
+    if isinstance(spec, torch.distributions.Normal):
+        loc, scale = spec.loc, spec.scale
+    elif isinstance(spec, (tuple, list)) and len(spec) == 2:
+        loc, scale = spec
+    elif isinstance(spec, (int, float, torch.Tensor)):
+        loc, scale = 0.0, spec
+    else:
+        raise TypeError(
+            f"Prior of site {weight.site!r}: expected a scale, a (loc, scale) pair "
+            f"or a Normal distribution, got {type(spec).__name__}"
+        )
+    param = weight.param
+    loc, scale = (
+        torch.as_tensor(v, dtype=param.dtype, device=param.device).detach().clone()
+        for v in (loc, scale)
+    )
+    try:
+        shape = torch.broadcast_shapes(loc.shape, scale.shape, param.shape)
+    except RuntimeError:
+        shape = None
+    if shape != param.shape:
+        raise ValueError(
+            f"Prior of site {weight.site!r}: loc {tuple(loc.shape)} and scale "
+            f"{tuple(scale.shape)} do not broadcast to the weight's shape {tuple(param.shape)}"
+        )
+    if not (scale > 0).all():
+        raise ValueError(f"Prior of site {weight.site!r}: the scale must be positive")
+    return loc, scale

@@ -1,0 +1,265 @@
+"""network_curvature against brute-force references (per-example loops, J^T H J)."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, jacrev
+
+from backpack import extend
+
+from pyro_ngvi.curvature.backpack import (
+    CURVATURE_EXTENSIONS,
+    LOSS_MODULES,
+    network_curvature,
+)
+
+B, D_IN, HIDDEN = 7, 4, 5
+
+
+def extended_copy(plain):
+    """A BackPACK-extended twin; references use the hook-free original (torch.func
+    cannot differentiate through BackPACK's backward hooks)."""
+    return extend(copy.deepcopy(plain))
+
+
+def make_problem(likelihood, activation=nn.Tanh, seed=0):
+    """A 4 -> 5 -> K MLP in float64, its extended twin, a loss module and a batch."""
+    torch.manual_seed(seed)
+    out = {"categorical": 3, "bernoulli": 1, "gaussian": 2}[likelihood]
+    plain = nn.Sequential(nn.Linear(D_IN, HIDDEN), activation(), nn.Linear(HIDDEN, out))
+    plain = plain.double()
+    x = torch.randn(B, D_IN, dtype=torch.float64)
+    if likelihood == "categorical":
+        loss_module = nn.CrossEntropyLoss(reduction="sum")
+        y = torch.randint(0, out, (B,))
+    elif likelihood == "bernoulli":
+        loss_module = nn.BCEWithLogitsLoss(reduction="sum")
+        y = torch.randint(0, 2, (B, 1)).double()
+    else:
+        loss_module = nn.MSELoss(reduction="sum")
+        y = torch.randn(B, out, dtype=torch.float64)
+    return plain, extended_copy(plain), extend(loss_module), x, y
+
+
+def flat_output_fn(net, x):
+    """theta (flat) -> net output, for torch.func."""
+    names = [n for n, _ in net.named_parameters()]
+    shapes = [p.shape for p in net.parameters()]
+    sizes = [p.numel() for p in net.parameters()]
+
+    def fn(theta):
+        chunks = torch.split(theta, sizes)
+        params = {n: c.reshape(s) for n, c, s in zip(names, chunks, shapes)}
+        return functional_call(net, params, (x,))
+
+    theta = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    return fn, theta
+
+
+def unflatten(net, flat):
+    sizes = [p.numel() for p in net.parameters()]
+    return [c.reshape(p.shape) for c, p in zip(torch.split(flat, sizes), net.parameters())]
+
+
+def output_hessians(likelihood, f):
+    """Per-example Hessian of the summed loss w.r.t. the output, closed form: (B, K, K)."""
+    if likelihood == "categorical":
+        p = f.softmax(-1)
+        return torch.diag_embed(p) - p.unsqueeze(-1) * p.unsqueeze(-2)
+    if likelihood == "bernoulli":
+        p = f.sigmoid()
+        return (p * (1 - p)).unsqueeze(-1)
+    return 2.0 * torch.eye(f.shape[-1], dtype=f.dtype).expand(f.shape[0], -1, -1)
+
+
+def reference_ggn(net, likelihood, x, scale=1.0):
+    fn, theta = flat_output_fn(net, x)
+    jac = jacrev(fn)(theta)  # (B, K, P)
+    hess = output_hessians(likelihood, fn(theta).detach())
+    diag = scale * torch.einsum("bkp,bkl,blp->p", jac, hess, jac)
+    return unflatten(net, diag), jac, hess
+
+
+def reference_ef_and_grad(net, loss_module, x, y, scale=1.0):
+    """Per-example gradients by a Python loop over examples."""
+    params = list(net.parameters())
+    ef = [torch.zeros_like(p) for p in params]
+    grad = [torch.zeros_like(p) for p in params]
+    for i in range(len(x)):
+        loss_i = scale * loss_module(net(x[i : i + 1]), y[i : i + 1])
+        grads_i = torch.autograd.grad(loss_i, params)
+        for e, g, gi in zip(ef, grad, grads_i):
+            e += gi**2
+            g += gi
+    return grad, ef
+
+
+LIKELIHOODS = ["categorical", "bernoulli", "gaussian"]
+
+
+@pytest.mark.parametrize("activation", [nn.Tanh, nn.ReLU])
+@pytest.mark.parametrize("likelihood", LIKELIHOODS)
+def test_ef_is_sum_of_squared_per_example_gradients(likelihood, activation):
+    plain, net, loss_module, x, y = make_problem(likelihood, activation)
+    grad, ef = reference_ef_and_grad(plain, loss_module, x, y)
+    result = network_curvature(net, loss_module, x, y, "ef")
+    assert torch.allclose(result.loss, loss_module(plain(x), y).detach(), rtol=1e-12)
+    for g, h, g_ref, h_ref in zip(result.grads, result.curvatures, grad, ef):
+        assert torch.allclose(g, g_ref, rtol=1e-10, atol=1e-13)
+        assert torch.allclose(h, h_ref, rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("activation", [nn.Tanh, nn.ReLU])
+@pytest.mark.parametrize("likelihood", LIKELIHOODS)
+def test_ggn_is_diagonal_of_jacobian_hessian_jacobian(likelihood, activation):
+    plain, net, loss_module, x, y = make_problem(likelihood, activation, seed=1)
+    ggn, _, _ = reference_ggn(plain, likelihood, x)
+    result = network_curvature(net, loss_module, x, y, "ggn")
+    for h, h_ref in zip(result.curvatures, ggn):
+        assert h.shape == h_ref.shape
+        assert torch.allclose(h, h_ref, rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("likelihood", LIKELIHOODS)
+def test_loss_scale_is_a_per_example_weight(likelihood):
+    # c * loss: gradient and GGN carry c, the empirical Fisher c^2 (per-example
+    # gradients are c times larger), the loss value c.
+    c = 0.37
+    plain, net, loss_module, x, y = make_problem(likelihood, seed=2)
+    grad, ef = reference_ef_and_grad(plain, loss_module, x, y, scale=c)
+    ggn, _, _ = reference_ggn(plain, likelihood, x, scale=c)
+    result_ef = network_curvature(net, loss_module, x, y, "ef", loss_scale=c)
+    result_ggn = network_curvature(net, loss_module, x, y, "ggn", loss_scale=c)
+    assert torch.allclose(result_ef.loss, c * loss_module(plain(x), y).detach())
+    for g, h_ef, h_ggn, g_ref, ef_ref, ggn_ref in zip(
+        result_ef.grads, result_ef.curvatures, result_ggn.curvatures, grad, ef, ggn
+    ):
+        assert torch.allclose(g, g_ref, rtol=1e-10, atol=1e-13)
+        assert torch.allclose(h_ef, ef_ref, rtol=1e-10, atol=1e-13)
+        assert torch.allclose(h_ggn, ggn_ref, rtol=1e-10, atol=1e-13)
+
+
+def sampled_ggn_variance(likelihood, f, jac):
+    """
+    Exact variance, per parameter, of one Monte-Carlo GGN sample summed over the
+    batch: z_i = (J_i^T r_i)^2 with r_i the gradient of the loss at a target
+    drawn from the model.
+    """
+    if likelihood in ("categorical", "bernoulli"):
+        if likelihood == "categorical":
+            p = f.softmax(-1)
+            outcomes = torch.eye(f.shape[-1], dtype=f.dtype)  # one-hot targets
+            residuals = p.unsqueeze(1) - outcomes  # (B, K outcomes, K)
+            probs = p
+        else:
+            p = f.sigmoid()  # (B, 1)
+            residuals = torch.stack([p, p - 1], dim=1)  # targets 0 and 1: (B, 2, 1)
+            probs = torch.cat([1 - p, p], dim=1)
+        z = torch.einsum("bkp,bok->bop", jac, residuals) ** 2  # (B, outcomes, P)
+        mean = torch.einsum("bo,bop->bp", probs, z)
+        second = torch.einsum("bo,bop->bp", probs, z**2)
+        return (second - mean**2).sum(0)
+    # MSE: r = 2 (y~ - f) = sqrt(2) xi, z = 2 (a . xi)^2 with a = J_i[:, p]: Var = 8 |a|^4
+    a_sq = (jac**2).sum(1)  # (B, P)
+    return (8 * a_sq**2).sum(0)
+
+
+@pytest.mark.parametrize("likelihood", LIKELIHOODS)
+def test_ggn_mc_is_unbiased_for_ggn(likelihood):
+    plain, net, loss_module, x, y = make_problem(likelihood, seed=3)
+    ggn, jac, _ = reference_ggn(plain, likelihood, x)
+    f = plain(x).detach()
+    mc_samples = 4000
+    torch.manual_seed(4)
+    result = network_curvature(net, loss_module, x, y, "ggn_mc", mc_samples=mc_samples)
+    estimate = torch.cat([h.reshape(-1) for h in result.curvatures])
+    reference = torch.cat([h.reshape(-1) for h in ggn])
+    std = (sampled_ggn_variance(likelihood, f, jac) / mc_samples).sqrt()
+    assert (estimate - reference).abs().le(5 * std + 1e-12).all()
+    # the tolerance is tight enough to tell ggn_mc with the wrong factor from ggn
+    assert ((2 * estimate - reference).abs() > 5 * std + 1e-12).any()
+
+
+def test_reparam_and_none_give_gradient_only():
+    plain, net, loss_module, x, y = make_problem("categorical")
+    grad, _ = reference_ef_and_grad(plain, loss_module, x, y)
+    for source in ("reparam", "none"):
+        result = network_curvature(net, loss_module, x, y, source)
+        assert all(h is None for h in result.curvatures)
+        for g, g_ref in zip(result.grads, grad):
+            assert torch.allclose(g, g_ref, rtol=1e-10, atol=1e-13)
+
+
+def test_calls_do_not_accumulate():
+    plain, net, loss_module, x, y = make_problem("categorical")
+    first = network_curvature(net, loss_module, x, y, "ef")
+    second = network_curvature(net, loss_module, x, y, "ef")
+    assert all(p.grad is None for p in net.parameters())
+    assert not any(hasattr(p, "sum_grad_squared") for p in net.parameters())
+    for a, b in zip(first.grads + first.curvatures, second.grads + second.curvatures):
+        assert torch.equal(a, b)
+
+
+def test_batch_norm_in_train_mode_gets_no_empirical_fisher():
+    torch.manual_seed(0)
+    layers = [nn.Linear(D_IN, HIDDEN), nn.BatchNorm1d(HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 3)]
+    plain = nn.Sequential(*layers).double()
+    net = extended_copy(plain)
+    loss_module = nn.CrossEntropyLoss(reduction="sum")
+    x, y = torch.randn(B, D_IN, dtype=torch.float64), torch.randint(0, 3, (B,))
+    result = network_curvature(net, loss_module, x, y, "ef")
+    is_bn = [isinstance(m, nn.BatchNorm1d) for m in net for _ in m.parameters(recurse=False)]
+    assert [h is None for h in result.curvatures] == is_bn
+    assert all(g is not None for g in result.grads)
+    # eval mode: per-example gradients exist and the BatchNorm parameters get them too
+    net.eval()
+    plain.load_state_dict(net.state_dict())  # the running statistics moved
+    plain.eval()
+    grad, ef = reference_ef_and_grad(plain, loss_module, x, y)
+    result = network_curvature(net, loss_module, x, y, "ef")
+    for h, h_ref in zip(result.curvatures, ef):
+        assert torch.allclose(h, h_ref, rtol=1e-10, atol=1e-13)
+    ggn, _, _ = reference_ggn(plain, "categorical", x)
+    result = network_curvature(net, loss_module, x, y, "ggn")
+    for h, h_ref in zip(result.curvatures, ggn):
+        assert torch.allclose(h, h_ref, rtol=1e-10, atol=1e-13)
+
+
+def test_unknown_source_lists_supported_ones():
+    plain, net, loss_module, x, y = make_problem("categorical")
+    with pytest.raises(ValueError) as info:
+        network_curvature(net, loss_module, x, y, "hessian")
+    for name in CURVATURE_EXTENSIONS:
+        assert repr(name) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "loss_module",
+    [nn.NLLLoss(reduction="sum"), nn.CrossEntropyLoss(), nn.MSELoss(reduction="mean")],
+)
+def test_unsupported_loss_module_is_an_error(loss_module):
+    _, net, _, x, y = make_problem("categorical")
+    with pytest.raises(ValueError) as info:
+        network_curvature(net, loss_module, x, y, "ef")
+    message = str(info.value)
+    assert all(cls.__name__ in message for cls in LOSS_MODULES) or "reduction" in message
+
+
+def test_no_warnings():
+    _, net, loss_module, x, y = make_problem("categorical")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for source in CURVATURE_EXTENSIONS:
+            network_curvature(net, loss_module, x, y, source)
+
+
+@pytest.mark.parametrize("source", ["ef", "ggn", "ggn_mc"])
+def test_network_not_extended_is_an_error(source):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(D_IN, 3)).double()
+    x, y = torch.randn(B, D_IN, dtype=torch.float64), torch.randint(0, 3, (B,))
+    with pytest.raises(RuntimeError, match="backpack.extend"):
+        network_curvature(net, nn.CrossEntropyLoss(reduction="sum"), x, y, source)

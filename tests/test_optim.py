@@ -1,0 +1,418 @@
+"""NGVI on Pyro's own SVI with Trace_ELBO: the reparameterisation curvature path."""
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy import optimize
+
+import pyro
+import pyro.distributions as dist
+from pyro.infer import SVI, JitTrace_ELBO, Trace_ELBO
+from pyro.infer.autoguide import AutoDelta, AutoDiagonalNormal, AutoLowRankMultivariateNormal, AutoNormal
+
+from pyro_ngvi import NGVI, NGVIWarning
+from pyro_ngvi.family import GaussianSite, SiteCurvature
+
+
+DATA = torch.tensor([0.3, 1.2, -0.5])
+
+
+def normal_normal(data):
+    loc = pyro.sample("loc", dist.Normal(0.0, 1.0))
+    with pyro.plate("data", len(data)):
+        pyro.sample("obs", dist.Normal(loc, 1.0), obs=data)
+
+
+def normal_normal_exact(data):
+    """Posterior N(sum x / (n+1), 1/(n+1)) and log evidence of N(0, I + 11^T)."""
+    n = len(data)
+    cov = torch.eye(n, dtype=torch.float64) + 1.0
+    evidence = dist.MultivariateNormal(torch.zeros(n, dtype=torch.float64), cov).log_prob(data.double())
+    return float(data.sum()) / (n + 1), (n + 1) ** -0.5, float(evidence)
+
+
+def decaying(start, floor, halflife):
+    return lambda t: max(start / (1.0 + t / halflife), floor)
+
+
+@pytest.mark.parametrize("elbo", [Trace_ELBO, JitTrace_ELBO])
+@pytest.mark.parametrize("seed", range(10))
+def test_normal_normal_exact_within_200_steps(elbo, seed):
+    pyro.set_rng_seed(seed)
+    guide = AutoNormal(normal_normal)
+    loss_fn = elbo(num_particles=100, vectorize_particles=True, max_plate_nesting=1)
+    svi = SVI(normal_normal, guide, NGVI(lr=decaying(0.5, 0.05, 20), beta=0.1), loss_fn)
+    for _ in range(200):
+        svi.step(DATA)
+    mean, std, evidence = normal_normal_exact(DATA)
+    assert abs(pyro.param("AutoNormal.locs.loc").item() - mean) < 0.05
+    assert abs(pyro.param("AutoNormal.scales.loc").item() / std - 1) < 0.05
+    # the ELBO of the fitted guide, estimated with many particles, is the evidence
+    loss = Trace_ELBO(num_particles=2000, vectorize_particles=True, max_plate_nesting=1).loss(
+        normal_normal, guide, DATA
+    )
+    assert abs(-loss - evidence) < 0.01
+
+
+def test_auto_diagonal_normal_same_family():
+    guide = AutoDiagonalNormal(normal_normal)
+    svi = SVI(normal_normal, guide, NGVI(lr=decaying(0.5, 0.05, 20), beta=0.1),
+              Trace_ELBO(num_particles=100, vectorize_particles=True, max_plate_nesting=1))
+    for _ in range(200):
+        svi.step(DATA)
+    mean, std, _ = normal_normal_exact(DATA)
+    assert abs(pyro.param("AutoDiagonalNormal.loc").item() - mean) < 0.05
+    assert abs(pyro.param("AutoDiagonalNormal.scale").item() / std - 1) < 0.05
+
+
+def make_regression(n=200, d=5, noise=0.5, correlation=0.0, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    cov = (1 - correlation) * torch.eye(d, dtype=dtype) + correlation
+    x = torch.randn(n, d, generator=g, dtype=dtype) @ torch.linalg.cholesky(cov).T
+    w = torch.randn(d, generator=g, dtype=dtype)
+    y = x @ w + noise * torch.randn(n, generator=g, dtype=dtype)
+    return x, y
+
+
+def regression_model(x, y, noise=0.5, prior_scale=1.0):
+    w = pyro.sample("w", dist.Normal(torch.zeros(x.shape[1], dtype=x.dtype), prior_scale).to_event(1))
+    with pyro.plate("data", len(x)):
+        pyro.sample("y", dist.Normal((x * w).sum(-1), noise), obs=y)
+
+
+def regression_posterior(x, y, noise=0.5, prior_scale=1.0):
+    precision = x.T @ x / noise**2 + torch.eye(x.shape[1], dtype=x.dtype) / prior_scale**2
+    mean = torch.linalg.solve(precision, x.T @ y / noise**2)
+    return mean, precision
+
+
+def test_linear_regression_reaches_mean_field_optimum():
+    """Mean-field optimum: the exact posterior mean and precision diag(A)."""
+    x, y = make_regression(correlation=0.3)
+    mean, precision = regression_posterior(x, y)
+    pyro.set_rng_seed(1)
+    guide = AutoNormal(regression_model)
+    svi = SVI(regression_model, guide, NGVI(lr=decaying(0.5, 0.02, 50), beta=decaying(0.2, 0.01, 50)),
+              Trace_ELBO(num_particles=32, vectorize_particles=True, max_plate_nesting=1))
+    for _ in range(400):
+        svi.step(x, y)
+    loc = pyro.param("AutoNormal.locs.w").detach()
+    lam = pyro.param("AutoNormal.scales.w").detach() ** -2
+    std = precision.diagonal().rsqrt()
+    assert ((loc - mean).abs() < 0.1 * std).all()
+    assert torch.allclose(lam, precision.diagonal(), rtol=0.05)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_default_init_scale_does_not_trap(seed):
+    """init_scale=0.1 (precision 100) against a true precision ~ 7,000 converges on every seed."""
+    x, y = make_regression(n=1000, noise=0.4, correlation=0.2, seed=3)
+    mean, precision = regression_posterior(x, y, noise=0.4)
+    assert precision.diagonal().min() > 5000
+    pyro.set_rng_seed(seed)
+    guide = AutoNormal(lambda x, y: regression_model(x, y, noise=0.4))
+    svi = SVI(guide.model, guide, NGVI(lr=0.1, beta=0.05),
+              Trace_ELBO(num_particles=128, vectorize_particles=True, max_plate_nesting=1))
+    for _ in range(150):
+        svi.step(x, y)
+    loc = pyro.param("AutoNormal.locs.w").detach()
+    lam = pyro.param("AutoNormal.scales.w").detach() ** -2
+    std = precision.diagonal().rsqrt()
+    assert ((loc - mean).abs() < 0.5 * std).all()
+    assert torch.allclose(lam, precision.diagonal(), rtol=0.25)
+
+
+def gamma_poisson(counts):
+    rate = pyro.sample("rate", dist.Gamma(3.0, 2.0))
+    with pyro.plate("data", len(counts)):
+        pyro.sample("obs", dist.Poisson(rate), obs=counts)
+
+
+def best_gaussian_on_log_scale(counts, a=3.0, b=2.0):
+    """Maximise the ELBO over N(m, s^2) on u = log(rate) by Gauss-Hermite quadrature."""
+    nodes, weights = np.polynomial.hermite_e.hermegauss(80)
+    weights = weights / weights.sum()
+    k, n = float(sum(counts)), len(counts)
+
+    def negative_elbo(params):
+        m, log_s = params
+        u = m + np.exp(log_s) * nodes
+        # log Gamma(e^u; a, b) + log|d e^u / du| + sum_i log Poisson(x_i; e^u), constants dropped
+        log_joint = a * u - b * np.exp(u) + k * u - n * np.exp(u)
+        return -(weights @ log_joint + log_s)
+
+    result = optimize.minimize(negative_elbo, x0=[0.0, -1.0], method="Nelder-Mead",
+                               options={"xatol": 1e-10, "fatol": 1e-12, "maxiter": 10000})
+    return result.x[0], math.exp(result.x[1])
+
+
+def test_positive_latent_reaches_best_log_scale_gaussian():
+    counts = torch.tensor([2.0, 0.0, 3.0, 1.0, 4.0, 2.0])
+    m, s = best_gaussian_on_log_scale(counts.tolist())
+    guide = AutoNormal(gamma_poisson)
+    svi = SVI(gamma_poisson, guide, NGVI(lr=decaying(0.5, 0.01, 30), beta=decaying(0.2, 0.02, 30)),
+              Trace_ELBO(num_particles=64, vectorize_particles=True, max_plate_nesting=1))
+    for _ in range(400):
+        svi.step(counts)
+    assert abs(pyro.param("AutoNormal.locs.rate").item() - m) < 0.1 * s
+    assert abs(pyro.param("AutoNormal.scales.rate").item() / s - 1) < 0.05
+
+
+def constrained_model():
+    pyro.sample("p", dist.Beta(2.0, 3.0))
+    pyro.sample("simplex", dist.Dirichlet(torch.tensor([1.0, 2.0, 3.0])))
+    pyro.sample("scale", dist.HalfCauchy(1.0))
+
+
+@pytest.mark.parametrize("guide_class", [AutoNormal, AutoDiagonalNormal])
+def test_runs_on_bounded_simplex_and_positive_sites(guide_class):
+    guide = guide_class(constrained_model)
+    svi = SVI(constrained_model, guide, NGVI(lr=0.1, beta=0.05), Trace_ELBO(num_particles=16))
+    losses = [svi.step() for _ in range(100)]
+    assert all(math.isfinite(v) for v in losses)
+    assert np.mean(losses[-20:]) < np.mean(losses[:5])
+
+
+def local_model(x, n, subsample_size=None):
+    """Local latents z_i ~ N(0, 1), x_i ~ N(z_i, 0.5): posterior N(0.8 x_i, 0.2)."""
+    with pyro.plate("rows", n, subsample_size=subsample_size) as idx:
+        z = pyro.sample("z", dist.Normal(0.0, 1.0))
+        pyro.sample("x", dist.Normal(z, 0.5), obs=x[idx])
+
+
+def test_subsampled_local_latents():
+    n, batch = 12, 4
+    x = torch.linspace(-2, 2, n)
+    pyro.set_rng_seed(3)
+    guide = AutoNormal(local_model)
+    svi = SVI(local_model, guide, NGVI(lr=decaying(0.6, 0.05, 30), beta=0.2),
+              Trace_ELBO(num_particles=64, vectorize_particles=True, max_plate_nesting=1))
+    svi.step(x, n, batch)  # initialise
+    for _ in range(10):
+        before_loc = pyro.param("AutoNormal.locs.z").detach().clone()
+        before_scale = pyro.param("AutoNormal.scales.z").detach().clone()
+        svi.step(x, n, batch)
+        changed = (pyro.param("AutoNormal.locs.z") != before_loc)
+        # exactly the minibatch rows change, the others are bit-identical
+        assert int(changed.sum()) == batch
+        assert torch.equal(pyro.param("AutoNormal.scales.z")[~changed], before_scale[~changed])
+    for _ in range(600):
+        svi.step(x, n, batch)
+    loc = pyro.param("AutoNormal.locs.z").detach()
+    scale = pyro.param("AutoNormal.scales.z").detach()
+    assert torch.allclose(loc, 0.8 * x, atol=0.05)
+    assert torch.allclose(scale, torch.full((n,), 0.2**0.5), rtol=0.05)
+
+
+def test_subsampled_rows_get_the_full_batch_update():
+    """A minibatch row's update is the full-data VON update of that row (s = N/B divided out)."""
+    n, batch = 6, 3
+    x = torch.linspace(-1, 1, n)
+    guide = AutoNormal(local_model)
+    guide(x, n, batch)
+    mu = pyro.param("AutoNormal.locs.z").detach().clone()
+    lam = pyro.param("AutoNormal.scales.z").detach().clone() ** -2
+    pyro.set_rng_seed(5)
+    trace = pyro.poutine.trace(guide).get_trace(x, n, batch)
+    idx = trace.nodes["rows"]["value"]
+    u = trace.nodes["z_unconstrained"]["value"].detach()
+    pyro.set_rng_seed(5)
+    SVI(local_model, guide, NGVI(lr=0.3, beta=0.2, warm_start=False), Trace_ELBO()).step(x, n, batch)
+    # by hand: gradient and Price curvature of the full-data negative log joint of row i
+    eps = (u - mu[idx]) * lam[idx].sqrt()
+    grad = u + (u - x[idx]) / 0.25
+    curvature = grad * eps * lam[idx].sqrt()
+    lam_new = 0.8 * lam[idx] + 0.2 * curvature
+    lam_new = torch.where(curvature < 0, lam_new + 0.04 * (lam[idx] - curvature) ** 2 / (2 * lam[idx]), lam_new)
+    new_loc = pyro.param("AutoNormal.locs.z").detach()
+    new_lam = pyro.param("AutoNormal.scales.z").detach() ** -2
+    assert torch.allclose(new_lam[idx], lam_new, rtol=1e-4)
+    assert torch.allclose(new_loc[idx], mu[idx] - 0.3 * grad / lam_new, rtol=1e-4, atol=1e-6)
+    others = torch.ones(n, dtype=torch.bool)
+    others[idx] = False
+    assert torch.equal(new_loc[others], mu[others])
+
+
+def model_with_point_params(x, y):
+    noise = pyro.param("noise", torch.tensor(1.0), constraint=dist.constraints.positive)
+    offset = pyro.param("offset", torch.tensor(0.0))
+    w = pyro.sample("w", dist.Normal(0.0, 10.0))
+    with pyro.plate("data", len(x)):
+        pyro.sample("y", dist.Normal(w * x + offset, noise), obs=y)
+
+
+def test_point_parameters_trained_in_the_same_step():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(500, generator=g)
+    y = 2.0 * x + 1.5 + 0.3 * torch.randn(500, generator=g)
+    guide = AutoNormal(model_with_point_params)
+    svi = SVI(model_with_point_params, guide,
+              NGVI(lr=0.3, beta=0.1, point_optim_args={"lr": 0.05}), Trace_ELBO(num_particles=8))
+    for _ in range(600):
+        svi.step(x, y)
+    assert abs(pyro.param("offset").item() - 1.5) < 0.05
+    assert abs(pyro.param("noise").item() - 0.3) < 0.03
+    assert abs(pyro.param("AutoNormal.locs.w").item() - 2.0) < 0.05
+
+
+def train(svi, steps, *args):
+    return [svi.step(*args) for _ in range(steps)]
+
+
+def test_state_round_trip_resumes_same_trajectory(tmp_path):
+    x, y = make_regression(n=50, dtype=torch.float32)
+
+    def new_svi(guide):
+        optim = NGVI(lr=0.2, beta=0.1, momentum=0.5, point_optim_args={"lr": 0.01})
+        return SVI(model_with_point_params, guide, optim, Trace_ELBO(num_particles=4)), optim
+
+    x1 = x[:, 0]
+    pyro.set_rng_seed(7)
+    guide = AutoNormal(model_with_point_params)
+    svi, optim = new_svi(guide)
+    train(svi, 10, x1, y)
+    pyro.get_param_store().save(tmp_path / "params.pt")
+    optim.save(tmp_path / "optim.pt")
+    rng = pyro.util.get_rng_state()
+    uninterrupted = train(svi, 10, x1, y)
+    expected = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+
+    pyro.clear_param_store()
+    pyro.get_param_store().load(tmp_path / "params.pt")
+    guide = AutoNormal(model_with_point_params)
+    guide(x1, y)  # set the guide up before restoring the RNG: its first run samples
+    svi, optim = new_svi(guide)
+    optim.load(tmp_path / "optim.pt")
+    pyro.util.set_rng_state(rng)
+    resumed = train(svi, 10, x1, y)
+    assert np.allclose(resumed, uninterrupted, rtol=1e-6)
+    for k, v in pyro.get_param_store().items():
+        assert torch.allclose(v, expected[k], rtol=1e-6, atol=1e-7), k
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"lr": 0.0}, "lr"),
+        ({"lr": -1.0}, "lr"),
+        ({"lr": float("nan")}, "lr"),
+        ({"beta": 0.0}, "beta"),
+        ({"beta": 1.5}, "beta"),
+        ({"beta": float("nan")}, "beta"),
+        ({"momentum": 1.0}, "momentum"),
+        ({"momentum": -0.1}, "momentum"),
+        ({"damping": -1.0}, "damping"),
+        ({"tau": 0.0}, "tau"),
+        ({"max_step": 0.0}, "max_step"),
+        ({"lr": "fast"}, "lr"),
+        ({"point_optim": "adam"}, "point_optim"),
+    ],
+)
+def test_invalid_hyperparameters_name_the_parameter(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        NGVI(**kwargs)
+
+
+def test_schedule_returning_invalid_value_raises():
+    guide = AutoNormal(normal_normal)
+    svi = SVI(normal_normal, guide, NGVI(beta=lambda t: 2.0), Trace_ELBO())
+    with pytest.raises(ValueError, match="beta"):
+        svi.step(DATA)
+
+
+@pytest.mark.parametrize("guide_class", [AutoDelta, AutoLowRankMultivariateNormal])
+def test_unsupported_guide_names_what_is_supported(guide_class):
+    guide = guide_class(normal_normal)
+    svi = SVI(normal_normal, guide, NGVI(), Trace_ELBO())
+    with pytest.raises(NotImplementedError, match="AutoNormal"):
+        svi.step(DATA)
+
+
+def test_hand_written_guide_is_rejected():
+    def guide(data):
+        m = pyro.param("m", torch.tensor(0.0))
+        pyro.sample("loc", dist.Delta(m))
+
+    svi = SVI(normal_normal, guide, NGVI(), Trace_ELBO())
+    with pytest.raises(NotImplementedError, match="AutoNormal"):
+        svi.step(DATA)
+
+
+def two_site_model(data):
+    a = pyro.sample("a", dist.Normal(0.0, 1.0))
+    b = pyro.sample("b", dist.Normal(0.0, 1.0))
+    with pyro.plate("data", len(data)):
+        pyro.sample("obs", dist.Normal(a + torch.sqrt(b), 1.0), obs=data)
+
+
+def test_non_finite_gradient_skips_whole_step_and_names_site():
+    guide = AutoNormal(two_site_model)
+    optim = NGVI(lr=0.1, beta=0.1)
+    svi = SVI(two_site_model, guide, optim, Trace_ELBO())
+    pyro.param("AutoNormal.locs.b", torch.tensor(-5.0))  # sqrt of a negative: NaN for b only
+    guide(DATA)
+    before = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+    with pytest.warns(NGVIWarning, match="'b'") as record, pyro.validation_enabled(False):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Encountered NaN")
+            svi.step(DATA)
+    assert len([w for w in record if issubclass(w.category, NGVIWarning)]) == 1
+    assert optim.num_skipped_steps == 1 and optim.num_steps == 0
+    for k, v in pyro.get_param_store().items():
+        assert torch.equal(v, before[k]), k  # site 'a' saw finite values and is untouched too
+
+
+def test_no_warnings_in_normal_use():
+    guide = AutoNormal(normal_normal)
+    svi = SVI(normal_normal, guide, NGVI(momentum=0.5, damping=1.0), Trace_ELBO())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train(svi, 20, DATA)
+
+
+def test_tau_callable_and_lr_callable_receive_the_step_count():
+    seen = []
+    guide = AutoNormal(normal_normal)
+    svi = SVI(normal_normal, guide, NGVI(lr=lambda t: seen.append(t) or 0.1, tau=lambda t: 1.0),
+              Trace_ELBO())
+    train(svi, 3, DATA)
+    assert seen == [0, 1, 2]
+
+
+def test_tau_tempers_the_posterior():
+    """With tau, the reparam path targets q proportional to p(x, z)^(1/tau)."""
+    tau = 4.0
+    guide = AutoNormal(normal_normal)
+    svi = SVI(normal_normal, guide, NGVI(lr=decaying(0.5, 0.05, 20), beta=0.1, tau=tau),
+              Trace_ELBO(num_particles=100, vectorize_particles=True, max_plate_nesting=1))
+    train(svi, 200, DATA)
+    mean, std, _ = normal_normal_exact(DATA)
+    assert abs(pyro.param("AutoNormal.locs.loc").item() - mean) < 0.05
+    assert abs(pyro.param("AutoNormal.scales.loc").item() / (std * tau**0.5) - 1) < 0.05
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    beta=st.floats(min_value=1e-6, max_value=1.0),
+    precision=st.floats(min_value=1e-6, max_value=1e6),
+    curvature=st.floats(min_value=-1e6, max_value=1e6),
+    first=st.booleans(),
+)
+def test_precision_stays_positive_and_finite(beta, precision, curvature, first):
+    pyro.clear_param_store()
+    loc = pyro.param("g.locs.x", torch.zeros(1, dtype=torch.float64))
+    pyro.param("g.scales.x", torch.full((1,), precision ** -0.5, dtype=torch.float64),
+               constraint=dist.constraints.softplus_positive)
+    store = pyro.get_param_store()
+    site = GaussianSite("x", store._params["g.locs.x"], store._params["g.scales.x"], "g.scales.x")
+    optim = NGVI(lr=1.0, beta=beta, warm_start=first)
+    stats = SiteCurvature(torch.ones(1, dtype=torch.float64), torch.full((1,), curvature, dtype=torch.float64))
+    optim._update_site(site, stats, 1.0, beta, 1.0)
+    new = site.precision
+    assert torch.isfinite(new).all() and (new > 0).all()
+    assert torch.isfinite(loc).all()
