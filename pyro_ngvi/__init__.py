@@ -1,5 +1,20 @@
-"""pyro_ngvi: natural-gradient variational inference for Pyro."""
+"""
+pyro_ngvi: natural-gradient variational inference (the Bayesian learning rule,
+VON / VOGN) for Pyro's AutoNormal guides, driven by Pyro's own ``SVI``.
+"""
 
+from .elbo import CurvatureELBO
+from .nn import BayesianNet
 from .optim import NGVI, NGVIWarning
+from .priors import PriorMessenger, conjugate_normal, posterior_as_prior, with_priors
 
-__all__ = ["NGVI", "NGVIWarning"]
+__all__ = [
+    "BayesianNet",
+    "CurvatureELBO",
+    "NGVI",
+    "NGVIWarning",
+    "PriorMessenger",
+    "conjugate_normal",
+    "posterior_as_prior",
+    "with_priors",
+]

@@ -94,6 +94,9 @@ class CurvatureELBO(ELBO):
         self.deterministic = bool(deterministic)
         self.mc_samples = mc_samples
 
+    def _get_trace(self, model, guide, args, kwargs):
+        raise NotImplementedError("CurvatureELBO traces model and guide in loss_and_grads")
+
     def loss(self, model, guide, *args, **kwargs) -> float:
         """The negative ELBO, estimated exactly as :class:`~pyro.infer.Trace_ELBO` does."""
         elbo = Trace_ELBO(num_particles=self.num_particles, max_plate_nesting=self.max_plate_nesting)
@@ -106,10 +109,10 @@ class CurvatureELBO(ELBO):
         """
         from .nn import BayesianNet
 
-        if isinstance(model, BayesianNet):
+        if isinstance(model, BayesianNet) and self.curvature in model.curvature_sources:
             loss = model.curvature_step(
                 guide, *args, curvature=self.curvature, num_particles=self.num_particles,
-                deterministic=self.deterministic, **kwargs,
+                deterministic=self.deterministic, mc_samples=self.mc_samples, **kwargs,
             )
             return float(loss)
         _check_guide(guide, model, args, kwargs)
@@ -140,6 +143,7 @@ class CurvatureELBO(ELBO):
                     prior_loc,
                     prior_precision,
                     None if bool(touched.all()) else touched,
+                    sampled=self.curvature == "reparam",
                 ),
             )
         return loss

@@ -54,12 +54,12 @@ class NGVI(PyroOptim):
         \\lambda' = (1 - \\beta)\\lambda + \\beta \\hat h
             \\;\\Big[+\\, \\tfrac{\\beta^2}{2\\lambda}(\\lambda - \\hat h)^2
             \\text{ where } \\hat h \\le 0 \\Big], \\\\
-        \\bar g &\\leftarrow \\rho \\bar g + (1 - \\rho)
-            \\big(g / \\tau + \\lambda_0 (\\mu - m_0)\\big), \\qquad
-        \\mu' = \\mu - \\alpha \\, \\bar g / (\\lambda' + \\gamma),
+        \\bar g &\\leftarrow \\rho \\bar g + (1 - \\rho)\\, g / \\tau, \\qquad
+        \\mu' = \\mu - \\alpha \\, \\frac{\\bar g + \\lambda_0 (\\mu - m_0)}{\\lambda' + \\gamma},
 
     with :math:`\\alpha` = ``lr``, :math:`\\beta` = ``beta``, :math:`\\rho` =
-    ``momentum``, :math:`\\gamma` = ``damping``. The bracketed term is the
+    ``momentum``, :math:`\\gamma` = ``damping``. The exact prior term stays out
+    of the momentum (as in VOGN and IVON). The bracketed term is the
     positivity-preserving correction of [3], used only where the curvature
     target is negative so that ``lr = beta = 1`` with exact positive curvature
     is one Newton step.
@@ -237,10 +237,8 @@ class NGVI(PyroOptim):
     def _update_site(self, site: GaussianSite, stats: SiteCurvature, lr, beta, tau):
         mean, precision = site.mean, site.precision
         target = stats.curvature / tau
-        grad = stats.grad / tau
         if stats.prior_precision is not None:
             target = target + stats.prior_precision
-            grad = grad + stats.prior_precision * (mean - stats.prior_loc)
         step_beta = torch.full_like(target, beta)
         if self.warm_start and site.name not in self._started:
             step_beta = torch.where(target > precision, 1.0, step_beta)
@@ -248,23 +246,30 @@ class NGVI(PyroOptim):
         correction = step_beta.square() * (precision - target).square() / (2 * precision)
         new_precision = torch.where(target <= 0, new_precision + correction, new_precision)
         new_precision = new_precision.clamp(min=torch.finfo(new_precision.dtype).tiny)
-        if self.momentum > 0:
-            buffer = self._momentum_buffers.get(site.name)
-            if buffer is None:
-                buffer = grad.clone()
-            else:
-                buffer = self.momentum * buffer + (1 - self.momentum) * grad
-                if stats.mask is not None:
-                    buffer = torch.where(stats.mask, buffer, self._momentum_buffers[site.name])
-            self._momentum_buffers[site.name] = buffer
-            grad = buffer
-        step = lr * grad / (new_precision + self.damping)
+        denominator = new_precision + self.damping
+
+        step = lr * self._momentum(site.name, stats.grad / tau, stats.mask) / denominator
         if stats.sampled and self.max_step is not None:
             radius = self.max_step * precision.rsqrt()
             step = torch.maximum(torch.minimum(step, radius), -radius)
+        if stats.prior_precision is not None:
+            step = step + lr * stats.prior_precision * (mean - stats.prior_loc) / denominator
         new_mean = mean - step
         site.write(new_mean, new_precision, stats.mask)
         self._started.add(site.name)
+
+    def _momentum(self, name: str, grad: torch.Tensor, mask) -> torch.Tensor:
+        """:math:`\\bar g \\leftarrow \\rho \\bar g + (1 - \\rho) g` (the first step takes g)."""
+        if self.momentum == 0:
+            return grad
+        buffer = self._momentum_buffers.get(name)
+        if buffer is None:
+            buffer = grad.clone()
+        else:
+            new = self.momentum * buffer + (1 - self.momentum) * grad
+            buffer = new if mask is None else torch.where(mask, new, buffer)
+        self._momentum_buffers[name] = buffer
+        return buffer
 
     # ---------------------------------------------------------------- state
     def get_state(self) -> Dict:

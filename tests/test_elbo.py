@@ -1,0 +1,263 @@
+"""CurvatureELBO: exact, Gauss-Newton and Fisher curvature, conjugate priors, OGN mode."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import pyro
+import pyro.distributions as dist
+from pyro.infer import SVI, Trace_ELBO
+from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
+from pyro.nn import PyroModule, PyroSample
+
+from pyro_ngvi import BayesianNet, CurvatureELBO, NGVI
+from pyro_ngvi.family import pop_curvature
+
+
+@pytest.fixture
+def float64():
+    torch.set_default_dtype(torch.float64)
+
+
+def orthogonal_design(n=40, d=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(n, d, generator=g))
+    x = q * torch.tensor([3.0, 5.0, 2.0, 7.0])[:d]
+    y = x @ torch.randn(d, generator=g) + 0.3 * torch.randn(n, generator=g)
+    return x, y
+
+
+PRIOR_LOC = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float64)
+PRIOR_SCALE = torch.tensor([1.0, 0.5, 2.0, 0.1], dtype=torch.float64)
+NOISE = 0.3
+
+
+def regression(x, y):
+    w = pyro.sample("w", dist.Normal(PRIOR_LOC, PRIOR_SCALE).to_event(1))
+    with pyro.plate("data", len(x)):
+        pyro.sample("y", dist.Normal((x * w).sum(-1), NOISE), obs=y)
+
+
+def exact_posterior(x, y, prior_loc=PRIOR_LOC, prior_scale=PRIOR_SCALE):
+    precision = x.T @ x / NOISE**2 + torch.diag(prior_scale**-2)
+    mean = torch.linalg.solve(precision, x.T @ y / NOISE**2 + prior_loc / prior_scale**2)
+    return mean, precision
+
+
+def guide_loc_scale(site, prefix="AutoNormal"):
+    return (pyro.param(f"{prefix}.locs.{site}").detach(), pyro.param(f"{prefix}.scales.{site}").detach())
+
+
+@pytest.mark.parametrize("curvature", ["hessian", "ggn"])
+def test_one_step_lands_on_closed_form_posterior(float64, curvature):
+    x, y = orthogonal_design()
+    guide = AutoNormal(regression)
+    svi = SVI(regression, guide, NGVI(lr=1.0, beta=1.0), CurvatureELBO(curvature, deterministic=True))
+    svi.step(x, y)
+    mean, precision = exact_posterior(x, y)
+    assert torch.allclose(precision, torch.diag(precision.diagonal()), atol=1e-9)  # orthogonal design
+    loc, scale = guide_loc_scale("w")
+    assert torch.allclose(loc, mean, rtol=1e-5)
+    assert torch.allclose(scale, precision.diagonal().rsqrt(), rtol=1e-5)
+
+
+def prior_only(x, y):
+    regression(x, y)
+    pyro.sample("rate", dist.LogNormal(torch.tensor([1.0, -2.0]), torch.tensor([0.5, 3.0])).to_event(1))
+
+
+@pytest.mark.parametrize("curvature", ["reparam", "hessian", "ef"])
+def test_site_with_only_a_conjugate_prior_lands_on_it_after_one_sampling_step(float64, curvature):
+    """Routing the prior through sampled gradients would leave noise here."""
+    x, y = orthogonal_design()
+    guide = AutoNormal(prior_only)
+    svi = SVI(prior_only, guide, NGVI(lr=1.0, beta=1.0), CurvatureELBO(curvature, num_particles=2))
+    svi.step(x, y)
+    loc, scale = guide_loc_scale("rate")
+    assert torch.allclose(loc, torch.tensor([1.0, -2.0]), rtol=1e-12)
+    assert torch.allclose(scale, torch.tensor([0.5, 3.0]), rtol=1e-12)
+
+
+def local_model(x, idx):
+    """z_i ~ N(m_i, s_i^2), two observations x_i1, x_i2 ~ N(z_i, 0.5^2)."""
+    n = len(x)
+    m0, s0 = torch.linspace(-1, 1, n), torch.linspace(0.5, 2.0, n)
+    with pyro.plate("rows", n, subsample=idx) as i:
+        z = pyro.sample("z", dist.Normal(m0[i], s0[i]))
+        pyro.sample("x", dist.Normal(z.unsqueeze(-1), 0.5).to_event(1), obs=x[i])
+
+
+def test_subsampled_local_latents_exact_after_one_pass(float64):
+    n = 12
+    x = torch.linspace(-2, 3, 2 * n).reshape(n, 2)
+    guide = AutoNormal(local_model, create_plates=lambda x, idx: pyro.plate("rows", n, subsample=idx))
+    svi = SVI(local_model, guide, NGVI(lr=1.0, beta=1.0), CurvatureELBO("hessian", deterministic=True))
+    batches = torch.randperm(n).reshape(3, 4)
+    svi.step(x, batches[0])
+    before = guide_loc_scale("z")
+    untouched = torch.ones(n, dtype=torch.bool)
+    untouched[batches[0]] = False
+    for batch in batches[1:]:
+        svi.step(x, batch)
+    # rows of the first batch did not move when the others were updated
+    after = guide_loc_scale("z")
+    assert torch.equal(after[0][batches[0]], before[0][batches[0]])
+    m0, s0 = torch.linspace(-1, 1, n), torch.linspace(0.5, 2.0, n)
+    precision = 2 / 0.25 + s0**-2
+    mean = (x.sum(-1) / 0.25 + m0 / s0**2) / precision
+    assert torch.allclose(after[0], mean, rtol=1e-6)
+    assert torch.allclose(after[1], precision.rsqrt(), rtol=1e-6)
+
+
+def test_correlated_design_converges_below_the_jacobi_bound(float64):
+    g = torch.Generator().manual_seed(1)
+    cov = 0.5 * torch.eye(4) + 0.5
+    x = torch.randn(100, 4, generator=g) @ torch.linalg.cholesky(cov).T
+    y = x @ torch.tensor([1.0, -1.0, 0.5, 2.0]) + NOISE * torch.randn(100, generator=g)
+    mean, precision = exact_posterior(x, y)
+    diag = precision.diagonal()
+    bound = 2 / torch.linalg.eigvalsh(precision / diag.sqrt().outer(diag.sqrt())).max()
+    assert 0.5 < bound < 1.0  # lr = 1 diverges here
+    guide = AutoNormal(regression)
+    svi = SVI(regression, guide, NGVI(lr=0.8 * float(bound), beta=1.0), CurvatureELBO("hessian", deterministic=True))
+    for _ in range(150):
+        svi.step(x, y)
+    loc, scale = guide_loc_scale("w")
+    assert torch.allclose(loc, mean, rtol=1e-6)
+    assert torch.allclose(scale, diag.rsqrt(), rtol=1e-6)
+
+
+def gamma_poisson(counts):
+    rate = pyro.sample("rate", dist.Gamma(3.0, 2.0))
+    with pyro.plate("data", len(counts)):
+        pyro.sample("obs", dist.Poisson(rate), obs=counts)
+
+
+def test_non_conjugate_positive_prior_goes_through_exact_hessian(float64):
+    """Newton on u = log(rate): mode log((a+k)/(b+n)), curvature a + k."""
+    counts = torch.tensor([2.0, 0.0, 3.0, 1.0, 4.0])
+    guide = AutoNormal(gamma_poisson)
+    svi = SVI(gamma_poisson, guide, NGVI(lr=1.0, beta=1.0), CurvatureELBO("hessian", deterministic=True))
+    for _ in range(20):
+        svi.step(counts)
+    a, b, k, n = 3.0, 2.0, float(counts.sum()), len(counts)
+    loc, scale = guide_loc_scale("rate")
+    assert abs(loc.item() - math.log((a + k) / (b + n))) < 1e-10
+    assert abs(scale.item() ** -2 - (a + k)) < 1e-8
+
+
+def test_ef_and_ggn_mc_on_any_model_match_autograd_reference(float64):
+    """ef = N/B sum_i g_i^2 of the per-example likelihood terms, at the mean."""
+    x, y = orthogonal_design()
+    guide = AutoNormal(regression)
+    guide(x, y)
+    loc = pyro.get_param_store()._params["AutoNormal.locs.w"]
+    for curvature in ["ef", "ggn", "hessian"]:
+        elbo = CurvatureELBO(curvature, deterministic=True)
+        elbo.loss_and_grads(regression, guide, x, y)
+        stats = pop_curvature(loc)
+        w = loc.detach()
+        residual = (x * w).sum(-1) - y
+        per_example = x * residual.unsqueeze(-1) / NOISE**2
+        assert torch.allclose(stats.grad, per_example.sum(0))
+        expected = (per_example**2).sum(0) if curvature == "ef" else (x**2).sum(0) / NOISE**2
+        assert torch.allclose(stats.curvature, expected)
+        assert torch.allclose(stats.prior_precision, PRIOR_SCALE**-2)
+        assert torch.allclose(stats.prior_loc, PRIOR_LOC)
+
+
+def test_loss_is_trace_elbo_loss(float64):
+    x, y = orthogonal_design()
+    guide = AutoNormal(prior_only)
+    guide(x, y)
+    pyro.set_rng_seed(3)
+    expected = Trace_ELBO().loss(prior_only, guide, x, y)
+    pyro.set_rng_seed(3)
+    assert CurvatureELBO("hessian").loss(prior_only, guide, x, y) == pytest.approx(expected, rel=1e-12)
+    pyro.set_rng_seed(3)
+    value = CurvatureELBO("hessian").loss_and_grads(prior_only, guide, x, y)
+    assert value == pytest.approx(expected, rel=1e-10)  # the same sample, the same estimate
+
+
+class PyroMLP(PyroModule):
+    def __init__(self, net):
+        super().__init__()
+        self.fc1 = PyroModule[nn.Linear](4, 5)
+        self.fc2 = PyroModule[nn.Linear](5, 3)
+        for name, module in (("fc1", self.fc1), ("fc2", self.fc2)):
+            for pname, p in list(module.named_parameters()):
+                setattr(module, pname, PyroSample(dist.Normal(0.0, 1.0).expand(p.shape).to_event(p.dim())))
+
+    def forward(self, x, y=None):
+        logits = self.fc2(torch.tanh(self.fc1(x)))
+        with pyro.plate("data", 30, subsample=torch.arange(len(x))):
+            pyro.sample("obs", dist.Categorical(logits=logits), obs=y)
+        return logits
+
+
+@pytest.mark.parametrize("curvature", ["ef", "ggn"])
+def test_network_helper_and_pyro_module_bnn_agree(float64, curvature):
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(10, 4, generator=g), torch.randint(0, 3, (10,), generator=g)
+    net = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    helper = BayesianNet(net, "categorical", num_data=30)
+    pyro_bnn = PyroMLP(net)
+    helper_guide, pyro_guide = AutoNormal(helper), AutoNormal(pyro_bnn)
+    helper_guide(x, y), pyro_guide(x, y)
+    store = pyro.get_param_store()
+    pairs = list(zip(helper.latent_sites, ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]))
+    for h_site, p_site in pairs:
+        value = torch.randn(store[f"AutoNormal.locs.{h_site}"].shape, generator=g)
+        store[f"AutoNormal.locs.{h_site}"] = value
+        store[f"AutoNormal.locs.{p_site}"] = value.clone()
+    elbo = CurvatureELBO(curvature, deterministic=True)
+    elbo.loss_and_grads(helper, helper_guide, x, y)
+    elbo.loss_and_grads(pyro_bnn, pyro_guide, x, y)
+    for h_site, p_site in pairs:
+        fast = pop_curvature(store._params[f"AutoNormal.locs.{h_site}"])
+        traced = pop_curvature(store._params[f"AutoNormal.locs.{p_site}"])
+        assert torch.allclose(fast.grad, traced.grad, rtol=1e-8, atol=1e-10)
+        assert torch.allclose(fast.curvature, traced.curvature, rtol=1e-8, atol=1e-10)
+        assert torch.allclose(fast.prior_precision, traced.prior_precision)
+
+
+def test_pyro_module_bnn_trains_with_every_curvature():
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(30, 4, generator=g), torch.randint(0, 3, (30,), generator=g)
+    for curvature in ["reparam", "hessian", "ef", "ggn_mc", "ggn"]:
+        pyro.clear_param_store()
+        bnn = PyroMLP(None)
+        guide = AutoNormal(bnn)
+        svi = SVI(bnn, guide, NGVI(lr=0.1, beta=0.1), CurvatureELBO(curvature))
+        losses = [svi.step(x, y) for _ in range(30)]
+        assert all(math.isfinite(v) for v in losses), curvature
+        assert sum(losses[-5:]) < sum(losses[:5]), curvature
+
+
+def unplated(x, y):
+    w = pyro.sample("w", dist.Normal(0.0, 1.0))
+    pyro.sample("y", dist.Normal(w * x, 1.0).to_event(1), obs=y)
+
+
+def poisson_regression(x, counts):
+    w = pyro.sample("w", dist.Normal(0.0, 1.0))
+    with pyro.plate("data", len(x)):
+        pyro.sample("obs", dist.Poisson((w * x).exp()), obs=counts)
+
+
+def test_error_cases():
+    with pytest.raises(ValueError, match="curvature must be one of"):
+        CurvatureELBO("kfac")
+    with pytest.raises(ValueError, match="deterministic"):
+        CurvatureELBO("reparam", deterministic=True)
+    with pytest.raises(ValueError, match="num_particles"):
+        CurvatureELBO("ef", num_particles=0)
+    x = torch.linspace(0, 1, 5)
+    with pytest.raises(ValueError, match="no pyro.plate"):
+        SVI(unplated, AutoNormal(unplated), NGVI(), CurvatureELBO("ef")).step(x, x)
+    with pytest.raises(NotImplementedError, match="ggn_mc"):
+        SVI(poisson_regression, AutoNormal(poisson_regression), NGVI(), CurvatureELBO("ggn")).step(x, x.round())
+    with pytest.raises(NotImplementedError, match="AutoNormal"):
+        SVI(unplated, AutoDiagonalNormal(unplated), NGVI(), CurvatureELBO("hessian")).step(x, x)
