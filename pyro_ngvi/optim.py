@@ -185,8 +185,11 @@ class NGVI(PyroOptim):
                 "guide use a pyro.optim optimizer such as Adam."
             )
         stats = {site.name: self._site_curvature(site) for site in sites}
-        bad = [name for name, s in stats.items() if not _finite(s)]
-        bad += [_param_label(p) for p in others if p.grad is not None and not torch.isfinite(p.grad).all()]
+        others_with_grad = [p for p in others if p.grad is not None]
+        labels = list(stats) + [_param_label(p) for p in others_with_grad]
+        finite = [_finite(s) for s in stats.values()] + [torch.isfinite(p.grad).all() for p in others_with_grad]
+        finite = torch.stack(finite).tolist()  # one device sync for the whole step
+        bad = [label for label, ok in zip(labels, finite) if not ok]
         if bad:
             self.num_skipped_steps += 1
             warnings.warn(
@@ -296,11 +299,12 @@ class NGVI(PyroOptim):
         super().set_state(state_dict["point"])
 
 
-def _finite(stats: SiteCurvature) -> bool:
-    if stats.mask is None:
-        return bool(torch.isfinite(stats.grad).all() and torch.isfinite(stats.curvature).all())
-    rows = stats.mask
-    return bool(torch.isfinite(stats.grad[rows]).all() and torch.isfinite(stats.curvature[rows]).all())
+def _finite(stats: SiteCurvature) -> torch.Tensor:
+    """Whether the touched rows of ``grad`` and ``curvature`` are all finite (a 0-d tensor)."""
+    grad, curvature = stats.grad, stats.curvature
+    if stats.mask is not None:
+        grad, curvature = grad[stats.mask], curvature[stats.mask]
+    return torch.isfinite(grad).all() & torch.isfinite(curvature).all()
 
 
 def _param_label(p: torch.Tensor) -> str:
