@@ -26,7 +26,7 @@ folder on ``sys.path``.
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -112,6 +112,9 @@ class Method:
         """Context in which ``step`` may be called (a Pyro method's param store)."""
         return contextlib.nullcontext()
 
+    def prepare(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Set up state that needs example data (before any step or evaluation)."""
+
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
         raise NotImplementedError
 
@@ -147,6 +150,11 @@ class PyroMethod(Method):
                 yield
             finally:
                 self._active = False
+
+    def prepare(self, x, y):
+        with self.active():
+            if self.guide.prototype_trace is None:
+                self.guide(x, y)  # creates locs (the net's init) and scales (init_scale)
 
     def step(self, x, y):
         self.svi.step(x, y)
@@ -185,20 +193,22 @@ class HandVOGN(Method):
         w   = mu + eps / sqrt(lam)                      (copied into the net)
         g   = N/B * grad sum_i l_i,   h = N/B * sum_i (grad l_i)^2
         lam <- (1 - beta) lam + beta (lam0 + h)
-        mu  <- mu - lr (g + lam0 mu) / lam
+        mu  <- mu - lr (g + lam0 mu) / (lam + damping)
     """
 
-    name = "hand-written VOGN (BackPACK)"
+    #: curvature source -> BackPACK extension (``ef``: VOGN's own)
+    EXTENSIONS = {"ef": "SumGradSquared", "ggn": "DiagGGNExact", "ggn_mc": "DiagGGNMC"}
 
-    def __init__(self, net: nn.Module, num_data: int, lr=0.1, beta=0.05, init_scale=0.1,
-                 prior_scale: float = PRIOR_SCALE, extension: str = "sgs"):
+    def __init__(self, net: nn.Module, num_data: int, lr=0.1, beta=0.05, damping=0.0, init_scale=0.1,
+                 prior_scale: float = PRIOR_SCALE, curvature: str = "ef"):
+        import backpack.extensions
         from backpack import extend
-        from backpack.extensions import DiagGGNMC, SumGradSquared
 
+        self.name = f"hand-written VOGN ({self.EXTENSIONS[curvature]})"
         self.net = extend(net)
         self.loss = extend(nn.CrossEntropyLoss(reduction="sum"))
-        self.extension = SumGradSquared() if extension == "sgs" else DiagGGNMC()
-        self.num_data, self.lr, self.beta = num_data, lr, beta
+        self.extension = getattr(backpack.extensions, self.EXTENSIONS[curvature])()
+        self.num_data, self.lr, self.beta, self.damping = num_data, lr, beta, damping
         self.params = list(net.parameters())
         self.mean = [p.detach().clone() for p in self.params]
         self.precision = [torch.full_like(p, init_scale**-2) for p in self.params]
@@ -218,7 +228,7 @@ class HandVOGN(Method):
             for p, mu, lam in zip(self.params, self.mean, self.precision):
                 h = getattr(p, self.extension.savefield)
                 lam.mul_(1 - self.beta).add_(h, alpha=self.beta * scale).add_(self.beta * self.prior_precision)
-                mu.sub_(self.lr * (scale * p.grad + self.prior_precision * mu) / lam)
+                mu.sub_(self.lr * (scale * p.grad + self.prior_precision * mu) / (lam + self.damping))
 
     def posterior(self):
         return [(mu.clone(), lam.rsqrt()) for mu, lam in zip(self.mean, self.precision)]
@@ -335,6 +345,8 @@ def predictive_probs(net, method: Method, x, num_samples=32, seed=0) -> torch.Te
 
 def predictive_metrics(net, method: Method, x, y, num_samples=32, seed=0) -> Dict[str, float]:
     probs = predictive_probs(net, method, x, num_samples, seed)
+    if not bool(torch.isfinite(probs).all()):  # a diverged run
+        return {"nll": math.nan, "acc": math.nan, "ece": math.nan}
     return {
         "nll": float(metrics.nll(probs, y)),
         "acc": float(metrics.accuracy(probs, y)),
@@ -359,3 +371,60 @@ def trace_elbo_per_datum(net_seed: int, posterior: Posterior, x, y, num_particle
                 store._params[f"AutoNormal.scales.{site}"].copy_(raw)
             loss = Trace_ELBO(num_particles=num_particles).loss(bnn, guide, x, y)
     return loss / len(x)
+
+
+# ------------------------------------------------------------------ training loop
+@dataclass
+class History:
+    """Per-epoch record of one run (index 0: before training)."""
+
+    epochs: List[int]
+    wall: List[float]  # cumulative training seconds (evaluation excluded)
+    neg_elbo: List[float]  # -ELBO / N on the training set (nan for a point estimate)
+    test: List[Dict[str, float]]  # predictive nll / acc / ece on the test set
+    step_times: List[float]  # seconds per step
+
+
+def train(method: Method, data: Digits, epochs: int, seed: int, eval_net: nn.Module,
+          eval_every: int = 1, elbo_particles: int = 8, predictive_samples: int = 32,
+          callback: Optional[Callable[[int, History], bool]] = None) -> History:
+    """
+    Train ``method`` for ``epochs`` epochs of minibatches (a fresh permutation per
+    epoch from a generator seeded with ``seed``), evaluating every ``eval_every``
+    epochs. Only the steps are timed. ``callback(epoch, history)`` returning True
+    stops early.
+    """
+    import time
+
+    generator = torch.Generator().manual_seed(seed)
+    history = History([], [], [], [], [])
+    wall = 0.0
+
+    def evaluate(epoch):
+        history.epochs.append(epoch)
+        history.wall.append(wall)
+        if method.bayesian:
+            posterior = method.posterior()
+            history.neg_elbo.append(negative_elbo_per_datum(
+                eval_net, posterior, data.x_train, data.y_train, elbo_particles, seed=seed))
+        else:
+            history.neg_elbo.append(math.nan)
+        history.test.append(predictive_metrics(eval_net, method, data.x_test, data.y_test,
+                                               predictive_samples, seed=seed))
+
+    method.prepare(data.x_train[:BATCH_SIZE], data.y_train[:BATCH_SIZE])
+    with method.active():
+        evaluate(0)
+        for epoch in range(1, epochs + 1):
+            for idx in epoch_batches(data.num_train, BATCH_SIZE, generator):
+                x, y = data.x_train[idx], data.y_train[idx]
+                start = time.perf_counter()
+                method.step(x, y)
+                elapsed = time.perf_counter() - start
+                wall += elapsed
+                history.step_times.append(elapsed)
+            if epoch % eval_every == 0 or epoch == epochs:
+                evaluate(epoch)
+                if callback is not None and callback(epoch, history):
+                    break
+    return history

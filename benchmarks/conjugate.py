@@ -14,8 +14,8 @@ Models:
 * Linear regression, ``D = 5``, ``n = 200``, known noise 0.5, features with
   correlation 0.3, prior ``N(0, 1)``.
 
-Methods: NGVI with a decaying schedule (fixed below, chosen on seeds other than
-the ones reported), ``pyro.optim.Adam`` over a learning-rate grid and
+Methods: NGVI with a decaying schedule (fixed below, chosen beforehand on a simulation
+of the update with other random streams), ``pyro.optim.Adam`` over a learning-rate grid and
 ``pyro.optim.ClippedAdam`` with a learning-rate decay. Time per step is measured
 separately, all methods of a model interleaved in blocks (so that load from
 other processes hits them alike), after a warm-up.
@@ -42,6 +42,7 @@ from pyro.infer.autoguide import AutoNormal
 from pyro_ngvi import NGVI
 
 TOLERANCE = 0.01  # 1 %
+SKIPPED = -1  # seed not run: more than half the seeds already failed
 CONFIRM = 20  # steps the criterion must keep holding after the first entry
 DTYPE = torch.float64
 
@@ -74,7 +75,7 @@ def normal_normal_problem() -> Problem:
 def linear_regression(x, y, noise=0.5):
     w = pyro.sample("w", dist.Normal(torch.zeros(x.shape[1], dtype=x.dtype), 1.0).to_event(1))
     with pyro.plate("data", len(x)):
-        pyro.sample("y", dist.Normal((w.unsqueeze(-2) * x).sum(-1), noise), obs=y)
+        pyro.sample("y", dist.Normal((x * w).sum(-1), noise), obs=y)
 
 
 def regression_problem(n=200, d=5, noise=0.5, correlation=0.3, seed=0) -> Problem:
@@ -90,24 +91,24 @@ def regression_problem(n=200, d=5, noise=0.5, correlation=0.3, seed=0) -> Proble
 
 
 # ------------------------------------------------------------------ methods
-def ngvi_lr(t: int) -> float:
-    # Constant 0.6 while the mean travels (Jacobi iteration, fast for the D=5
-    # model's correlation), then ~c / t: the harmonic tail averages the
-    # Monte-Carlo noise away. A floor would leave a noise floor of about
-    # sqrt(floor / (2 K)) posterior stds on the mean; none is used.
-    return min(0.6, 4.0 / (t + 1))
+def hold_then_harmonic(start: float, hold: int, c: float) -> Callable[[int], float]:
+    """``start`` for ``hold`` steps, then ``start / (1 + (t - hold) * start / c)`` (~ c / t)."""
+    return lambda t: start if t < hold else start / (1.0 + (t - hold) * start / c)
 
 
-def ngvi_beta(t: int) -> float:
-    # Same shape for the precision average: ~1/t averages the curvature noise.
-    return min(0.2, 4.0 / (t + 1))
-
-
-NGVI_LABEL = "NGVI lr=min(0.6, 4/(t+1)), beta=min(0.2, 4/(t+1))"
+# NGVI schedule, fixed before the reported runs: chosen on a plain-torch simulation of
+# the same update with 200 other random streams per model (grid c in {1, 1.5, 2, 3},
+# hold in {0, 10, 20, 40}, c_beta in {0.5, 1, 2}). The hold lets the mean travel
+# (a Jacobi iteration, geometric at lr 0.6); the ~c/t tail then averages the
+# Monte-Carlo noise away. A floor on lr would leave a noise floor of roughly
+# sqrt(floor / (2 K)) posterior stds on the mean (2.5 % for 0.02 at K = 16): none is used.
+NGVI_LR = hold_then_harmonic(0.6, 40, 1.5)
+NGVI_BETA = hold_then_harmonic(0.2, 40, 1.0)
+NGVI_LABEL = "NGVI lr 0.6 then ~1.5/t, beta 0.2 then ~1/t (from step 40)"
 
 
 def methods() -> Dict[str, Callable]:
-    found = {NGVI_LABEL: lambda: NGVI(lr=ngvi_lr, beta=ngvi_beta)}
+    found = {NGVI_LABEL: lambda: NGVI(lr=NGVI_LR, beta=NGVI_BETA)}
     for lr in (0.001, 0.01, 0.1):
         found[f"Adam lr={lr}"] = lambda lr=lr: pyro.optim.Adam({"lr": lr})
     for lr in (0.01, 0.1):
@@ -155,10 +156,11 @@ def steps_to_tolerance(problem, make_optim, seed, particles, max_steps) -> Optio
     return None
 
 
-def ms_per_step(problem, makers: Dict[str, Callable], particles, warmup=50, rounds=5, block=100):
-    """Median ms/step per method, the methods interleaved in blocks of steps."""
+def ms_per_step(problem, makers: Dict[str, Callable], particles, warmup=30, rounds=20, block=15):
+    """Median wall-clock and CPU ms/step per method, the methods interleaved in short blocks."""
     store = pyro.get_param_store()
-    states, svis, times = {}, {}, {name: [] for name in makers}
+    states, svis = {}, {}
+    wall, cpu = {name: [] for name in makers}, {name: [] for name in makers}
     pyro.set_rng_seed(0)
     for name, make_optim in makers.items():
         with store.scope() as state:
@@ -170,22 +172,27 @@ def ms_per_step(problem, makers: Dict[str, Callable], particles, warmup=50, roun
         for name, svi in svis.items():
             with store.scope(states[name]):
                 for _ in range(block):
-                    start = time.perf_counter()
+                    start, start_cpu = time.perf_counter(), time.process_time()
                     svi.step(*problem.args)
-                    times[name].append(time.perf_counter() - start)
-    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+                    cpu[name].append(time.process_time() - start_cpu)
+                    wall[name].append(time.perf_counter() - start)
+    return (
+        {name: 1e3 * statistics.median(t) for name, t in wall.items()},
+        {name: 1e3 * statistics.median(t) for name, t in cpu.items()},
+    )
 
 
 # ------------------------------------------------------------------ report
 def median_steps(steps: List[Optional[int]]) -> float:
-    return statistics.median([math.inf if s is None else s for s in steps])
+    # a skipped seed counts as converging at once: the median is '>cap' all the same
+    return statistics.median([math.inf if s is None else 0 if s == SKIPPED else s for s in steps])
 
 
 def fmt_steps(value: float, max_steps: int) -> str:
     return f">{max_steps}" if math.isinf(value) else f"{value:g}"
 
 
-def report(problem, results, timing, max_steps) -> Tuple[List[str], str]:
+def report(problem, results, timing, cpu_timing, max_steps) -> Tuple[List[str], str]:
     medians = {name: median_steps(steps) for name, steps in results.items()}
     adams = [name for name in results if name != NGVI_LABEL]
     best = min(adams, key=lambda name: (medians[name], timing[name]))
@@ -198,24 +205,24 @@ def report(problem, results, timing, max_steps) -> Tuple[List[str], str]:
             step_ratio = f">{max_steps / best_steps:.3g}"
         else:
             step_ratio = f"{medians[name] / best_steps:.3g}"
-        per_seed = ", ".join(fmt_steps(math.inf if s is None else s, max_steps) for s in steps)
+        per_seed = ", ".join(
+            "-" if s == SKIPPED else fmt_steps(math.inf if s is None else s, max_steps) for s in steps
+        )
         rows.append(
             f"| {problem.name} | {name}{' (best Adam)' if name == best else ''} "
             f"| {fmt_steps(medians[name], max_steps)} | {per_seed} | {timing[name]:.2f} "
-            f"| {step_ratio} | {timing[name] / timing[best]:.2f} |"
+            f"| {step_ratio} | {timing[name] / timing[best]:.2f} | {cpu_timing[name]:.2f} |"
         )
     ngvi_steps, time_ratio = medians[NGVI_LABEL], timing[NGVI_LABEL] / timing[best]
-    # With the best Adam setting capped, NGVI's ratio is an upper bound (Adam > max_steps).
-    fewer = (not math.isinf(ngvi_steps)) and 10 * ngvi_steps <= best_steps if not math.isinf(
-        best_steps
-    ) else 10 * ngvi_steps <= max_steps
-    met = fewer and time_ratio <= 1.15
     if math.isinf(ngvi_steps):
-        steps_text = f"NGVI did not converge within {max_steps} steps"
-    elif math.isinf(best_steps):
-        steps_text = f"NGVI {ngvi_steps:g} steps, best Adam setting >{max_steps}"
+        fewer, steps_text = False, f"NGVI did not converge within {max_steps} steps"
+    elif math.isinf(best_steps):  # Adam > max_steps: a lower bound on the ratio
+        fewer = 10 * ngvi_steps <= max_steps
+        steps_text = f">{max_steps / ngvi_steps:.1f}x fewer steps than every Adam setting"
     else:
+        fewer = 10 * ngvi_steps <= best_steps
         steps_text = f"{best_steps / ngvi_steps:.1f}x fewer steps than {best}"
+    met = fewer and time_ratio <= 1.15
     verdict = (
         f"**{problem.name}**: target 'NGVI >= 10x fewer steps than the best Adam setting "
         f"at <= 1.15x its time per step' {'MET' if met else 'NOT MET'} "
@@ -225,7 +232,7 @@ def report(problem, results, timing, max_steps) -> Tuple[List[str], str]:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
+    parser = argparse.ArgumentParser(description=__doc__.strip().split("\n")[0])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--max-steps", type=int, default=10000)
     parser.add_argument("--particles", type=int, default=16, help="K, the same for all methods")
@@ -240,24 +247,31 @@ def main():
         f"converged = all coordinates within {TOLERANCE:.0%} (mean: of the posterior std; "
         f"scale: relative) and staying there {CONFIRM} more steps; steps are medians over "
         f"{args.seeds} seeds (cap {args.max_steps}); ms/step is the median over "
-        "interleaved timed steps after a warm-up, 1 thread; ratios are method / best Adam setting.",
+        "interleaved timed steps after a warm-up (time.perf_counter; CPU ms/step: "
+        "time.process_time, less sensitive to other processes), 1 thread, Pyro validation off; "
+        "ratios are method / best Adam setting; '-': seed not run, the median was already "
+        "over the cap.",
         "",
         "| model | method | steps to 1 % (median) | per seed | ms/step | steps ratio vs best Adam "
-        "| time/step ratio vs best Adam |",
-        "|---|---|---|---|---|---|---|",
+        "| time/step ratio vs best Adam | CPU ms/step |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     lines, verdicts = list(header), []
     started = time.perf_counter()
     for problem in (normal_normal_problem(), regression_problem()):
         results = {}
         for name, make_optim in makers.items():
-            results[name] = [
-                steps_to_tolerance(problem, make_optim, seed, args.particles, args.max_steps)
-                for seed in range(args.seeds)
-            ]
+            results[name] = []
+            for seed in range(args.seeds):
+                if results[name].count(None) >= (args.seeds + 1) // 2:
+                    results[name].append(SKIPPED)  # the median is '>cap' whatever it gives
+                    continue
+                results[name].append(
+                    steps_to_tolerance(problem, make_optim, seed, args.particles, args.max_steps)
+                )
             print(f"  {problem.name} | {name}: {results[name]}", flush=True)
-        timing = ms_per_step(problem, makers, args.particles)
-        rows, verdict = report(problem, results, timing, args.max_steps)
+        timing, cpu_timing = ms_per_step(problem, makers, args.particles)
+        rows, verdict = report(problem, results, timing, cpu_timing, args.max_steps)
         lines += rows
         verdicts.append(verdict)
     lines += [""] + verdicts

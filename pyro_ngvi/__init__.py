@@ -4,17 +4,23 @@ VON / VOGN) for Pyro's AutoNormal guides, driven by Pyro's own ``SVI``.
 """
 
 from .elbo import CurvatureELBO
+from .laplace import LaplaceResult, LaplaceWarning, laplace, optimize_prior_precision
 from .nn import BayesianNet
 from .optim import NGVI, NGVIWarning
-from .priors import PriorMessenger, conjugate_normal, posterior_as_prior, with_priors
+from .priors import PriorMessenger, conjugate_normal, posterior_as_prior, start_task, with_priors
 
 __all__ = [
     "BayesianNet",
     "CurvatureELBO",
+    "LaplaceResult",
+    "LaplaceWarning",
     "NGVI",
     "NGVIWarning",
     "PriorMessenger",
     "conjugate_normal",
+    "laplace",
+    "optimize_prior_precision",
     "posterior_as_prior",
+    "start_task",
     "with_priors",
 ]

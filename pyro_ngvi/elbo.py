@@ -170,6 +170,8 @@ class CurvatureELBO(ELBO):
             if site["type"] != "sample":
                 continue
             if site["is_observed"]:
+                if site["infer"].get("_deterministic"):
+                    continue  # pyro.deterministic: a recorded value, no log-density
                 if self.max_plate_nesting < math.inf:
                     check_site_shape(site, self.max_plate_nesting)
                 likelihood.append(site["log_prob_sum"])

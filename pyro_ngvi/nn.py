@@ -214,6 +214,61 @@ class BayesianNet(nn.Module):
         """Names of the latent sites, one per weight tensor."""
         return [w.site for w in self._latents]
 
+    def with_priors(self, priors: Dict[str, torch.distributions.Distribution]) -> "BayesianNet":
+        """
+        The same model with the priors of some weight sites replaced, as a
+        :class:`BayesianNet` on the same plain network (so the fast path and the
+        conjugate handling of the prior keep working). This is what
+        :func:`pyro_ngvi.with_priors` does for a :class:`BayesianNet`; e.g. with
+        yesterday's posterior (variational continual learning)::
+
+            bnn_2 = bnn.with_priors(posterior_as_prior(guide))
+
+        Sites not named in ``priors`` keep their prior; ``num_data``, the
+        likelihood, the noise scale and the name are kept (``num_data`` is a
+        plain attribute: set it when the next task has another size).
+
+        Each prior must be the law a site of this model could have: a Normal in
+        the weight (``Normal(loc, scale).to_event(d)``, possibly ``.expand``-ed, or
+        a transformed Normal whose transforms are the identity) with the weight's
+        shape as its event shape. Each of these is an error naming the site: a
+        name that is not a latent site (:class:`ValueError`), a prior that is not
+        a :class:`~torch.distributions.Distribution` (:class:`TypeError`), a
+        shape mismatch, a support other than the real line, a real-valued prior
+        that is not Normal (:class:`ValueError`; wrap the model in a
+        :class:`~pyro_ngvi.PriorMessenger` for those, on the traced path).
+
+        :param dict priors: ``{site name: distribution}``.
+        :returns: a new :class:`BayesianNet` sharing :attr:`net` with this one.
+        """
+        from .priors import _weight_prior_loc_scale  # (priors does not import nn)
+
+        if not isinstance(priors, dict):
+            raise TypeError(f"priors must be a dict of distributions, got {type(priors).__name__}")
+        sites = self.latent_sites
+        specs = {site: self.prior(site) for site in sites}
+        for name, prior in priors.items():
+            if name not in specs:
+                point = [w.site for w in self._point_estimates]
+                note = f" ('{name}' is a point-estimated BatchNorm parameter)" if name in point else ""
+                raise ValueError(
+                    f"with_priors: '{name}' is not a latent site of this BayesianNet{note}; "
+                    f"its latent sites are {sites}."
+                )
+            index = sites.index(name)
+            specs[name] = _weight_prior_loc_scale(name, prior, self._latents[index].param.shape)
+        new = BayesianNet(
+            self.net,
+            self.likelihood,
+            self.num_data,
+            prior=specs,
+            noise_scale=self.noise_scale,
+            init_noise_scale=self.init_noise_scale,
+            name=self.prefix[:-1],
+        )
+        new.training = self.training  # not .train(): that would also set the shared net
+        return new
+
     def init_loc_fn(self, site) -> torch.Tensor:
         """
         An autoguide ``init_loc_fn`` that starts each weight site at the value

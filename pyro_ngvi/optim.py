@@ -12,6 +12,7 @@ import torch
 
 from pyro.optim.optim import PyroOptim
 
+from .distributed import all_reduce_stats
 from .family import GaussianSite, SiteCurvature, pop_curvature, split_params
 
 Schedule = Union[float, Callable[[int], float]]
@@ -93,6 +94,13 @@ class NGVI(PyroOptim):
     **Everything else** SVI hands over (``pyro.param`` values, a noise scale,
     BatchNorm weights) is updated by ``point_optim`` (Adam by default) through
     :class:`~pyro.optim.PyroOptim`'s per-parameter machinery, in the same step.
+
+    **Distributed.** With a :mod:`torch.distributed` process group of more than
+    one rank initialised, every site's :math:`g, h` and the point-estimated
+    parameters' gradients are averaged across ranks before the finiteness check
+    (:func:`pyro_ngvi.distributed.all_reduce_stats`), so all ranks take, or all
+    skip, the identical update; each rank draws its own sample
+    (:func:`pyro_ngvi.distributed.seed_rank`). Single processes are unaffected.
 
     :param lr: step size :math:`\\alpha > 0` on the mean, or a callable of the
         step count returning it (this is how to schedule it; torch LR schedulers
@@ -185,6 +193,7 @@ class NGVI(PyroOptim):
                 "guide use a pyro.optim optimizer such as Adam."
             )
         stats = {site.name: self._site_curvature(site) for site in sites}
+        stats = all_reduce_stats(stats, others)  # no-op without torch.distributed
         others_with_grad = [p for p in others if p.grad is not None]
         labels = list(stats) + [_param_label(p) for p in others_with_grad]
         finite = [_finite(s) for s in stats.values()] + [torch.isfinite(p.grad).all() for p in others_with_grad]

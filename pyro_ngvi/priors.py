@@ -25,9 +25,11 @@ no curvature estimate. Two kinds of prior have this property:
 AffineTransform(0, 1)])``, which does not compare equal to ``ExpTransform()``.
 
 This module recognises such priors (:func:`conjugate_normal`), turns a fitted
-guide into tomorrow's prior (:func:`posterior_as_prior`, continual learning) and
+guide into tomorrow's prior (:func:`posterior_as_prior`, continual learning),
 swaps a model's priors with an effect handler (:class:`PriorMessenger`,
-:func:`with_priors`).
+:func:`with_priors`; a :class:`~pyro_ngvi.nn.BayesianNet` stays one) and sets
+up the next task's guide at yesterday's posterior or afresh, as the caller
+chooses (:func:`start_task`).
 
 **References**
 
@@ -48,14 +50,22 @@ import torch
 from torch.distributions import biject_to, constraints
 from torch.distributions.transforms import ComposeTransform, Transform
 
+import pyro
 import pyro.distributions as dist
+from pyro import poutine
 from pyro.distributions.torch_distribution import ExpandedDistribution
 from pyro.infer.autoguide import AutoNormal
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.runtime import _PYRO_STACK
 from pyro.poutine.subsample_messenger import SubsampleMessenger, _Subsample
 
-__all__ = ["PriorMessenger", "conjugate_normal", "posterior_as_prior", "with_priors"]
+__all__ = [
+    "PriorMessenger",
+    "conjugate_normal",
+    "posterior_as_prior",
+    "start_task",
+    "with_priors",
+]
 
 # Two transforms "do the same" when they agree to this tolerance on the probes.
 _RTOL = 1e-5
@@ -583,9 +593,183 @@ def with_priors(
         model_t2 = with_priors(model, priors)
         svi = SVI(model_t2, AutoNormal(model_t2), optim, Trace_ELBO())
 
+    A :class:`~pyro_ngvi.nn.BayesianNet` gives a :class:`~pyro_ngvi.nn.BayesianNet`
+    (:meth:`~pyro_ngvi.nn.BayesianNet.with_priors`): the same plain network with
+    those weights' Normal priors replaced, so that
+    :class:`~pyro_ngvi.CurvatureELBO` keeps its BackPACK fast path. Any other
+    model is wrapped in a :class:`PriorMessenger`.
+
     :param model: a Pyro model.
     :param priors: ``{site name: distribution}``; see :class:`PriorMessenger`
-        for the checks made.
-    :returns: ``model`` wrapped in a :class:`PriorMessenger`.
+        (and :meth:`~pyro_ngvi.nn.BayesianNet.with_priors`) for the checks made.
+    :returns: the new model.
     """
+    from .nn import BayesianNet  # nn imports this module
+
+    if isinstance(model, BayesianNet):
+        return model.with_priors(priors)
     return PriorMessenger(priors)(model)
+
+
+def _weight_prior_loc_scale(
+    name: str, prior, shape: torch.Size
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """
+    ``(loc, scale)`` of a prior for a real weight site of shape ``shape``, with
+    the checks :class:`PriorMessenger` makes (event shape equal to the site's,
+    no batch shape, same support) and one more: the prior must be Normal.
+    Errors name the site.
+    """
+    if not isinstance(prior, torch.distributions.Distribution):
+        raise TypeError(
+            f"prior for site '{name}' must be a Distribution, got {type(prior).__name__}"
+        )
+    if prior.event_shape != shape:
+        raise ValueError(
+            f"with_priors: prior for site '{name}' has event shape "
+            f"{tuple(prior.event_shape)}, the site has {tuple(shape)} "
+            "(use .to_event(...) to move batch dims into the event)."
+        )
+    if prior.batch_shape != ():
+        raise ValueError(
+            f"with_priors: prior for site '{name}' has batch shape "
+            f"{tuple(prior.batch_shape)}, which does not broadcast to the site's ()."
+        )
+    device = _device_of(prior)
+    site_support = constraints.independent(constraints.real, len(shape)) if shape else constraints.real
+    if not _same_support(prior.support, site_support, shape, device):
+        raise ValueError(
+            f"with_priors: prior for site '{name}' has support {prior.support}, "
+            f"the site has {site_support}."
+        )
+    normal, transforms = _normal_and_transforms(prior)
+    if normal is None or (
+        transforms
+        and not _same_map(ComposeTransform(transforms), biject_to(constraints.real), shape, device)
+    ):
+        raise ValueError(
+            f"with_priors: prior for site '{name}' is a {type(prior).__name__}; the "
+            "weight priors of a BayesianNet are Normal. For another prior wrap the "
+            "model in PriorMessenger(priors) (traced path, no BackPACK fast path)."
+        )
+    return normal.loc, normal.scale
+
+
+# --------------------------------------------------------------------------- #
+# Where the next task's guide starts
+# --------------------------------------------------------------------------- #
+
+
+def start_task(guide, priors, *args, carry: bool, **kwargs):
+    """
+    Set up a new task's :class:`~pyro.infer.autoguide.AutoNormal` guide and make
+    where it starts an explicit choice.
+
+    Pyro's param store outlives guides: a new ``AutoNormal`` named like an old
+    one (the default name is ``"AutoNormal"``) silently takes the old guide's
+    ``locs.<site>`` / ``scales.<site>`` for every site of the same name, i.e.
+    starts at yesterday's posterior, mean *and* precision, and may even reuse
+    a tensor of another shape for a site that only shares a name (a new task's
+    head). This helper first removes every ``locs.*`` / ``scales.*`` entry under
+    the guide's name, sets the guide up on ``args`` (one minibatch is enough;
+    nothing is drawn from the global RNG unless the guide's ``init_loc_fn``
+    does), and then
+
+    - ``carry=True``: starts each site named in ``priors`` at that prior, which
+      must be Normal in the site's unconstrained coordinates (what
+      :func:`posterior_as_prior` gives): :math:`\\mu = m_0`,
+      :math:`\\sigma = s_0`. With ``priors = posterior_as_prior(old_guide)`` the
+      new guide starts at the previous posterior, so the natural-gradient
+      precision :math:`\\lambda = \\sigma^{-2}` of :class:`~pyro_ngvi.NGVI` is
+      carried from task to task, and the initial KL to the new prior is zero;
+    - ``carry=False``: every site starts at the guide's own initialisation
+      (``init_loc_fn``, ``init_scale``), as on the first task.
+
+    Sites not named in ``priors`` start at the guide's initialisation either way.
+    The optimizer's own per-site state (momentum, :class:`~pyro_ngvi.NGVI`'s
+    first-step warm start) belongs to the optimizer instance: use a new
+    :class:`~pyro_ngvi.NGVI` per task, as in::
+
+        priors = None
+        for data in tasks:
+            guide = start_task(AutoNormal(model), priors, *data[0], carry=True)
+            svi = SVI(model, guide, NGVI(...), CurvatureELBO("ggn"))
+            ...                                       # train on data
+            priors = posterior_as_prior(guide)
+            model = with_priors(model, priors)
+
+    :param guide: a new :class:`~pyro.infer.autoguide.AutoNormal`, not run yet.
+    :param priors: ``{site name: prior}`` (or ``None`` for none), usually
+        :func:`posterior_as_prior` of the previous guide; every name must be a
+        latent site of the guide.
+    :param args: model arguments to set the guide up with (e.g. a minibatch).
+    :param bool carry: start at the priors (``True``) or at the guide's
+        initialisation (``False``); required, there is no default.
+    :param kwargs: model keyword arguments.
+    :returns: ``guide``, set up.
+    :raises ValueError: if the guide has been run already, for a name that is
+        not a latent site, and with ``carry=True`` for a prior that is not
+        Normal in the site's unconstrained coordinates or whose shape does not
+        broadcast to the site's (the site is named).
+    """
+    if not isinstance(guide, AutoNormal):
+        raise NotImplementedError(
+            f"start_task supports AutoNormal guides; got {type(guide).__name__}."
+        )
+    if not isinstance(carry, bool):
+        raise TypeError(f"carry must be True or False, got {carry!r}")
+    if guide.prototype_trace is not None:
+        raise ValueError(
+            "start_task: the guide has already been run; pass a new AutoNormal "
+            "(its initial values are gone once it is set up)."
+        )
+    priors = {} if priors is None else priors
+    if not isinstance(priors, dict):
+        raise TypeError(f"priors must be a dict of distributions or None, got {type(priors)}")
+    store = pyro.get_param_store()
+    prefixes = (f"{guide._pyro_name}.locs.", f"{guide._pyro_name}.scales.")
+    for param_name in [n for n in store.keys() if n.startswith(prefixes)]:
+        del store[param_name]
+    with poutine.block():
+        guide(*args, **kwargs)
+    known = _guide_sites(guide)
+    for name in priors:
+        if name not in known:
+            raise ValueError(
+                f"start_task: site '{name}' is not a latent site of the guide; "
+                f"its sites are {known}."
+            )
+    if carry:
+        for name, prior in priors.items():
+            _start_at(guide, name, prior)
+    return guide
+
+
+@torch.no_grad()
+def _start_at(guide, name: str, prior) -> None:
+    """Write ``prior``'s Normal (in ``u``) into the guide's loc and scale of ``name``."""
+    support = guide.prototype_trace.nodes[name]["fn"].support
+    if conjugate_normal(prior, support) is None:
+        raise ValueError(
+            f"start_task(carry=True): prior for site '{name}' is not Normal in the "
+            f"site's unconstrained coordinates (support {support}), so the guide "
+            "cannot start at it; posterior_as_prior gives such priors. Use carry=False."
+        )
+    normal, _ = _normal_and_transforms(prior)
+    store = pyro.get_param_store()
+    loc = store._params[f"{guide._pyro_name}.locs.{name}"]  # real: loc is unconstrained
+    scale_name = f"{guide._pyro_name}.scales.{name}"
+    raw_scale = store._params[scale_name]
+    shape = loc.shape
+    try:
+        broadcast = torch.broadcast_shapes(normal.loc.shape, normal.scale.shape, shape)
+    except RuntimeError:
+        broadcast = None
+    if broadcast != shape:
+        raise ValueError(
+            f"start_task: prior for site '{name}' has loc {tuple(normal.loc.shape)} and "
+            f"scale {tuple(normal.scale.shape)} in unconstrained coordinates; the "
+            f"guide's are {tuple(shape)}."
+        )
+    loc.copy_(normal.loc.expand(shape))
+    raw_scale.copy_(biject_to(store._constraints[scale_name]).inv(normal.scale.expand(shape)))

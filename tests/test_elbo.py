@@ -261,3 +261,27 @@ def test_error_cases():
         SVI(poisson_regression, AutoNormal(poisson_regression), NGVI(), CurvatureELBO("ggn")).step(x, x.round())
     with pytest.raises(NotImplementedError, match="AutoNormal"):
         SVI(unplated, AutoDiagonalNormal(unplated), NGVI(), CurvatureELBO("hessian")).step(x, x)
+
+
+def regression_with_deterministic(x, y):
+    w = pyro.sample("w", dist.Normal(PRIOR_LOC, PRIOR_SCALE).to_event(1))
+    pyro.deterministic("w_norm", w.norm())  # recorded, not a likelihood term
+    with pyro.plate("data", len(x)):
+        pyro.sample("y", dist.Normal((x * w).sum(-1), NOISE), obs=y)
+
+
+@pytest.mark.parametrize("curvature", ["ef", "ggn", "ggn_mc", "hessian"])
+def test_pyro_deterministic_sites_are_not_likelihood_terms(float64, curvature):
+    """A pyro.deterministic site outside any plate must neither raise nor change g, h."""
+    x, y = orthogonal_design()
+    results = []
+    for model in (regression, regression_with_deterministic):
+        pyro.clear_param_store()
+        guide = AutoNormal(model)
+        guide(x, y)
+        loc = pyro.get_param_store()._params["AutoNormal.locs.w"]
+        pyro.set_rng_seed(0)
+        CurvatureELBO(curvature, deterministic=True).loss_and_grads(model, guide, x, y)
+        results.append(pop_curvature(loc))
+    assert torch.equal(results[0].grad, results[1].grad)
+    assert torch.equal(results[0].curvature, results[1].curvature)
