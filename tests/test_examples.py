@@ -102,3 +102,37 @@ def test_hierarchical_quick_run_matches_nuts_roughly(tmp_path, capsys):
         assert all(math.isfinite(mean) for mean, _ in summary.values()), method
     for row in result["elbo"]:
         assert math.isfinite(row["final"]), row
+
+
+def test_laplace_evidence_quick_run_picks_the_best_evidence(tmp_path, capsys):
+    results, printed = run_quick("laplace_evidence", tmp_path, capsys)
+    assert_figures(tmp_path, ["laplace_evidence.png"])
+    assert len(results) == 2
+    for title, (best, rows) in results.items():
+        assert len(rows) >= 2, title
+        evidences = {row["alpha"]: row["log_evidence"] for row in rows}
+        assert all(math.isfinite(e) for e in evidences.values()), title
+        # the chosen prior precision is the candidate with the highest evidence
+        assert evidences[best] == max(evidences.values()), title
+        assert all(row["laplace_nll"] > 0 and row["map_nll"] > 0 for row in rows), title
+    assert "log evidence" in printed
+
+
+def test_distributed_example_under_torchrun(tmp_path):
+    """``torchrun --nproc_per_node=2 examples/distributed_bnn.py``: only rank 0 writes."""
+    import json
+    import os
+    import subprocess
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(EXAMPLES / "distributed_bnn.py"), "--quick", "--out", str(tmp_path)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("final ELBO") == 1  # rank 0 prints, rank 1 does not
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["processes"] == 2
+    elbo = summary["history"]["elbo"]
+    assert all(math.isfinite(e) for e in elbo) and elbo[-1] > elbo[0]
+    assert summary["accuracy"] > 0.2  # ten classes: chance is 0.1
+    assert (tmp_path / "guide.pt").is_file()
