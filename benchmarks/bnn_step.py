@@ -141,7 +141,7 @@ def profile(method, batches, steps: int, top: int = 25) -> str:
     import io
 
     stream = io.StringIO()
-    stats = pstats.Stats(profiler, stream=stream).sort_stats("cumulative")
+    stats = pstats.Stats(profiler, stream=stream).sort_stats(os.environ.get("PROFILE_SORT", "cumulative"))
     stats.print_stats(top)
     return stream.getvalue()
 

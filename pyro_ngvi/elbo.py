@@ -65,8 +65,11 @@ class CurvatureELBO(ELBO):
     :param int max_plate_nesting: as in :class:`~pyro.infer.ELBO`
 
     The value returned by :meth:`loss_and_grads` is the single-sample estimate
-    Trace_ELBO would return at the same sample (at the mean, when deterministic);
-    :meth:`loss` is Trace_ELBO's.
+    Trace_ELBO would return at the same sample. When ``deterministic`` it is the
+    likelihood part at the mean plus, for sites with a conjugate Normal prior,
+    the closed-form :math:`\\mathrm{KL}(q \\| p_0)` (for other sites
+    :math:`\\log q - \\log p` at the mean), the same value on the traced and
+    :class:`~pyro_ngvi.BayesianNet` paths. :meth:`loss` is Trace_ELBO's.
     """
 
     def __init__(
@@ -226,9 +229,15 @@ class CurvatureELBO(ELBO):
             loss = -float(sum(site["log_prob_sum"] for site in model_trace.nodes.values()
                               if site["type"] == "sample"))
             for name, (loc, scale, transform, aux) in latents.items():
+                s = site_scale.get(name, 1.0)
+                if self.deterministic and name in conjugate:
+                    # at the mean, a conjugate site's log q - log p is replaced by its
+                    # expectation, KL(q || p0) in closed form (as on the fast path)
+                    loss += float(model_trace.nodes[name]["log_prob_sum"])
+                    loss += s * float(_normal_kl(loc, scale, *conjugate[name]))
+                    continue
                 leaf = leaves[name]
                 value = guide_trace.nodes[name]["value"]
-                s = site_scale.get(name, 1.0)
                 log_q = aux["fn"].log_prob(leaf).sum()
                 log_det = transform.log_abs_det_jacobian(leaf, value).sum()
                 loss += s * float(log_q - log_det)
@@ -330,3 +339,11 @@ def _check_guide(guide, model, args, kwargs):
     if guide.prototype_trace is None:
         with poutine.block():
             guide(*args, **kwargs)
+
+
+def _normal_kl(loc, scale, prior_loc, prior_precision) -> torch.Tensor:
+    """:math:`\\sum \\mathrm{KL}(\\mathcal{N}(\\mu, \\sigma^2) \\| \\mathcal{N}(m_0, \\lambda_0^{-1}))
+    = \\sum [\\tfrac12 \\lambda_0 (\\sigma^2 + (\\mu - m_0)^2) - \\tfrac12 \\log(\\lambda_0 \\sigma^2) - \\tfrac12]`."""
+    variance = scale.square()
+    return 0.5 * (prior_precision * (variance + (loc - prior_loc).square())
+                  - (prior_precision * variance).log() - 1.0).sum()

@@ -6,10 +6,11 @@
 import math
 import numbers
 import warnings
-from typing import Callable, Dict, Optional, Union
+from typing import Callable, Dict, List, Optional, Union
 
 import torch
 
+import pyro
 from pyro.optim.optim import PyroOptim
 
 from .distributed import all_reduce_stats
@@ -194,12 +195,16 @@ class NGVI(PyroOptim):
             )
         stats = {site.name: self._site_curvature(site) for site in sites}
         stats = all_reduce_stats(stats, others)  # no-op without torch.distributed
+        groups = _groups(sites, stats)
+        group_stats = [[stats[site.name] for site in group] for group in groups]
+        flats = [(_flat([s.grad for s in st]), _flat([s.curvature for s in st])) for st in group_stats]
         others_with_grad = [p for p in others if p.grad is not None]
-        labels = list(stats) + [_param_label(p) for p in others_with_grad]
-        finite = [_finite(s) for s in stats.values()] + [torch.isfinite(p.grad).all() for p in others_with_grad]
+        finite = [_finite(grad, curvature, st[0].mask) for (grad, curvature), st in zip(flats, group_stats)]
+        finite += [torch.isfinite(p.grad).all() for p in others_with_grad]
         finite = torch.stack(finite).tolist()  # one device sync for the whole step
-        bad = [label for label, ok in zip(labels, finite) if not ok]
-        if bad:
+        if not all(finite):
+            bad = [site.name for site, ok in zip(sites, self._sites_finite(stats)) if not ok]
+            bad += [_param_label(p) for p, ok in zip(others_with_grad, finite[len(groups):]) if not ok]
             self.num_skipped_steps += 1
             warnings.warn(
                 f"NGVI skipped step {self.num_steps}: non-finite gradient or curvature "
@@ -212,11 +217,16 @@ class NGVI(PyroOptim):
         lr = self._hyper("lr", 0.0, math.inf)
         beta = self._hyper("beta", 0.0, 1.0)
         tau = self._hyper("tau", 0.0, math.inf)
-        for site in sites:
-            self._update_site(site, stats[site.name], lr, beta, tau)
+        for group, st, (grad, curvature) in zip(groups, group_stats, flats):
+            self._update_group(group, st, grad, curvature, lr, beta, tau)
         if others:
             super().__call__(others, *args, **kwargs)
         self.num_steps += 1
+
+    @staticmethod
+    def _sites_finite(stats: Dict[str, SiteCurvature]) -> List[bool]:
+        """Per site, whether its touched rows are finite (to name the bad ones)."""
+        return [bool(_finite(s.grad.reshape(-1), s.curvature.reshape(-1), s.mask)) for s in stats.values()]
 
     @torch.no_grad()
     def _site_curvature(self, site: GaussianSite) -> SiteCurvature:
@@ -246,41 +256,75 @@ class NGVI(PyroOptim):
         return SiteCurvature(grad, curvature, mask=mask, sampled=True)
 
     @torch.no_grad()
-    def _update_site(self, site: GaussianSite, stats: SiteCurvature, lr, beta, tau):
-        mean, precision = site.mean, site.precision
-        target = stats.curvature / tau
-        if stats.prior_precision is not None:
-            target = target + stats.prior_precision
-        step_beta = torch.full_like(target, beta)
-        if self.warm_start and site.name not in self._started:
-            step_beta = torch.where(target > precision, 1.0, step_beta)
-        new_precision = (1 - step_beta) * precision + step_beta * target
-        correction = step_beta.square() * (precision - target).square() / (2 * precision)
+    def _update_group(self, sites: List[GaussianSite], stats: List[SiteCurvature],
+                      grad: torch.Tensor, curvature: torch.Tensor, lr, beta, tau):
+        """
+        The update of the class docstring for ``sites`` at once, as one flat
+        vector (one kernel per operation rather than one per site and operation);
+        ``grad`` and ``curvature`` are the sites' ``g`` and ``h`` so flattened.
+        The sites share the scale constraint, ``sampled``, whether a prior is
+        given, and either have no ``mask`` or are a single masked site.
+        """
+        first = stats[0]
+        mean = _flat([site.loc for site in sites])
+        transform = sites[0]._scale_transform
+        precision = transform(_flat([site.raw_scale for site in sites])).pow(-2)
+        mask = None if first.mask is None else first.mask.reshape(-1)
+        target = curvature / tau
+        if first.prior_precision is not None:
+            prior_precision = _flat([s.prior_precision for s in stats])
+            target = target + prior_precision
+        if self.warm_start and any(site.name not in self._started for site in sites):
+            fresh = _flat([torch.full_like(site.loc, site.name not in self._started, dtype=torch.bool)
+                           for site in sites])
+            step_beta = torch.where(fresh & (target > precision), 1.0, beta).to(target.dtype)
+        else:
+            step_beta = beta
+        new_precision = torch.lerp(precision, target, step_beta)
+        correction = (precision - target).square().mul_(step_beta**2 / 2).div_(precision)
         new_precision = torch.where(target <= 0, new_precision + correction, new_precision)
-        new_precision = new_precision.clamp(min=torch.finfo(new_precision.dtype).tiny)
+        new_precision = new_precision.clamp_(min=torch.finfo(new_precision.dtype).tiny)
         denominator = new_precision + self.damping
 
-        step = lr * self._momentum(site.name, stats.grad / tau, stats.mask) / denominator
-        if stats.sampled and self.max_step is not None:
-            radius = self.max_step * precision.rsqrt()
+        grad = self._momentum(sites, grad / tau, mask)
+        step = grad.mul(lr).div_(denominator)
+        if first.sampled and self.max_step is not None:
+            radius = precision.rsqrt().mul_(self.max_step)
             step = torch.maximum(torch.minimum(step, radius), -radius)
-        if stats.prior_precision is not None:
-            step = step + lr * stats.prior_precision * (mean - stats.prior_loc) / denominator
+        if first.prior_precision is not None:
+            pull = (mean - _flat([s.prior_loc for s in stats])).mul_(prior_precision)
+            step = step.add_(pull.mul_(lr).div_(denominator))
         new_mean = mean - step
-        site.write(new_mean, new_precision, stats.mask)
-        self._started.add(site.name)
+        new_raw_scale = transform.inv(new_precision.rsqrt())
+        for site, loc, raw_scale in zip(sites, *_unflat([new_mean, new_raw_scale], sites)):
+            if mask is None:
+                site.loc.copy_(loc)
+                site.raw_scale.copy_(raw_scale)
+            else:
+                site_mask = first.mask
+                site.loc.copy_(torch.where(site_mask, loc, site.loc))
+                site.raw_scale.copy_(torch.where(site_mask, raw_scale, site.raw_scale))
+            self._started.add(site.name)
 
-    def _momentum(self, name: str, grad: torch.Tensor, mask) -> torch.Tensor:
-        """:math:`\\bar g \\leftarrow \\rho \\bar g + (1 - \\rho) g` (the first step takes g)."""
+    def _momentum(self, sites, grad: torch.Tensor, mask) -> torch.Tensor:
+        """:math:`\\bar g \\leftarrow \\rho \\bar g + (1 - \\rho) g` (a site's first step takes g)."""
         if self.momentum == 0:
             return grad
-        buffer = self._momentum_buffers.get(name)
-        if buffer is None:
-            buffer = grad.clone()
-        else:
-            new = self.momentum * buffer + (1 - self.momentum) * grad
+        if all(site.name in self._momentum_buffers for site in sites):
+            buffer = _flat([self._momentum_buffers[site.name] for site in sites])
+            new = torch.lerp(grad, buffer, self.momentum)
             buffer = new if mask is None else torch.where(mask, new, buffer)
-        self._momentum_buffers[name] = buffer
+        else:  # some site's first step: its buffer starts at g
+            pieces = _unflat([grad], sites)[0]
+            buffer = _flat([
+                torch.lerp(piece, self._momentum_buffers[site.name], self.momentum)
+                if site.name in self._momentum_buffers else piece
+                for site, piece in zip(sites, pieces)
+            ])
+            if mask is not None and sites[0].name in self._momentum_buffers:
+                buffer = torch.where(mask, buffer, self._momentum_buffers[sites[0].name].reshape(-1))
+        for site, piece in zip(sites, _unflat([buffer], sites)[0]):
+            self._momentum_buffers[site.name] = piece
         return buffer
 
     # ---------------------------------------------------------------- state
@@ -308,15 +352,44 @@ class NGVI(PyroOptim):
         super().set_state(state_dict["point"])
 
 
-def _finite(stats: SiteCurvature) -> torch.Tensor:
-    """Whether the touched rows of ``grad`` and ``curvature`` are all finite (a 0-d tensor)."""
-    grad, curvature = stats.grad, stats.curvature
-    if stats.mask is not None:
-        grad, curvature = grad[stats.mask], curvature[stats.mask]
+def _finite(grad: torch.Tensor, curvature: torch.Tensor, mask) -> torch.Tensor:
+    """Whether the ``mask`` rows (all: ``None``) of flat ``grad`` and ``curvature`` are finite (0-d)."""
+    if mask is not None:
+        mask = mask.reshape(-1)
+        grad, curvature = grad[mask], curvature[mask]
     return torch.isfinite(grad).all() & torch.isfinite(curvature).all()
 
 
 def _param_label(p: torch.Tensor) -> str:
-    import pyro
-
     return pyro.get_param_store().param_name(p) or f"tensor of shape {tuple(p.shape)}"
+
+
+def _groups(sites: List[GaussianSite], stats: Dict[str, SiteCurvature]) -> List[List[GaussianSite]]:
+    """
+    Sites whose update can run as one flat vector: same scale constraint, dtype,
+    device, ``sampled`` flag and prior presence, no mask. A masked site
+    (subsampled rows) is a group of its own.
+    """
+    groups: Dict[tuple, List[GaussianSite]] = {}
+    for site in sites:
+        s = stats[site.name]
+        if s.mask is not None:
+            key = ("masked", site.name)
+        else:
+            constraint = id(pyro.get_param_store()._constraints[site.scale_name])
+            key = (constraint, site.loc.dtype, site.loc.device, s.sampled, s.prior_precision is None)
+        groups.setdefault(key, []).append(site)
+    return list(groups.values())
+
+
+def _flat(tensors: List[torch.Tensor]) -> torch.Tensor:
+    """The tensors, flattened and concatenated (no copy for a single contiguous one)."""
+    if len(tensors) == 1:
+        return tensors[0].reshape(-1)
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _unflat(flats: List[torch.Tensor], sites: List[GaussianSite]) -> List[List[torch.Tensor]]:
+    """Split each flat vector back into views shaped like the sites' locs."""
+    sizes = [site.loc.numel() for site in sites]
+    return [[piece.view_as(site.loc) for piece, site in zip(flat.split(sizes), sites)] for flat in flats]

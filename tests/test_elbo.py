@@ -213,8 +213,9 @@ def test_network_helper_and_pyro_module_bnn_agree(float64, curvature):
         store[f"AutoNormal.locs.{h_site}"] = value
         store[f"AutoNormal.locs.{p_site}"] = value.clone()
     elbo = CurvatureELBO(curvature, deterministic=True)
-    elbo.loss_and_grads(helper, helper_guide, x, y)
-    elbo.loss_and_grads(pyro_bnn, pyro_guide, x, y)
+    fast_loss = elbo.loss_and_grads(helper, helper_guide, x, y)
+    traced_loss = elbo.loss_and_grads(pyro_bnn, pyro_guide, x, y)
+    assert fast_loss == pytest.approx(traced_loss, rel=1e-10)  # l(mu) + KL on both paths
     for h_site, p_site in pairs:
         fast = pop_curvature(store._params[f"AutoNormal.locs.{h_site}"])
         traced = pop_curvature(store._params[f"AutoNormal.locs.{p_site}"])
@@ -285,3 +286,14 @@ def test_pyro_deterministic_sites_are_not_likelihood_terms(float64, curvature):
         results.append(pop_curvature(loc))
     assert torch.equal(results[0].grad, results[1].grad)
     assert torch.equal(results[0].curvature, results[1].curvature)
+
+
+def test_deterministic_loss_is_likelihood_at_the_mean_plus_closed_form_kl(float64):
+    x, y = orthogonal_design()
+    guide = AutoNormal(regression, init_scale=0.3)
+    guide(x, y)
+    loss = CurvatureELBO("hessian", deterministic=True).loss_and_grads(regression, guide, x, y)
+    loc, scale = guide_loc_scale("w")
+    nll = -dist.Normal((x * loc).sum(-1), NOISE).log_prob(y).sum()
+    kl = torch.distributions.kl_divergence(dist.Normal(loc, scale), dist.Normal(PRIOR_LOC, PRIOR_SCALE)).sum()
+    assert loss == pytest.approx(float(nll + kl), rel=1e-12)
