@@ -141,10 +141,10 @@ def run(name, make_model, candidates, data, test_nll, progress, num_samples, **l
     with warnings.catch_warnings():
         # a short run on a network stops before tol; the table reports how far (Newton step)
         warnings.simplefilter("ignore", LaplaceWarning)
-        best, _, _ = optimize_prior_precision(
+        search = optimize_prior_precision(
             make_model, candidates, x_train, y_train, callback=score, **laplace_kwargs
         )
-    return best, rows
+    return search.best, rows
 
 
 def print_table(name, best_evidence, rows, num_train):

@@ -68,7 +68,7 @@ numbers coincide.
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, NamedTuple, Optional
+from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch.distributions import biject_to
@@ -385,30 +385,41 @@ def _precision_at_mean(model, guide, elbo, sites, args, kwargs):
 
 # ------------------------------------------------------------ prior precision
 class PriorPrecisionSearch(NamedTuple):
-    """What :func:`optimize_prior_precision` returns (unpacks as a 3-tuple)."""
+    """What :func:`optimize_prior_precision` returns (unpacks as a 4-tuple)."""
 
-    best: float
-    evidence: Dict[float, float]
+    best: Union[float, Dict[str, float]]
+    evidence: Dict
     result: LaplaceResult
+    model: Callable
 
 
 def optimize_prior_precision(
-    make_model: Callable[[float], Callable],
+    make_model: Callable,
     candidates: Iterable[float],
     *args,
     curvature: str = "ggn",
     guide: Optional[AutoNormal] = None,
     refit: bool = True,
-    callback: Optional[Callable[[float, LaplaceResult], None]] = None,
+    sites: Optional[Sequence[str]] = None,
+    callback: Optional[Callable] = None,
     **kwargs,
 ) -> PriorPrecisionSearch:
     """
-    Choose a scalar prior precision :math:`\\alpha` by the Laplace evidence
+    Choose the prior precision :math:`\\alpha` by the Laplace evidence
     (MacKay's evidence framework [2], with a grid instead of fixed-point updates):
 
     .. math:: \\hat\\alpha = \\arg\\max_{\\alpha \\in \\text{candidates}}
               \\log p(\\mathcal{D} \\mid \\alpha) \\approx
               -F_\\alpha(u^*_\\alpha) + \\tfrac12 \\sum_i \\log\\frac{2\\pi}{\\lambda_{\\alpha,i}}.
+
+    **Scalar** (``sites=None``): ``make_model(alpha)`` gets a float, one value
+    for every weight. **Per site** (``sites`` a list of site names):
+    ``make_model(alphas)`` gets a dict ``{site: alpha}``; the search starts at
+    the best common value (the scalar grid, every site alike) and then does
+    one sweep of coordinate ascent: for each site in turn, every candidate with
+    the other sites held at their best so far. Where the evidence separates over
+    the sites (e.g. a linear model with an orthogonal design) this finds the
+    maximum over the whole product grid.
 
     ``refit=True`` finds the mode :math:`u^*_\\alpha` of every candidate model,
     each search starting where the previous one ended (the candidates share
@@ -418,21 +429,26 @@ def optimize_prior_precision(
     libraries do: cheaper, but away from a candidate's own mode the Laplace
     formula no longer approximates that candidate's evidence.
 
-    :param make_model: ``make_model(alpha)`` returns the Pyro model with prior
-        precision ``alpha``, e.g.
-        ``lambda a: BayesianNet(net, "categorical", n, prior=a ** -0.5)``.
+    :param make_model: returns the Pyro model for a prior precision, e.g.
+        ``lambda a: BayesianNet(net, "categorical", n, prior=a ** -0.5)``, or with
+        ``sites``, ``lambda a: BayesianNet(net, ..., prior={s: v ** -0.5 for s, v in a.items()})``.
     :param candidates: the prior precisions to try, in this order.
     :param args: the models' arguments (the data).
     :param str curvature: as in :func:`laplace` (default: ``"ggn"``).
     :param guide: an AutoNormal to start from (default: None, see :func:`laplace`).
     :param bool refit: re-find the mode for every candidate (default: True).
-    :param callback: called as ``callback(alpha, result)`` after each candidate,
-        while the guide holds that candidate's approximation (to evaluate it on
-        held-out data, or to report progress) (default: None).
+    :param sites: choose one precision per named site (default: None, one for all).
+    :param callback: called as ``callback(alpha, result)`` after each evaluation
+        (``alpha`` a float, or a dict with ``sites``), while the guide holds that
+        approximation (to evaluate it on held-out data, or to report progress)
+        (default: None).
     :param kwargs: passed on to :func:`laplace` (``num_steps``, ``lr``, ``tol``,
         ``line_search``) or to the models.
-    :returns: ``(best, {alpha: log evidence}, the best candidate's LaplaceResult)``;
-        the param store (and that result's guide) holds the best candidate's
+    :returns: ``(best, evidence, result, model)``: the best precision (a float,
+        or ``{site: alpha}``), the log evidence of every evaluation (keyed by
+        alpha, or by the tuple of per-site alphas in ``sites`` order), the best
+        evaluation's :class:`LaplaceResult`, and ``make_model(best)``, the model
+        with that prior. The param store (and the result's guide) holds the best
         approximation.
     """
     candidates = [float(c) for c in candidates]
@@ -440,24 +456,42 @@ def optimize_prior_precision(
         raise ValueError("optimize_prior_precision needs at least one candidate")
     if any(not (c > 0 and math.isfinite(c)) for c in candidates):
         raise ValueError(f"prior precisions must be positive and finite, got {candidates}")
-    results: Dict[float, LaplaceResult] = {}
-    fixed_mean = None
-    for alpha in candidates:
-        model = make_model(alpha)
+    if sites is not None:
+        sites = list(sites)
+        if not sites or len(set(sites)) != len(sites) or not all(isinstance(n, str) for n in sites):
+            raise ValueError(f"sites must be a non-empty list of distinct site names, got {sites!r}")
+    results: Dict = {}
+    fixed_mean: List = []
+    state = {"guide": guide}
+
+    def evaluate(alpha):
+        key = alpha if sites is None else tuple(alpha[n] for n in sites)
+        if key in results:
+            return results[key].log_evidence
         options = dict(kwargs)
-        if not refit and fixed_mean is not None:
-            _write_mean(guide, fixed_mean)
+        if not refit and fixed_mean:
+            _write_mean(state["guide"], fixed_mean[0])
             options["num_steps"] = 0
-        result = laplace(model, *args, curvature=curvature, guide=guide, **options)
-        results[alpha] = result
+        result = laplace(make_model(alpha), *args, curvature=curvature, guide=state["guide"], **options)
+        results[key] = result
         if callback is not None:
             callback(alpha, result)
         if not refit:
-            guide = result.guide
-            if fixed_mean is None:
-                fixed_mean = {name: u.clone() for name, u in result.map.items()}
-    best = max(results, key=lambda a: results[a].log_evidence)
-    result = results[best]
+            state["guide"] = result.guide
+            if not fixed_mean:
+                fixed_mean.append({name: u.clone() for name, u in result.map.items()})
+        return result.log_evidence
+
+    def common(alpha):
+        return alpha if sites is None else {n: alpha for n in sites}
+
+    best = common(max(candidates, key=lambda a: evaluate(common(a))))
+    for name in sites or []:
+        for alpha in candidates:
+            trial = dict(best, **{name: alpha})
+            if evaluate(trial) > evaluate(best):
+                best = trial
+    result = results[best if sites is None else tuple(best[n] for n in sites)]
     store = pyro.get_param_store()
     prefix = result.guide._pyro_name
     with torch.no_grad():
@@ -465,7 +499,8 @@ def optimize_prior_precision(
             scale_name = f"{prefix}.scales.{name}"
             site = GaussianSite(name, store._params[f"{prefix}.locs.{name}"], store._params[scale_name], scale_name)
             site.write(mean, result.precision[name])
-    return PriorPrecisionSearch(best, {a: r.log_evidence for a, r in results.items()}, result)
+    evidence = {key: r.log_evidence for key, r in results.items()}
+    return PriorPrecisionSearch(best, evidence, result, make_model(best))
 
 
 def _write_mean(guide: AutoNormal, means: Dict[str, torch.Tensor]) -> None:

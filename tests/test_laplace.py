@@ -371,7 +371,7 @@ def test_prior_precision_by_evidence_picks_the_exact_argmax():
     def exact(alpha):
         return exact_log_evidence(x, y, torch.zeros(4), torch.full((4,), alpha**-0.5))
 
-    best, evidence, res = optimize_prior_precision(make_model, candidates, x, y, curvature="hessian")
+    best, evidence, res, chosen = optimize_prior_precision(make_model, candidates, x, y, curvature="hessian")
     for alpha in candidates:
         assert evidence[alpha] == pytest.approx(exact(alpha), abs=1e-6)
     assert best == max(candidates, key=exact) == 1.0
@@ -379,9 +379,12 @@ def test_prior_precision_by_evidence_picks_the_exact_argmax():
     loc, scale = res.guide._get_loc_and_scale("w")  # the store holds the best candidate
     assert torch.allclose(loc, mean, rtol=1e-8)
     assert torch.allclose(scale, precision.diagonal().rsqrt(), rtol=1e-8)
+    # the returned model is the one with the chosen prior
+    trace = pyro.poutine.trace(chosen).get_trace(x, y)
+    assert torch.allclose(trace.nodes["w"]["fn"].base_dist.scale, torch.full((4,), best**-0.5))
 
     # refit=False: one mean (the first candidate's mode), precision alpha + diag(X^T X) / s^2
-    best_fixed, fixed_evidence, fixed = optimize_prior_precision(
+    best_fixed, fixed_evidence, fixed, _ = optimize_prior_precision(
         make_model, candidates, x, y, curvature="ggn", refit=False
     )
     first_mean, _ = exact_posterior(x, y, torch.zeros(4), torch.full((4,), candidates[0] ** -0.5))
@@ -389,6 +392,45 @@ def test_prior_precision_by_evidence_picks_the_exact_argmax():
     assert torch.allclose(fixed.precision["w"], (x**2).sum(0) / NOISE**2 + best_fixed, rtol=1e-10)
     assert fixed_evidence[candidates[0]] == pytest.approx(evidence[candidates[0]], abs=1e-8)
     assert fixed_evidence[100.0] < evidence[100.0] - 1  # the evidence away from the mode is lower
+
+
+def test_per_site_prior_precision_finds_the_product_grid_argmax():
+    """
+    Two sites, w1 (the columns of scale 3, 5) and w2 (2, 7), each with its own
+    prior precision. With an orthogonal design the exact evidence is a sum of
+    one term per coordinate, so one coordinate-ascent sweep must find the
+    maximum over all 5 x 5 pairs, and every evidence must be exact.
+    """
+    x, _ = orthogonal_design()
+    noise = NOISE * torch.randn(len(x), generator=torch.Generator().manual_seed(5))
+    y = x @ torch.tensor([3.0, -2.0, 0.05, 0.02]) + noise  # w1 large, w2 small
+    candidates = [0.01, 0.1, 1.0, 10.0, 100.0]
+
+    def make_model(alphas):
+        def model(x, y):
+            w1 = pyro.sample("w1", dist.Normal(0.0, alphas["w1"] ** -0.5).expand([2]).to_event(1))
+            w2 = pyro.sample("w2", dist.Normal(0.0, alphas["w2"] ** -0.5).expand([2]).to_event(1))
+            with pyro.plate("data", len(x)):
+                pyro.sample("y", dist.Normal(x[:, :2] @ w1 + x[:, 2:] @ w2, NOISE), obs=y)
+
+        return model
+
+    def exact(a1, a2):
+        scale = torch.tensor([a1, a1, a2, a2]) ** -0.5
+        return exact_log_evidence(x, y, torch.zeros(4), scale)
+
+    best, evidence, res, chosen = optimize_prior_precision(
+        make_model, candidates, x, y, curvature="hessian", sites=["w1", "w2"]
+    )
+    grid_best = max(((a1, a2) for a1 in candidates for a2 in candidates), key=lambda a: exact(*a))
+    assert (best["w1"], best["w2"]) == grid_best
+    assert grid_best[0] != grid_best[1]  # the test means something: the sites differ
+    assert len(evidence) < 25  # fewer fits than the product grid
+    for (a1, a2), value in evidence.items():
+        assert value == pytest.approx(exact(a1, a2), abs=1e-6)
+    assert res.log_evidence == pytest.approx(exact(*grid_best), abs=1e-6)
+    trace = pyro.poutine.trace(chosen).get_trace(x, y)
+    assert float(trace.nodes["w2"]["fn"].base_dist.scale[0]) == pytest.approx(best["w2"] ** -0.5)
 
 
 # -------------------------------------------------------------------- behaviour
@@ -431,3 +473,10 @@ def test_error_cases():
     far = AutoNormal(heavy_tailed, init_loc_fn=init_to_value(values={"w": torch.tensor(5.0)}))
     with pytest.raises(ValueError, match="not positive"):
         laplace(heavy_tailed, torch.zeros(3), guide=far, num_steps=0)
+
+
+@pytest.mark.parametrize("sites", [[], ["w", "w"], [3]])
+def test_per_site_search_rejects_bad_site_lists(sites):
+    x, y = orthogonal_design()
+    with pytest.raises(ValueError, match="sites"):
+        optimize_prior_precision(lambda a: regression, [1.0], x, y, sites=sites)
