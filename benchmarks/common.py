@@ -25,6 +25,8 @@ folder on ``sys.path``.
 
 import contextlib
 import math
+import os
+import sys
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -48,43 +50,16 @@ Posterior = List[Tuple[torch.Tensor, torch.Tensor]]  # (mean, std) per weight te
 
 
 # ------------------------------------------------------------------ data and net
-@dataclass
-class Digits:
-    x_train: torch.Tensor
-    y_train: torch.Tensor
-    x_test: torch.Tensor
-    y_test: torch.Tensor
-
-    @property
-    def num_train(self) -> int:
-        return len(self.x_train)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+from _common import Split as Digits, load_split  # noqa: E402  (examples/_common.py)
 
 
-def load_digits(test_size: float = 0.3, seed: int = 0, dtype=torch.float32) -> Digits:
+def load_digits(test_size: float = 0.3, seed: int = 0) -> Digits:
     """scikit-learn digits, stratified train/test split, standardised with the
     training set's mean and standard deviation (constant pixels stay 0)."""
     from sklearn.datasets import load_digits as sk_load_digits
-    from sklearn.model_selection import train_test_split
 
-    x, y = sk_load_digits(return_X_y=True)
-    if test_size > 0:
-        x_train, x_test, y_train, y_test = train_test_split(
-            x, y, test_size=test_size, stratify=y, random_state=seed
-        )
-    else:
-        x_train, y_train, x_test, y_test = x, y, x[:0], y[:0]
-    mean, std = x_train.mean(0), x_train.std(0)
-    std[std == 0] = 1.0
-
-    def tensor(a):
-        return torch.as_tensor(a, dtype=dtype)
-
-    return Digits(
-        tensor((x_train - mean) / std),
-        torch.as_tensor(y_train, dtype=torch.long),
-        tensor((x_test - mean) / std),
-        torch.as_tensor(y_test, dtype=torch.long),
-    )
+    return load_split(sk_load_digits, classification=True, test_size=test_size, seed=seed)
 
 
 def make_net(seed: int, hidden: int = HIDDEN) -> nn.Sequential:

@@ -142,14 +142,7 @@ def predictive_probs(samples) -> torch.Tensor:
     :returns: mean probabilities, ``(N, K)`` or ``(N, 2)``.
     :rtype: torch.Tensor
     """
-    samples = _as_float(samples)
-    if samples.dim() not in (2, 3):
-        raise ValueError(
-            "samples must have shape (S, N, K) or (S, N), "
-            f"got {tuple(samples.shape)}"
-        )
-    if samples.shape[0] == 0:
-        raise ValueError("samples must hold at least one sample")
+    samples = _sample_stack(samples, "samples")
     samples = _check_probs(samples, "samples", dim=samples.dim())
     if samples.dim() == 2:
         p1 = samples.mean(0)
@@ -176,14 +169,7 @@ def predictive_probs_from_logits(logits) -> torch.Tensor:
     :returns: mean probabilities, ``(N, K)`` or ``(N, 2)``.
     :rtype: torch.Tensor
     """
-    logits = _as_float(logits)
-    if logits.dim() not in (2, 3):
-        raise ValueError(
-            "logits must have shape (S, N, K) or (S, N), "
-            f"got {tuple(logits.shape)}"
-        )
-    if logits.shape[0] == 0:
-        raise ValueError("logits must hold at least one sample")
+    logits = _sample_stack(logits, "logits")
     if logits.dim() == 2:
         p1 = torch.sigmoid(logits).mean(0)
         return torch.stack([1 - p1, p1], dim=-1)
@@ -411,3 +397,13 @@ def rmse(pred_mean, y) -> torch.Tensor:
             f"got {tuple(y.shape)}"
         )
     return (pred_mean - y).pow(2).mean().sqrt()
+
+
+def _sample_stack(value, name: str) -> torch.Tensor:
+    """``value`` as a float tensor of per-sample predictions, ``(S, N, K)`` or ``(S, N)`` with S >= 1."""
+    value = _as_float(value)
+    if value.dim() not in (2, 3):
+        raise ValueError(f"{name} must have shape (S, N, K) or (S, N), got {tuple(value.shape)}")
+    if value.shape[0] == 0:
+        raise ValueError(f"{name} must hold at least one sample")
+    return value

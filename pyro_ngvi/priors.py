@@ -215,6 +215,15 @@ def _normal_and_transforms(fn) -> Tuple[Optional[torch.distributions.Normal], li
         fn = fn.base_dist
 
 
+def _bijection_and_u_shape(support, shape: torch.Size):
+    """``biject_to(support)`` and the unconstrained shape of ``shape``, or ``(None, None)``."""
+    try:
+        bijection = biject_to(support)
+        return bijection, bijection.inverse_shape(shape)
+    except (NotImplementedError, ValueError, RuntimeError):
+        return None, None
+
+
 def conjugate_normal(
     fn: torch.distributions.Distribution, support=None
 ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
@@ -249,10 +258,8 @@ def conjugate_normal(
     normal, transforms = _normal_and_transforms(fn)
     if normal is None:
         return None
-    try:
-        bijection = biject_to(support)
-        u_shape = bijection.inverse_shape(fn.batch_shape + fn.event_shape)
-    except (NotImplementedError, ValueError, RuntimeError):
+    bijection, u_shape = _bijection_and_u_shape(support, fn.batch_shape + fn.event_shape)
+    if bijection is None:
         return None
     loc, scale = normal.loc, normal.scale
     try:
@@ -572,10 +579,8 @@ class PriorMessenger(Messenger):
             return None
         if prior.support.event_dim != site_support.event_dim:
             return None
-        try:
-            bijection = biject_to(site_support)
-            u_shape = bijection.inverse_shape(prior.batch_shape + prior.event_shape)
-        except (NotImplementedError, ValueError, RuntimeError):
+        bijection, u_shape = _bijection_and_u_shape(site_support, prior.batch_shape + prior.event_shape)
+        if bijection is None:
             return None
         if not _same_map(ComposeTransform(list(prior.transforms)), bijection, u_shape, device):
             return None
