@@ -267,7 +267,10 @@ def conjugate_normal(
             return None
     except RuntimeError:
         return None
-    if not _same_map(ComposeTransform(transforms), bijection, u_shape, loc.device):
+    # a plain Normal on a real site needs no probing: both maps are the identity
+    if (transforms or not _is_real(support)) and not _same_map(
+        ComposeTransform(transforms), bijection, u_shape, loc.device
+    ):
         return None
     return loc.expand(u_shape), scale.pow(-2).expand(u_shape)
 

@@ -469,8 +469,6 @@ def load_example():
 
 
 def test_example_quick_run_writes_table_and_figures(tmp_path, capsys):
-    pytest.importorskip("sklearn")
-    pytest.importorskip("matplotlib")
     example = load_example()
     num_threads = torch.get_num_threads()
     try:
