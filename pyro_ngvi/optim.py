@@ -18,6 +18,10 @@ from .family import GaussianSite, SiteCurvature, pop_curvature, split_params
 
 Schedule = Union[float, Callable[[int], float]]
 
+#: Sites are concatenated into one update up to this many elements: that saves
+#: per-operation overhead on small tensors and bounds the copies it costs.
+_FLAT_MAX = 1 << 16
+
 
 class NGVIWarning(UserWarning):
     """Warned when :class:`NGVI` skips a step (non-finite gradient or curvature)."""
@@ -265,15 +269,17 @@ class NGVI(PyroOptim):
         The sites share the scale constraint, ``sampled``, whether a prior is
         given, and either have no ``mask`` or are a single masked site.
         """
+        # In-place wherever a value is not needed again: besides the flat copies
+        # of a multi-site group, the update holds about five vectors at its peak.
         first = stats[0]
         mean = _flat([site.loc for site in sites])
         transform = sites[0]._scale_transform
-        precision = transform(_flat([site.raw_scale for site in sites])).pow(-2)
+        precision = transform(_flat([site.raw_scale for site in sites])).pow_(-2)
         mask = None if first.mask is None else first.mask.reshape(-1)
         target = curvature / tau
         if first.prior_precision is not None:
             prior_precision = _flat([s.prior_precision for s in stats])
-            target = target + prior_precision
+            target.add_(prior_precision)
         if self.warm_start and any(site.name not in self._started for site in sites):
             fresh = _flat([torch.full_like(site.loc, site.name not in self._started, dtype=torch.bool)
                            for site in sites])
@@ -281,21 +287,26 @@ class NGVI(PyroOptim):
         else:
             step_beta = beta
         new_precision = torch.lerp(precision, target, step_beta)
-        correction = (precision - target).square().mul_(step_beta**2 / 2).div_(precision)
-        new_precision = torch.where(target <= 0, new_precision + correction, new_precision)
-        new_precision = new_precision.clamp_(min=torch.finfo(new_precision.dtype).tiny)
-        denominator = new_precision + self.damping
+        correction = torch.sub(precision, target).square_().mul_(step_beta**2 / 2).div_(precision)
+        new_precision.add_(correction.masked_fill_(target > 0, 0.0))  # only where target <= 0
+        del correction, target
+        new_precision.clamp_(min=torch.finfo(new_precision.dtype).tiny)
+        denominator = new_precision + self.damping if self.damping else new_precision
 
-        grad = self._momentum(sites, grad / tau, mask)
-        step = grad.mul(lr).div_(denominator)
+        step = self._momentum(sites, grad / tau, mask).mul(lr).div_(denominator)
         if first.sampled and self.max_step is not None:
-            radius = precision.rsqrt().mul_(self.max_step)
-            step = torch.maximum(torch.minimum(step, radius), -radius)
+            radius = precision.rsqrt_().mul_(self.max_step)
+            step = torch.minimum(step, radius, out=step)
+            step = torch.maximum(step, radius.neg_(), out=step)
+            del radius
+        del precision
         if first.prior_precision is not None:
             pull = (mean - _flat([s.prior_loc for s in stats])).mul_(prior_precision)
-            step = step.add_(pull.mul_(lr).div_(denominator))
-        new_mean = mean - step
-        new_raw_scale = transform.inv(new_precision.rsqrt())
+            step.add_(pull.mul_(lr).div_(denominator))
+            del pull, prior_precision
+        del denominator
+        new_mean = step.neg_().add_(mean)
+        new_raw_scale = transform.inv(new_precision.rsqrt_())
         for site, loc, raw_scale in zip(sites, *_unflat([new_mean, new_raw_scale], sites)):
             if mask is None:
                 site.loc.copy_(loc)
@@ -367,18 +378,24 @@ def _param_label(p: torch.Tensor) -> str:
 def _groups(sites: List[GaussianSite], stats: Dict[str, SiteCurvature]) -> List[List[GaussianSite]]:
     """
     Sites whose update can run as one flat vector: same scale constraint, dtype,
-    device, ``sampled`` flag and prior presence, no mask. A masked site
-    (subsampled rows) is a group of its own.
+    device, ``sampled`` flag and prior presence, no mask, at most ``_FLAT_MAX``
+    elements together. A masked site (subsampled rows) or a large one is a group
+    of its own (no copies: its flat tensors are views).
     """
     groups: Dict[tuple, List[GaussianSite]] = {}
+    sizes: Dict[tuple, int] = {}
     for site in sites:
         s = stats[site.name]
-        if s.mask is not None:
-            key = ("masked", site.name)
+        if s.mask is not None or site.loc.numel() > _FLAT_MAX:
+            key = ("alone", site.name)
         else:
             constraint = id(pyro.get_param_store()._constraints[site.scale_name])
             key = (constraint, site.loc.dtype, site.loc.device, s.sampled, s.prior_precision is None)
+            if sizes.get(key, 0) + site.loc.numel() > _FLAT_MAX:  # start another group
+                groups[key + (len(groups),)] = groups.pop(key)
+                sizes[key] = 0
         groups.setdefault(key, []).append(site)
+        sizes[key] = sizes.get(key, 0) + site.loc.numel()
     return list(groups.values())
 
 

@@ -418,20 +418,26 @@ def test_precision_stays_positive_and_finite(beta, precision, curvature, first):
     assert torch.isfinite(loc).all()
 
 
-def test_sites_updated_together_follow_the_update_equations_elementwise():
+@pytest.mark.parametrize("flat_max", [1 << 16, 7, 4])
+def test_sites_updated_together_follow_the_update_equations_elementwise(monkeypatch, flat_max):
     """
     Sites of different shapes, with and without a conjugate prior, sampled or
     not, one with a row mask, momentum on: two NGVI steps equal the update of the
-    class docstring written out element by element for each site on its own.
+    class docstring written out element by element for each site on its own,
+    whether the sites are concatenated into one update or (small ``_FLAT_MAX``)
+    split into several groups or updated alone.
     """
+    import pyro_ngvi.optim
     from pyro_ngvi.family import attach_curvature
+
+    monkeypatch.setattr(pyro_ngvi.optim, "_FLAT_MAX", flat_max)
 
     torch.set_default_dtype(torch.float64)
     g = torch.Generator().manual_seed(3)
-    shapes = {"a": (3, 2), "b": (4,), "c": (2, 2), "d": (5,)}
+    shapes = {"a": (3, 2), "b": (4,), "c": (2, 2), "d": (5,), "e": (3,)}
     config = {  # name: (has prior, sampled, masked)
         "a": (True, False, False), "b": (True, False, False),
-        "c": (False, True, False), "d": (True, False, True),
+        "c": (False, True, False), "d": (True, False, True), "e": (True, False, False),
     }
     for name, shape in shapes.items():
         pyro.param(f"g.locs.{name}", torch.randn(shape, generator=g))
