@@ -58,7 +58,7 @@ VOGN_REF = "hand-written VOGN (SumGradSquared)"
 # cost of a step does not depend on them; a non-finite step would take another
 # code path, so NGVIWarning is an error here).
 NGVI_ARGS = dict(lr=0.01, beta=0.05, momentum=0.9, damping=30.0)
-VOGN_ARGS = dict(lr=0.01, beta=0.05, damping=30.0)
+VOGN_ARGS = NGVI_ARGS  # the same update (momentum included) by hand
 
 
 def methods(num_data: int, seed: int) -> Dict[str, Callable]:

@@ -168,14 +168,17 @@ class HandVOGN(Method):
         w   = mu + eps / sqrt(lam)                      (copied into the net)
         g   = N/B * grad sum_i l_i,   h = N/B * sum_i (grad l_i)^2
         lam <- (1 - beta) lam + beta (lam0 + h)
-        mu  <- mu - lr (g + lam0 mu) / (lam + damping)
+        gm  <- momentum gm + (1 - momentum) g           (gm = g on the first step)
+        mu  <- mu - lr (gm + lam0 mu) / (lam + damping)
+
+    the update NGVI takes with the same arguments (its ``warm_start`` aside).
     """
 
     #: curvature source -> BackPACK extension (``ef``: VOGN's own)
     EXTENSIONS = {"ef": "SumGradSquared", "ggn": "DiagGGNExact", "ggn_mc": "DiagGGNMC"}
 
     def __init__(self, net: nn.Module, num_data: int, lr=0.1, beta=0.05, damping=0.0, init_scale=0.1,
-                 prior_scale: float = PRIOR_SCALE, curvature: str = "ef"):
+                 prior_scale: float = PRIOR_SCALE, curvature: str = "ef", momentum: float = 0.0):
         import backpack.extensions
         from backpack import extend
 
@@ -188,6 +191,8 @@ class HandVOGN(Method):
         self.mean = [p.detach().clone() for p in self.params]
         self.precision = [torch.full_like(p, init_scale**-2) for p in self.params]
         self.prior_precision = prior_scale**-2
+        self.momentum = momentum
+        self.grad_average = None
 
     def step(self, x, y):
         from backpack import backpack
@@ -200,10 +205,16 @@ class HandVOGN(Method):
             self.loss(self.net(x), y).backward()
         scale = self.num_data / len(x)
         with torch.no_grad():
-            for p, mu, lam in zip(self.params, self.mean, self.precision):
+            grads = [scale * p.grad for p in self.params]
+            if self.momentum and self.grad_average is not None:
+                torch._foreach_lerp_(self.grad_average, grads, 1 - self.momentum)
+                grads = self.grad_average
+            elif self.momentum:
+                self.grad_average = grads
+            for p, g, mu, lam in zip(self.params, grads, self.mean, self.precision):
                 h = getattr(p, self.extension.savefield)
                 lam.mul_(1 - self.beta).add_(h, alpha=self.beta * scale).add_(self.beta * self.prior_precision)
-                mu.sub_(self.lr * (scale * p.grad + self.prior_precision * mu) / (lam + self.damping))
+                mu.sub_(self.lr * (g + self.prior_precision * mu) / (lam + self.damping))
 
     def posterior(self):
         return [(mu.clone(), lam.rsqrt()) for mu, lam in zip(self.mean, self.precision)]

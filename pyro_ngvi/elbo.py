@@ -3,7 +3,6 @@
 """
 
 import math
-import warnings
 from typing import Dict, List
 
 import torch
@@ -16,7 +15,7 @@ from pyro.infer.autoguide import AutoNormal
 from pyro.infer.elbo import ELBO
 from pyro.util import check_site_shape
 
-from .curvature import SOURCES, check_source
+from .curvature import check_source
 from .curvature.autograd import diag_hessian, empirical_fisher_diag, ggn_diag, mc_ggn_diag, per_example_log_prob
 from .family import SiteCurvature, attach_curvature
 from .priors import conjugate_normal

@@ -26,7 +26,7 @@ from pyro.infer.autoguide.initialization import init_to_feasible
 from backpack import extend
 
 from .curvature.backpack import network_curvature
-from .family import SiteCurvature, attach_curvature
+from .family import SiteCurvature, attach_curvature, scale_transform
 
 _HALF_LOG_TWO_PI = 0.5 * math.log(2 * math.pi)
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -145,6 +145,7 @@ class BayesianNet(nn.Module):
             twin_module._buffers = module._buffers
         loss_module = extend(_LOSS_MODULES[likelihood](reduction="sum"))
         self._backpack = (extend(twin), loss_module, list(zip(twin.modules(), net.modules())))
+        self._twin_params = [p for p in twin.parameters() if p.requires_grad]
 
         self._latents: List[_Weight] = []
         self._point_estimates: List[_Weight] = []
@@ -157,7 +158,13 @@ class BayesianNet(nn.Module):
                 self._point_estimates.append(weight)
             else:
                 self._latents.append(weight)
-        self._prior_cache = None
+        if not self._latents:
+            raise ValueError(
+                "BayesianNet found no weight to put a prior on: the network needs a "
+                "parameter with requires_grad=True outside BatchNorm layers."
+            )
+        self._sizes = [w.param.numel() for w in self._latents]
+        self._prior_cache = self._flat_prior_cache = None
         self._set_priors(prior)
 
     # ------------------------------------------------------------------ priors
@@ -185,8 +192,6 @@ class BayesianNet(nn.Module):
         like = self._latents[0].param if self._latents else torch.zeros(())
         total = sum(getattr(self, f"_prior_log_scale_sum_{j}") for j in range(len(self._latents)))
         self.register_buffer("_prior_log_scale_total", torch.as_tensor(total, dtype=like.dtype))
-        weights = torch.tensor([-0.5, -1.0, 0.5], dtype=like.dtype, device=like.device)
-        self.register_buffer("_log_ratio_weights", weights)
 
     def _prior_buffers(self, index: int):
         """``(loc, scale, precision, sum of log scale)`` of the ``index``-th latent site."""
@@ -200,8 +205,26 @@ class BayesianNet(nn.Module):
             ]
         return self._prior_cache[index]
 
+    def _flat_prior(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Prior mean :math:`m_0` and precision :math:`\\lambda_0` of all latent sites
+        as flat vectors (the layout of :meth:`_split`), built once."""
+        if self._flat_prior_cache is None:
+            locs, precisions = [], []
+            for j, weight in enumerate(self._latents):
+                loc, _, precision, _ = self._prior_buffers(j)
+                locs.append(loc.expand(weight.param.shape).reshape(-1))
+                precisions.append(precision.expand(weight.param.shape).reshape(-1))
+            flat = (torch.cat(locs), torch.cat(precisions))
+            self._flat_prior_cache = flat + (self._split(flat[0]), self._split(flat[1]))
+        return self._flat_prior_cache[:2]
+
+    def _site_priors(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """:math:`m_0` and :math:`\\lambda_0` per site, full-shape views of :meth:`_flat_prior`."""
+        self._flat_prior()
+        return self._flat_prior_cache[2:]
+
     def _apply(self, fn, *args, **kwargs):
-        self._prior_cache = None  # .to(), .double(), ... replace the buffers
+        self._prior_cache = self._flat_prior_cache = None  # .to(), .double(), ... replace the buffers
         return super()._apply(fn, *args, **kwargs)
 
     def prior(self, site: str) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -402,7 +425,7 @@ class BayesianNet(nn.Module):
         :rtype: torch.Tensor
         """
         self._check_step(guide, y, curvature, deterministic)
-        loc_scales = self._read_guide(guide, x, y)
+        locs, scale = self._read_guide(guide, x, y)
         points = [self._point_estimate(w) for w in self._point_estimates]
         noise_scale = self._noise_scale() if self.likelihood == "gaussian" else None
         twin, loss_module, module_pairs = self._backpack
@@ -420,8 +443,9 @@ class BayesianNet(nn.Module):
             loss_scale = 0.5 / noise_scale.detach() ** 2
         else:
             loss_scale = 0.5 / noise_scale**2
-        means = [loc.detach() for loc, _ in loc_scales]
-        stddevs = [scale.detach() for _, scale in loc_scales]
+        # all sites as one flat vector: mu, sigma, eps, w (views split it per site)
+        mean = torch.cat([loc.detach().reshape(-1) for loc in locs])
+        stddevs = self._split(scale)
         target = self._loss_target(y)
         source = "none" if curvature == "reparam" else curvature
         grads: List[torch.Tensor] = []
@@ -429,13 +453,14 @@ class BayesianNet(nn.Module):
         point_grads: List[torch.Tensor] = []
         nll, log_ratio = 0.0, 0.0
         for particle in range(num_particles):
-            noises = self._sample_into_net(means, stddevs, deterministic)
+            weights, noise = self._sample_into_net(mean, scale, deterministic)
             result = network_curvature(
-                twin, loss_module, x, target, source, mc_samples=mc_samples, loss_scale=loss_scale
+                twin, loss_module, x, target, source, mc_samples=mc_samples, loss_scale=loss_scale,
+                params=self._twin_params,
             )
             site_grads = [result.grads[w.index] for w in self._latents]
             if curvature == "reparam":
-                site_curvatures = [g * e / s for g, e, s in zip(site_grads, noises, stddevs)]
+                site_curvatures = [g * e / s for g, e, s in zip(site_grads, self._split(noise), stddevs)]
             else:
                 site_curvatures = [result.curvatures[w.index] for w in self._latents]
             site_point_grads = [result.grads[w.index] for w in self._point_estimates]
@@ -448,20 +473,24 @@ class BayesianNet(nn.Module):
                     torch._foreach_add_(point_grads, site_point_grads)
             nll = nll + result.loss
             if not deterministic:
-                log_ratio = log_ratio + self._log_ratio(stddevs, noises)
+                log_ratio = log_ratio + self._log_ratio(weights, noise)
 
         # full-data scale N/B and particle average; hand g, h over on each loc
         factor = self.num_data / len(x) / num_particles
         torch._foreach_mul_(grads, factor)
         torch._foreach_mul_(curvatures, factor)
-        for j, ((loc, _), grad, curv) in enumerate(zip(loc_scales, grads, curvatures)):
-            prior_loc, _, prior_precision, _ = self._prior_buffers(j)
+        prior_locs, prior_precisions = self._site_priors()
+        for loc, grad, curv, stddev, prior_loc, prior_precision in zip(
+            locs, grads, curvatures, stddevs, prior_locs, prior_precisions
+        ):
             stats = SiteCurvature(
                 grad=grad,
                 curvature=curv,
-                prior_loc=prior_loc.expand(loc.shape),
-                prior_precision=prior_precision.expand(loc.shape),
+                prior_loc=prior_loc,
+                prior_precision=prior_precision,
                 sampled=curvature == "reparam",
+                nonnegative=curvature != "reparam",
+                scale=stddev,
             )
             attach_curvature(loc.unconstrained(), stats)
         for value, grad in zip(points, point_grads):
@@ -469,34 +498,59 @@ class BayesianNet(nn.Module):
 
         nll = self._full_nll(nll / num_particles, loss_scale, noise_scale, target, len(x))
         if deterministic:
-            return (nll + self._kl(means, stddevs)).detach()
-        return (nll + log_ratio / num_particles).detach()
+            return (nll + self._kl(mean, scale)).detach()
+        # the particle average of sum [lambda_0 (w - m_0)^2 - eps^2] / 2 - log sigma + log s_0
+        log_ratio = log_ratio / num_particles - scale.log().sum() + self._prior_log_scale_total
+        return (nll + log_ratio).detach()
 
-    def _read_guide(self, guide, x, y) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    def _split(self, flat: torch.Tensor) -> List[torch.Tensor]:
+        """A flat vector over all latent sites as views shaped like each site's weight."""
+        return [piece.view_as(w.param) for piece, w in zip(flat.split(self._sizes), self._latents)]
+
+    def _read_guide(self, guide, x, y) -> Tuple[List[torch.Tensor], torch.Tensor]:
         """
-        Each site's ``(loc, scale)`` from the guide, read by ``pyro.param``
-        statements (which ``SVI.step`` records to find the optimizer's tensors).
+        The guide's unconstrained ``loc`` tensors, read by ``pyro.param``
+        statements (which ``SVI.step`` records to hand them to the optimizer), and
+        :math:`\\sigma` of all sites as one flat vector (detached). The scales are
+        read from the param store directly: :class:`~pyro_ngvi.NGVI` finds their
+        raw tensors by name, and gets :math:`\\sigma` in the
+        :class:`~pyro_ngvi.family.SiteCurvature`.
         """
         if guide.prototype_trace is None:
             guide(x, y)
         store = pyro.get_param_store()
-        names = [
-            (f"{guide._pyro_name}.locs.{w.site}", f"{guide._pyro_name}.scales.{w.site}")
-            for w in self._latents
-        ]
-        if all(loc in store and scale in store for loc, scale in names):
-            # what the guide's PyroModule attributes do, at a quarter of the cost
-            return [(pyro.param(loc), pyro.param(scale)) for loc, scale in names]
-        with guide._pyro_context:  # (re-)registers the guide's own tensors
-            return [guide._get_loc_and_scale(w.site) for w in self._latents]
+        prefix = guide._pyro_name
+        locs = [f"{prefix}.locs.{w.site}" for w in self._latents]
+        scales = [f"{prefix}.scales.{w.site}" for w in self._latents]
+        if not all(loc in store and scale in store for loc, scale in zip(locs, scales)):
+            with guide._pyro_context:  # (re-)registers the guide's own tensors
+                for w in self._latents:
+                    guide._get_loc_and_scale(w.site)
+        constraint = store._constraints[scales[0]]
+        raw = torch.cat([store._params[name].detach().reshape(-1) for name in scales])
+        if all(store._constraints[name] is constraint for name in scales):
+            scale = scale_transform(constraint)(raw)
+        else:
+            scale = torch.cat([store[name].detach().reshape(-1) for name in scales])
+        return [pyro.param(name) for name in locs], scale
 
-    def _sample_into_net(self, means, stddevs, deterministic) -> List[Optional[torch.Tensor]]:
-        """Draw :math:`\\epsilon` per site, write :math:`\\mu + \\sigma\\epsilon` into the net."""
-        noises = [None if deterministic else torch.randn_like(mean) for mean in means]
+    def _sample_into_net(self, mean, scale, deterministic) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """
+        Draw :math:`\\epsilon` site by site (as ``randn_like`` per site), write
+        :math:`w = \\mu + \\sigma\\epsilon` (:math:`\\mu` when ``deterministic``) into the
+        net; return the flat ``(w, eps)`` (``eps`` is ``None`` when ``deterministic``).
+        """
+        noise = None
+        if deterministic:
+            weights = mean
+        else:
+            noise = torch.empty_like(mean)
+            for piece in noise.split(self._sizes):
+                piece.normal_()
+            weights = torch.addcmul(mean, scale, noise)
         with torch.no_grad():
-            for weight, mean, stddev, noise in zip(self._latents, means, stddevs, noises):
-                weight.param.copy_(mean if noise is None else torch.addcmul(mean, stddev, noise))
-        return noises
+            torch._foreach_copy_([w.param for w in self._latents], self._split(weights))
+        return weights, noise
 
     def _full_nll(self, nll, loss_scale, noise_scale, target, batch_size) -> torch.Tensor:
         """
@@ -537,44 +591,27 @@ class BayesianNet(nn.Module):
                 f"The BayesianNet fast path needs an AutoNormal guide, got {type(guide).__name__}"
             )
 
-    def _log_ratio(self, stddevs, noises) -> torch.Tensor:
+    def _log_ratio(self, weights, noise) -> torch.Tensor:
         """
-        :math:`\\sum_j \\log q(w_j) - \\log p_0(w_j)` at the sample
-        :math:`w = \\mu + \\sigma\\epsilon` the net holds:
-        :math:`\\sum [-\\epsilon^2/2 - \\log\\sigma + \\lambda_0 (w - m_0)^2 / 2 + \\log s_0]`.
+        The sample-dependent part of :math:`\\log q(w) - \\log p_0(w)` at
+        :math:`w = \\mu + \\sigma\\epsilon` (all sites, flat):
+        :math:`\\tfrac12 \\sum [\\lambda_0 (w - m_0)^2 - \\epsilon^2]`; the rest,
+        :math:`\\sum [\\log s_0 - \\log\\sigma]`, does not depend on the sample.
         """
-        terms = []  # per site: sum eps^2, sum log sigma, sum lambda_0 (w - m_0)^2
-        with torch.no_grad():
-            for j, (weight, stddev, noise) in enumerate(zip(self._latents, stddevs, noises)):
-                prior_loc, _, prior_precision, _ = self._prior_buffers(j)
-                deviation = weight.param - prior_loc
-                if prior_precision.numel() == 1:
-                    flat = deviation.view(-1)
-                    quadratic = flat.dot(flat) * prior_precision.view(())
-                else:
-                    quadratic = deviation.view(-1).dot((prior_precision * deviation).view(-1))
-                noise = noise.view(-1)
-                terms += [noise.dot(noise), stddev.log().sum(), quadratic]
-            terms = torch.stack(terms).view(-1, 3)
-        return terms.sum(0).dot(self._log_ratio_weights) + self._prior_log_scale_total
+        prior_loc, prior_precision = self._flat_prior()
+        deviation = weights - prior_loc
+        return 0.5 * (deviation.mul(prior_precision).dot(deviation) - noise.dot(noise))
 
-    def _kl(self, means, stddevs) -> torch.Tensor:
+    def _kl(self, mean, scale) -> torch.Tensor:
         """
         :math:`\\sum_j \\mathrm{KL}(q_j \\| p_{0j})
-        = \\sum [\\log(s_0/\\sigma) + \\lambda_0(\\sigma^2 + (\\mu - m_0)^2)/2 - 1/2]`.
+        = \\sum [\\log(s_0/\\sigma) + \\lambda_0(\\sigma^2 + (\\mu - m_0)^2)/2 - 1/2]`
+        over all sites (flat :math:`\\mu`, :math:`\\sigma`).
         """
-        total = 0.0
-        for j, (mean, stddev) in enumerate(zip(means, stddevs)):
-            prior_loc, _, prior_precision, log_scale_sum = self._prior_buffers(j)
-            second_moment = stddev.square() + (mean - prior_loc).square()
-            total = (
-                total
-                + log_scale_sum
-                - stddev.log().sum()
-                + 0.5 * (prior_precision * second_moment).sum()
-                - 0.5 * mean.numel()
-            )
-        return total
+        prior_loc, prior_precision = self._flat_prior()
+        second_moment = scale.square() + (mean - prior_loc).square()
+        return (self._prior_log_scale_total - scale.log().sum()
+                + 0.5 * (prior_precision.dot(second_moment) - mean.numel()))
 
 
 def _accumulate_grad(tensor: torch.Tensor, grad: torch.Tensor) -> None:

@@ -6,7 +6,7 @@
 import math
 import numbers
 import warnings
-from typing import Callable, Dict, List, Optional, Union
+from typing import Callable, Dict, List, NamedTuple, Optional, Union
 
 import torch
 
@@ -179,6 +179,8 @@ class NGVI(PyroOptim):
         self.num_skipped_steps = 0
         self._momentum_buffers: Dict[str, torch.Tensor] = {}
         self._started: set = set()
+        self._split_cache = None
+        self._group_cache: Dict[tuple, List[_Group]] = {}
 
     def _hyper(self, name: str, low: float, high: float) -> float:
         value = getattr(self, name)
@@ -188,7 +190,7 @@ class NGVI(PyroOptim):
 
     # ---------------------------------------------------------------- the step
     def __call__(self, params, *args, **kwargs) -> None:
-        sites, others = split_params(params)
+        sites, others = self._split(params)
         if not sites:
             raise NotImplementedError(
                 "NGVI found no Gaussian guide site among the parameters SVI passed: "
@@ -199,12 +201,12 @@ class NGVI(PyroOptim):
             )
         stats = {site.name: self._site_curvature(site) for site in sites}
         stats = all_reduce_stats(stats, others)  # no-op without torch.distributed
-        groups = _groups(sites, stats)
-        group_stats = [[stats[site.name] for site in group] for group in groups]
+        groups = self._groups(sites, stats)
+        group_stats = [[stats[site.name] for site in group.sites] for group in groups]
         flats = [(_flat([s.grad for s in st]), _flat([s.curvature for s in st])) for st in group_stats]
         others_with_grad = [p for p in others if p.grad is not None]
-        finite = [_finite(grad, curvature, st[0].mask) for (grad, curvature), st in zip(flats, group_stats)]
-        finite += [torch.isfinite(p.grad).all() for p in others_with_grad]
+        finite = [_finite(grad, curvature, mask=st[0].mask) for (grad, curvature), st in zip(flats, group_stats)]
+        finite += [_finite(p.grad) for p in others_with_grad]
         finite = torch.stack(finite).tolist()  # one device sync for the whole step
         if not all(finite):
             bad = [site.name for site, ok in zip(sites, self._sites_finite(stats)) if not ok]
@@ -227,10 +229,34 @@ class NGVI(PyroOptim):
             super().__call__(others, *args, **kwargs)
         self.num_steps += 1
 
+    def _split(self, params):
+        """:func:`~pyro_ngvi.family.split_params`, remembered for the same tensors (SVI
+        hands the same ones every step) as long as each site's scale is still the
+        param store's."""
+        key = frozenset(map(id, params))
+        if self._split_cache is not None and self._split_cache[0] == key:
+            sites, others = self._split_cache[1:]
+            store = pyro.get_param_store()._params
+            if all(store.get(site.scale_name) is site.raw_scale for site in sites):
+                return sites, others
+        sites, others = split_params(params)
+        self._split_cache = (key, sites, others)
+        self._group_cache = {}
+        return sites, others
+
+    def _groups(self, sites: List[GaussianSite], stats: Dict[str, SiteCurvature]) -> List["_Group"]:
+        """:func:`_groups` for these sites and kinds of statistics, remembered."""
+        key = tuple((s.mask is None, s.sampled, s.nonnegative, s.prior_precision is None)
+                    for s in (stats[site.name] for site in sites))
+        groups = self._group_cache.get(key)
+        if groups is None:
+            groups = self._group_cache[key] = [_Group.of(group) for group in _groups(sites, stats)]
+        return groups
+
     @staticmethod
     def _sites_finite(stats: Dict[str, SiteCurvature]) -> List[bool]:
         """Per site, whether its touched rows are finite (to name the bad ones)."""
-        return [bool(_finite(s.grad.reshape(-1), s.curvature.reshape(-1), s.mask)) for s in stats.values()]
+        return [bool(_finite(s.grad, s.curvature, mask=s.mask)) for s in stats.values()]
 
     @torch.no_grad()
     def _site_curvature(self, site: GaussianSite) -> SiteCurvature:
@@ -260,7 +286,7 @@ class NGVI(PyroOptim):
         return SiteCurvature(grad, curvature, mask=mask, sampled=True)
 
     @torch.no_grad()
-    def _update_group(self, sites: List[GaussianSite], stats: List[SiteCurvature],
+    def _update_group(self, group: "_Group", stats: List[SiteCurvature],
                       grad: torch.Tensor, curvature: torch.Tensor, lr, beta, tau):
         """
         The update of the class docstring for ``sites`` at once, as one flat
@@ -269,14 +295,17 @@ class NGVI(PyroOptim):
         The sites share the scale constraint, ``sampled``, whether a prior is
         given, and either have no ``mask`` or are a single masked site.
         """
-        # In-place wherever a value is not needed again: besides the flat copies
-        # of a multi-site group, the update holds about five vectors at its peak.
-        first = stats[0]
+        # In-place wherever a value is not needed again (``grad`` and ``curvature``
+        # are this step's, the optimizer's to overwrite): besides the flat copies of
+        # a multi-site group, the update holds about five vectors at its peak.
+        first, sites, transform = stats[0], group.sites, group.transform
         mean = _flat([site.loc for site in sites])
-        transform = sites[0]._scale_transform
-        precision = transform(_flat([site.raw_scale for site in sites])).pow_(-2)
+        if all(s.scale is not None for s in stats):  # the sigma the ELBO read this step
+            precision = _flat([s.scale for s in stats]).pow(-2)
+        else:
+            precision = transform(_flat([site.raw_scale for site in sites])).pow_(-2)
         mask = None if first.mask is None else first.mask.reshape(-1)
-        target = curvature / tau
+        target = curvature.div_(tau) if tau != 1 else curvature
         if first.prior_precision is not None:
             prior_precision = _flat([s.prior_precision for s in stats])
             target.add_(prior_precision)
@@ -287,56 +316,67 @@ class NGVI(PyroOptim):
         else:
             step_beta = beta
         new_precision = torch.lerp(precision, target, step_beta)
-        correction = torch.sub(precision, target).square_().mul_(step_beta**2 / 2).div_(precision)
-        new_precision.add_(correction.masked_fill_(target > 0, 0.0))  # only where target <= 0
-        del correction, target
-        new_precision.clamp_(min=torch.finfo(new_precision.dtype).tiny)
+        if not (first.nonnegative and first.prior_precision is not None):  # else target > 0
+            correction = torch.sub(precision, target).square_().mul_(step_beta**2 / 2).div_(precision)
+            new_precision.add_(correction.masked_fill_(target > 0, 0.0))  # only where target <= 0
+            del correction
+            new_precision.clamp_(min=torch.finfo(new_precision.dtype).tiny)
+        del target
         denominator = new_precision + self.damping if self.damping else new_precision
 
-        step = self._momentum(sites, grad / tau, mask).mul(lr).div_(denominator)
+        direction = self._momentum(group, grad.div_(tau) if tau != 1 else grad, mask)
+        pull = None
+        if first.prior_precision is not None:
+            pull = (mean - _flat([s.prior_loc for s in stats])).mul_(prior_precision)
+            del prior_precision
         if first.sampled and self.max_step is not None:
+            # the trust region bounds the likelihood part of the step, not the prior's
+            step = direction.mul(lr).div_(denominator)
             radius = precision.rsqrt_().mul_(self.max_step)
             step = torch.minimum(step, radius, out=step)
             step = torch.maximum(step, radius.neg_(), out=step)
             del radius
-        del precision
-        if first.prior_precision is not None:
-            pull = (mean - _flat([s.prior_loc for s in stats])).mul_(prior_precision)
-            step.add_(pull.mul_(lr).div_(denominator))
-            del pull, prior_precision
-        del denominator
-        new_mean = step.neg_().add_(mean)
+            new_mean = step.neg_().add_(mean)
+            if pull is not None:
+                new_mean.addcdiv_(pull, denominator, value=-lr)
+        else:  # mu - lr (g + lambda_0 (mu - m_0)) / (lambda' + gamma) in one kernel
+            numerator = direction if pull is None else pull.add_(direction)
+            new_mean = torch.addcdiv(mean, numerator, denominator, value=-lr)
+        del precision, pull, denominator, direction
         new_raw_scale = transform.inv(new_precision.rsqrt_())
-        for site, loc, raw_scale in zip(sites, *_unflat([new_mean, new_raw_scale], sites)):
-            if mask is None:
-                site.loc.copy_(loc)
-                site.raw_scale.copy_(raw_scale)
-            else:
-                site_mask = first.mask
-                site.loc.copy_(torch.where(site_mask, loc, site.loc))
-                site.raw_scale.copy_(torch.where(site_mask, raw_scale, site.raw_scale))
-            self._started.add(site.name)
+        del new_precision
+        if mask is None:
+            torch._foreach_copy_(group.locs, new_mean.split(group.sizes))
+            torch._foreach_copy_(group.raw_scales, new_raw_scale.split(group.sizes))
+        else:  # a masked site is a group of its own
+            (loc,), (raw_scale,) = group.locs, group.raw_scales
+            loc.copy_(torch.where(mask, new_mean, loc))
+            raw_scale.copy_(torch.where(mask, new_raw_scale, raw_scale))
+        self._started.update(site.name for site in sites)
 
-    def _momentum(self, sites, grad: torch.Tensor, mask) -> torch.Tensor:
-        """:math:`\\bar g \\leftarrow \\rho \\bar g + (1 - \\rho) g` (a site's first step takes g)."""
+    def _momentum(self, group: "_Group", grad: torch.Tensor, mask) -> torch.Tensor:
+        """
+        :math:`\\bar g \\leftarrow \\rho \\bar g + (1 - \\rho) g` (a site's first step
+        takes g), as one flat vector; each site's buffer is kept as a view of it.
+        """
         if self.momentum == 0:
             return grad
-        if all(site.name in self._momentum_buffers for site in sites):
-            buffer = _flat([self._momentum_buffers[site.name] for site in sites])
-            new = torch.lerp(grad, buffer, self.momentum)
-            buffer = new if mask is None else torch.where(mask, new, buffer)
+        buffers = self._momentum_buffers
+        sites = group.sites
+        if all(site.name in buffers for site in sites):
+            old = _flat([buffers[site.name] for site in sites])
+            new = torch.lerp(grad, old, self.momentum)
         else:  # some site's first step: its buffer starts at g
-            pieces = _unflat([grad], sites)[0]
-            buffer = _flat([
-                torch.lerp(piece, self._momentum_buffers[site.name], self.momentum)
-                if site.name in self._momentum_buffers else piece
-                for site, piece in zip(sites, pieces)
-            ])
-            if mask is not None and sites[0].name in self._momentum_buffers:
-                buffer = torch.where(mask, buffer, self._momentum_buffers[sites[0].name].reshape(-1))
-        for site, piece in zip(sites, _unflat([buffer], sites)[0]):
-            self._momentum_buffers[site.name] = piece
-        return buffer
+            old = _flat([buffers[site.name].reshape(-1) if site.name in buffers else piece
+                         for site, piece in zip(sites, grad.split(group.sizes))])
+            started = _flat([torch.full_like(piece, site.name in buffers, dtype=torch.bool)
+                             for site, piece in zip(sites, grad.split(group.sizes))])
+            new = torch.where(started, torch.lerp(grad, old, self.momentum), grad)
+        if mask is not None and all(site.name in buffers for site in sites):
+            new = torch.where(mask, new, old)
+        for site, piece in zip(sites, new.split(group.sizes)):
+            buffers[site.name] = piece.view_as(site.loc)
+        return new
 
     # ---------------------------------------------------------------- state
     def get_state(self) -> Dict:
@@ -363,12 +403,20 @@ class NGVI(PyroOptim):
         super().set_state(state_dict["point"])
 
 
-def _finite(grad: torch.Tensor, curvature: torch.Tensor, mask) -> torch.Tensor:
-    """Whether the ``mask`` rows (all: ``None``) of flat ``grad`` and ``curvature`` are finite (0-d)."""
-    if mask is not None:
-        mask = mask.reshape(-1)
-        grad, curvature = grad[mask], curvature[mask]
-    return torch.isfinite(grad).all() & torch.isfinite(curvature).all()
+def _finite(*tensors: torch.Tensor, mask=None) -> torch.Tensor:
+    """
+    Whether the ``mask`` rows (all: ``None``) of every tensor are finite, as a 0-d
+    bool tensor (no device sync): their sum, accumulated in float64, is finite iff
+    they all are (float64 cannot overflow on float32 values; for float64 values
+    only beyond ~1e300). One reduction per tensor; ``isfinite(x).all()`` costs
+    several times more on the CPU.
+    """
+    total = 0
+    for t in tensors:
+        if mask is not None:
+            t = t.reshape(-1)[mask.reshape(-1)]
+        total = total + t.sum(dtype=torch.float64)
+    return torch.isfinite(total)
 
 
 def _param_label(p: torch.Tensor) -> str:
@@ -399,14 +447,26 @@ def _groups(sites: List[GaussianSite], stats: Dict[str, SiteCurvature]) -> List[
     return list(groups.values())
 
 
+class _Group(NamedTuple):
+    """Sites updated as one flat vector, with what the update needs of them every step."""
+
+    sites: List[GaussianSite]
+    sizes: List[int]
+    locs: List[torch.Tensor]  # flat views of the sites' loc tensors, to write into
+    raw_scales: List[torch.Tensor]  # and of their raw scale tensors
+    transform: object  # raw scale -> sigma
+
+    @classmethod
+    def of(cls, sites: List[GaussianSite]) -> "_Group":
+        with torch.no_grad():
+            return cls(sites, [site.loc.numel() for site in sites],
+                       [site.loc.view(-1) for site in sites],
+                       [site.raw_scale.view(-1) for site in sites],
+                       sites[0]._scale_transform)
+
+
 def _flat(tensors: List[torch.Tensor]) -> torch.Tensor:
     """The tensors, flattened and concatenated (no copy for a single contiguous one)."""
     if len(tensors) == 1:
         return tensors[0].reshape(-1)
     return torch.cat([t.reshape(-1) for t in tensors])
-
-
-def _unflat(flats: List[torch.Tensor], sites: List[GaussianSite]) -> List[List[torch.Tensor]]:
-    """Split each flat vector back into views shaped like the sites' locs."""
-    sizes = [site.loc.numel() for site in sites]
-    return [[piece.view_as(site.loc) for piece, site in zip(flat.split(sizes), sites)] for flat in flats]

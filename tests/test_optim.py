@@ -17,6 +17,7 @@ from pyro.infer.autoguide import AutoDelta, AutoDiagonalNormal, AutoLowRankMulti
 
 from pyro_ngvi import NGVI, NGVIWarning
 from pyro_ngvi.family import GaussianSite, SiteCurvature
+from pyro_ngvi.optim import _Group
 
 
 DATA = torch.tensor([0.3, 1.2, -0.5])
@@ -412,7 +413,7 @@ def test_precision_stays_positive_and_finite(beta, precision, curvature, first):
     site = GaussianSite("x", store._params["g.locs.x"], store._params["g.scales.x"], "g.scales.x")
     optim = NGVI(lr=1.0, beta=beta, warm_start=first)
     stats = SiteCurvature(torch.ones(1, dtype=torch.float64), torch.full((1,), curvature, dtype=torch.float64))
-    optim._update_group([site], [stats], stats.grad, stats.curvature, 1.0, beta, 1.0)
+    optim._update_group(_Group.of([site]), [stats], stats.grad, stats.curvature, 1.0, beta, 1.0)
     new = site.precision
     assert torch.isfinite(new).all() and (new > 0).all()
     assert torch.isfinite(loc).all()

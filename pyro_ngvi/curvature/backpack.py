@@ -150,11 +150,11 @@ def _check_source(source: str) -> None:
 
 def check_loss_module(loss_module: nn.Module) -> None:
     """:raises ValueError: unless ``loss_module`` is a supported loss with ``reduction="sum"``."""
-    supported = ", ".join(
-        f"{cls.__name__}(reduction='sum') ({likelihood})"
-        for cls, likelihood in LOSS_MODULES.items()
-    )
     if type(loss_module) not in LOSS_MODULES:
+        supported = ", ".join(
+            f"{cls.__name__}(reduction='sum') ({likelihood})"
+            for cls, likelihood in LOSS_MODULES.items()
+        )
         raise ValueError(
             f"BackPACK curvature needs one of the loss modules {supported}; "
             f"got {type(loss_module).__name__}"
@@ -174,6 +174,7 @@ def network_curvature(
     source: str,
     mc_samples: int = 1,
     loss_scale: Union[float, torch.Tensor] = 1.0,
+    params: Optional[List[torch.Tensor]] = None,
 ) -> NetworkCurvature:
     """
     Gradient and diagonal curvature of :math:`L(w) = c\\,\\mathrm{loss}(f(x; w), y)`
@@ -197,6 +198,9 @@ def network_curvature(
     :param loss_scale: per-example weight :math:`c`, a number or a 0-d tensor
         (default: 1). Gradient and GGNs carry :math:`c`, the empirical Fisher
         :math:`c^2`.
+    :param list params: the net's parameters that require a gradient, in
+        ``net.parameters()`` order, when the caller has them at hand (default:
+        found from ``net``).
     :rtype: NetworkCurvature
     :raises ValueError: for an unknown source or an unsupported loss module.
     :raises RuntimeError: when BackPACK produced no curvature for a parameter
@@ -205,7 +209,8 @@ def network_curvature(
     _check_source(source)
     check_loss_module(loss_module)
     extension = _extension(source, mc_samples)
-    params = [p for p in net.parameters() if p.requires_grad]
+    if params is None:
+        params = [p for p in net.parameters() if p.requires_grad]
     for p in params:
         p.grad = None
 
