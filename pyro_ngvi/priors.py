@@ -262,10 +262,7 @@ def conjugate_normal(
     if bijection is None:
         return None
     loc, scale = normal.loc, normal.scale
-    try:
-        if torch.broadcast_shapes(loc.shape, scale.shape, u_shape) != u_shape:
-            return None
-    except RuntimeError:
+    if not (_broadcasts_to(loc.shape, u_shape) and _broadcasts_to(scale.shape, u_shape)):
         return None
     # a plain Normal on a real site needs no probing: both maps are the identity
     if (transforms or not _is_real(support)) and not _same_map(
@@ -273,6 +270,14 @@ def conjugate_normal(
     ):
         return None
     return loc.expand(u_shape), scale.pow(-2).expand(u_shape)
+
+
+def _broadcasts_to(shape, target) -> bool:
+    """Whether ``shape`` broadcasts to ``target`` (``torch.broadcast_shapes(shape,
+    target) == target``, without its cost on every step)."""
+    return len(shape) <= len(target) and all(
+        a == 1 or a == b for a, b in zip(reversed(shape), reversed(target))
+    )
 
 
 # --------------------------------------------------------------------------- #

@@ -6,7 +6,6 @@ import math
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 from pyro.infer.util import is_validation_enabled

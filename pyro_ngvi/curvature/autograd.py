@@ -64,6 +64,10 @@ __all__ = [
 
 _WRAPPERS = (Independent, ExpandedDistribution, MaskedDistribution)
 
+#: From this many rows on, one batched (vmap) backward pass beats a loop of plain
+#: ones (measured, torch 2.14 CPU: a 1-row vmap pass costs about two plain passes).
+_BATCHED_MIN_ROWS = 3
+
 
 # ---------------------------------------------------------------------------
 # batched vector-Jacobian products
@@ -77,27 +81,24 @@ def _batched_vjp(
     Rows ``grad_outputs[c] @ d output / d inputs`` for every ``c`` at once; an
     input the output does not depend on gives ``None``.
     """
-    try:
-        return torch.autograd.grad(
-            output,
-            inputs,
-            grad_outputs,
-            retain_graph=True,
-            allow_unused=True,
-            is_grads_batched=True,
-        )
-    except RuntimeError:
-        # an operation in the graph without a vmap rule: one backward per row
-        rows = [
-            torch.autograd.grad(
-                output, inputs, vector, retain_graph=True, allow_unused=True
+    if len(grad_outputs) >= _BATCHED_MIN_ROWS:
+        try:
+            return torch.autograd.grad(
+                output,
+                inputs,
+                grad_outputs,
+                retain_graph=True,
+                allow_unused=True,
+                is_grads_batched=True,
             )
-            for vector in grad_outputs
-        ]
-        return tuple(
-            None if column[0] is None else torch.stack(column)
-            for column in zip(*rows)
-        )
+        except RuntimeError:
+            pass  # an operation in the graph without a vmap rule
+    # one backward per row
+    rows = [
+        torch.autograd.grad(output, inputs, vector, retain_graph=True, allow_unused=True)
+        for vector in grad_outputs
+    ]
+    return tuple(None if column[0] is None else torch.stack(column) for column in zip(*rows))
 
 
 def _jacobian_rows(
