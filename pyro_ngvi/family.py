@@ -67,7 +67,22 @@ class SiteCurvature:
 
 
 def attach_curvature(loc: torch.Tensor, stats: SiteCurvature) -> None:
-    """Hand ``stats`` to the optimizer on the site's unconstrained ``loc`` tensor."""
+    """
+    Hand ``stats`` to the optimizer on the site's unconstrained ``loc`` tensor.
+
+    :raises RuntimeError: when the previous step's statistics are still there:
+        nothing took them, i.e. SVI's optimizer is not :class:`~pyro_ngvi.NGVI`
+        (another optimizer would silently leave the guide untrained).
+    """
+    if hasattr(loc, _CURVATURE_ATTR):
+        name = pyro.get_param_store().param_name(loc) or f"of shape {tuple(loc.shape)}"
+        delattr(loc, _CURVATURE_ATTR)
+        raise RuntimeError(
+            f"The gradient and curvature CurvatureELBO handed over for guide parameter "
+            f"'{name}' last step were never used: CurvatureELBO works only with "
+            "pyro_ngvi.NGVI as SVI's optimizer (it does not set the guide's .grad that "
+            "other optimizers read)."
+        )
     setattr(loc, _CURVATURE_ATTR, stats)
 
 

@@ -264,6 +264,20 @@ def test_error_cases():
         SVI(unplated, AutoDiagonalNormal(unplated), NGVI(), CurvatureELBO("hessian")).step(x, x)
 
 
+@pytest.mark.parametrize("model", ["traced", "network"])
+def test_another_optimizer_gets_a_clear_error_not_a_silently_untrained_guide(float64, model):
+    x, y = orthogonal_design()
+    if model == "network":
+        torch.manual_seed(0)
+        model_fn = BayesianNet(nn.Linear(4, 1), "gaussian", num_data=len(x), noise_scale=NOISE)
+    else:
+        model_fn = regression
+    svi = SVI(model_fn, AutoNormal(model_fn), pyro.optim.Adam({"lr": 0.01}), CurvatureELBO("ggn"))
+    svi.step(x, y)  # Adam finds no .grad on the guide: nothing would ever train
+    with pytest.raises(RuntimeError, match="only with pyro_ngvi.NGVI"):
+        svi.step(x, y)
+
+
 def regression_with_deterministic(x, y):
     w = pyro.sample("w", dist.Normal(PRIOR_LOC, PRIOR_SCALE).to_event(1))
     pyro.deterministic("w_norm", w.norm())  # recorded, not a likelihood term
