@@ -189,7 +189,7 @@ class BayesianNet(nn.Module):
             # sum of log s_0 over the weight's elements, the prior's normaliser
             log_scale_sum = scale.log().expand(weight.param.shape).sum()
             self.register_buffer(f"_prior_log_scale_sum_{index}", log_scale_sum)
-        like = self._latents[0].param if self._latents else torch.zeros(())
+        like = self._latents[0].param
         total = sum(getattr(self, f"_prior_log_scale_sum_{j}") for j in range(len(self._latents)))
         self.register_buffer("_prior_log_scale_total", torch.as_tensor(total, dtype=like.dtype))
 
@@ -225,7 +225,10 @@ class BayesianNet(nn.Module):
 
     def _apply(self, fn, *args, **kwargs):
         self._prior_cache = self._flat_prior_cache = None  # .to(), .double(), ... replace the buffers
-        return super()._apply(fn, *args, **kwargs)
+        module = super()._apply(fn, *args, **kwargs)
+        twin = self._backpack[0]  # shares the net's parameter dicts, which may hold new tensors
+        self._twin_params = [p for p in twin.parameters() if p.requires_grad]
+        return module
 
     def prior(self, site: str) -> Tuple[torch.Tensor, torch.Tensor]:
         """Prior ``(loc, scale)`` of a latent site, broadcastable to its shape."""
@@ -313,7 +316,7 @@ class BayesianNet(nn.Module):
     def _noise_scale(self) -> torch.Tensor:
         if self.noise_scale is not None:
             return self.noise_scale
-        like = self._latents[0].param if self._latents else torch.zeros(())
+        like = self._latents[0].param
         return pyro.param(
             self._site("noise_scale"),
             lambda: torch.tensor(self.init_noise_scale, dtype=like.dtype, device=like.device),
@@ -366,7 +369,7 @@ class BayesianNet(nn.Module):
         floats shaped as the network output (``(B,)`` targets of a ``(B, 1)`` output)."""
         if self.likelihood == "categorical":
             return y.long()
-        dtype = self._latents[0].param.dtype if self._latents else None
+        dtype = self._latents[0].param.dtype
         return (y.unsqueeze(-1) if y.dim() == 1 else y).to(dtype)
 
     def curvature_step(
@@ -403,12 +406,14 @@ class BayesianNet(nn.Module):
         :math:`-\\log p = \\|f - y\\|^2 / (2\\sigma^2) + \\text{const}`, so the
         per-example gradients carry :math:`1/(2\\sigma^2)` (squared in ``ef``).
         :math:`g` and :math:`h` are averaged over particles and attached as
-        :class:`~pyro_ngvi.family.SiteCurvature` ``(g, h, m_0, 1/s_0^2)`` to each
-        site's unconstrained ``loc`` in the param store: the Normal prior is
+        :class:`~pyro_ngvi.family.SiteCurvature` ``(g, h, m_0, 1/s_0^2, sigma)`` to
+        each site's unconstrained ``loc`` in the param store: the Normal prior is
         conjugate and left to the optimizer. Point-estimated params (a learned
         noise scale, ``BatchNorm``) get the gradient of the particle average of
-        :math:`\\ell` in ``.grad``. The guide's locs and scales are read through
-        ``pyro.param`` statements, so ``SVI.step`` hands them to the optimizer.
+        :math:`\\ell` in ``.grad``. The guide's locs are read through ``pyro.param``
+        statements, so ``SVI.step`` hands them to the optimizer, which finds each
+        scale by name; all sites are handled as one flat vector (one sample
+        kernel, one copy into the net, one reduction for the ELBO value).
 
         :param guide: an :class:`~pyro.infer.autoguide.AutoNormal` of this model
             (run once on ``(x, y)`` if it has not been).

@@ -292,8 +292,8 @@ class NGVI(PyroOptim):
         The update of the class docstring for ``sites`` at once, as one flat
         vector (one kernel per operation rather than one per site and operation);
         ``grad`` and ``curvature`` are the sites' ``g`` and ``h`` so flattened.
-        The sites share the scale constraint, ``sampled``, whether a prior is
-        given, and either have no ``mask`` or are a single masked site.
+        The sites share the scale constraint, ``sampled``, ``nonnegative``, whether
+        a prior is given, and either have no ``mask`` or are a single masked site.
         """
         # In-place wherever a value is not needed again (``grad`` and ``curvature``
         # are this step's, the optimizer's to overwrite): besides the flat copies of
@@ -426,7 +426,7 @@ def _param_label(p: torch.Tensor) -> str:
 def _groups(sites: List[GaussianSite], stats: Dict[str, SiteCurvature]) -> List[List[GaussianSite]]:
     """
     Sites whose update can run as one flat vector: same scale constraint, dtype,
-    device, ``sampled`` flag and prior presence, no mask, at most ``_FLAT_MAX``
+    device, ``sampled`` and ``nonnegative`` flags and prior presence, no mask, at most ``_FLAT_MAX``
     elements together. A masked site (subsampled rows) or a large one is a group
     of its own (no copies: its flat tensors are views).
     """
@@ -438,7 +438,8 @@ def _groups(sites: List[GaussianSite], stats: Dict[str, SiteCurvature]) -> List[
             key = ("alone", site.name)
         else:
             constraint = id(pyro.get_param_store()._constraints[site.scale_name])
-            key = (constraint, site.loc.dtype, site.loc.device, s.sampled, s.prior_precision is None)
+            key = (constraint, site.loc.dtype, site.loc.device, s.sampled, s.nonnegative,
+                   s.prior_precision is None)
             if sizes.get(key, 0) + site.loc.numel() > _FLAT_MAX:  # start another group
                 groups[key + (len(groups),)] = groups.pop(key)
                 sizes[key] = 0

@@ -386,6 +386,12 @@ def test_prior_errors():
         BayesianNet(net, "gaussian", num_data=5, prior=-1.0)
 
 
+def test_network_without_a_weight_to_be_bayesian_about():
+    frozen = nn.Linear(2, 1).requires_grad_(False)
+    with pytest.raises(ValueError, match="no weight to put a prior on"):
+        BayesianNet(nn.Sequential(nn.BatchNorm1d(2), frozen), "gaussian", num_data=5)
+
+
 def test_name_prefixes_every_site_and_param():
     torch.manual_seed(0)
     layers = [nn.Linear(D_IN, HIDDEN), nn.BatchNorm1d(HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, 2)]
