@@ -73,7 +73,7 @@ CHECKPOINTS = (10, 50, 200)
 METHODS: Dict[str, tuple] = {
     "NGVI ef": ("ngvi", dict(curvature="ef", lr=0.03, beta=0.05, momentum=0.9, damping=0.0,
                              num_particles=1, init_scale=0.1)),
-    "NGVI ggn": ("ngvi", dict(curvature="ggn", lr=0.1, beta=0.1, momentum=0.9, damping=30.0,
+    "NGVI ggn": ("ngvi", dict(curvature="ggn", lr=0.1, beta=0.1, momentum=0.8, damping=30.0,
                               num_particles=16, init_scale=0.1)),
     BBB: ("bbb", dict(lr=1e-2, init_scale=0.1)),
     "MAP Adam": ("map", dict(lr=3e-3)),

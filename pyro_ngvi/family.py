@@ -158,7 +158,10 @@ class _SoftplusFloat64(SoftplusTransform):
         return super()._call(x.double()).float() if self._slow(x) else super()._call(x)
 
     def _inverse(self, y):
-        return super()._inverse(y.double()).float() if self._slow(y) else super()._inverse(y)
+        if not self._slow(y):
+            return super()._inverse(y)
+        # in place on the one float64 copy: sigma + log(-expm1(-sigma))
+        return y.double().neg_().expm1_().neg_().log_().add_(y).float()
 
 
 def scale_transform(constraint) -> Transform:
