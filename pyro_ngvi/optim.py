@@ -245,12 +245,12 @@ class NGVI(PyroOptim):
         return sites, others
 
     def _groups(self, sites: List[GaussianSite], stats: Dict[str, SiteCurvature]) -> List["_Group"]:
-        """:func:`_groups` for these sites and kinds of statistics, remembered."""
+        """:func:`_group_sites` for these sites and kinds of statistics, remembered."""
         key = tuple((s.mask is None, s.sampled, s.nonnegative, s.prior_precision is None)
                     for s in (stats[site.name] for site in sites))
         groups = self._group_cache.get(key)
         if groups is None:
-            groups = self._group_cache[key] = [_Group.of(group) for group in _groups(sites, stats)]
+            groups = self._group_cache[key] = [_Group.of(group) for group in _group_sites(sites, stats)]
         return groups
 
     @staticmethod
@@ -423,7 +423,7 @@ def _param_label(p: torch.Tensor) -> str:
     return pyro.get_param_store().param_name(p) or f"tensor of shape {tuple(p.shape)}"
 
 
-def _groups(sites: List[GaussianSite], stats: Dict[str, SiteCurvature]) -> List[List[GaussianSite]]:
+def _group_sites(sites: List[GaussianSite], stats: Dict[str, SiteCurvature]) -> List[List[GaussianSite]]:
     """
     Sites whose update can run as one flat vector: same scale constraint, dtype,
     device, ``sampled`` and ``nonnegative`` flags and prior presence, no mask, at most ``_FLAT_MAX``

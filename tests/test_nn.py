@@ -1,5 +1,6 @@
 """BayesianNet: the Pyro model it defines, and its fast path against autograd and Trace_ELBO."""
 
+import copy
 import math
 import warnings
 
@@ -342,6 +343,33 @@ def test_fast_path_follows_dtype_conversion_and_stays_quiet():
             loss = bnn.curvature_step(guide, x, y, source)
             assert loss.dtype == torch.float64 and torch.isfinite(loss)
             assert all(s.grad.dtype == torch.float64 for s in pop_all(bnn).values())
+
+
+def test_ngvi_follows_a_scale_replaced_in_the_param_store():
+    """NGVI remembers how SVI's tensors pair into sites (the fast path hands it the
+    locs only); a scale replaced in the param store must be the one it updates."""
+    from pyro_ngvi import CurvatureELBO, NGVI
+
+    bnn = make_bnn("categorical")
+    x, y = make_data("categorical")
+    guide = make_guide(bnn, x, y)
+    store = pyro.get_param_store()
+
+    def run(optim, replace):
+        svi = SVI(bnn, guide, optim, CurvatureELBO("ggn", deterministic=True))
+        if replace:
+            svi.step(x, y)
+            name = "AutoNormal.scales.0.weight"
+            store[name] = 2 * store[name].detach()  # a new raw tensor in the store
+        start = copy.deepcopy(store.get_state())  # get_state holds the live tensors
+        svi.step(x, y)
+        return start, {k: v.detach().clone() for k, v in store.items()}
+
+    start, after = run(NGVI(lr=0.5, beta=0.5, warm_start=False), replace=True)
+    store.set_state(start)
+    _, reference = run(NGVI(lr=0.5, beta=0.5, warm_start=False), replace=False)  # nothing cached
+    for name, value in reference.items():
+        torch.testing.assert_close(after[name], value, rtol=0, atol=0, msg=name)
 
 
 # ----------------------------------------------------------------- errors
