@@ -16,6 +16,7 @@ from typing import Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.func import functional_call
 
 import pyro
@@ -164,6 +165,7 @@ class BayesianNet(nn.Module):
                 "parameter with requires_grad=True outside BatchNorm layers."
             )
         self._sizes = [w.param.numel() for w in self._latents]
+        self._latent_params = [w.param for w in self._latents]
         self._prior_cache = self._flat_prior_cache = None
         self._set_priors(prior)
 
@@ -228,6 +230,7 @@ class BayesianNet(nn.Module):
         module = super()._apply(fn, *args, **kwargs)
         twin = self._backpack[0]  # shares the net's parameter dicts, which may hold new tensors
         self._twin_params = [p for p in twin.parameters() if p.requires_grad]
+        self._latent_params = [w.param for w in self._latents]
         return module
 
     def prior(self, site: str) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -449,7 +452,8 @@ class BayesianNet(nn.Module):
         else:
             loss_scale = 0.5 / noise_scale**2
         # all sites as one flat vector: mu, sigma, eps, w (views split it per site)
-        mean = torch.cat([loc.detach().reshape(-1) for loc in locs])
+        with torch.no_grad():
+            mean = _flatten_dense_tensors(locs)
         stddevs = self._split(scale)
         target = self._loss_target(y)
         source = "none" if curvature == "reparam" else curvature
@@ -510,7 +514,7 @@ class BayesianNet(nn.Module):
 
     def _split(self, flat: torch.Tensor) -> List[torch.Tensor]:
         """A flat vector over all latent sites as views shaped like each site's weight."""
-        return [piece.view_as(w.param) for piece, w in zip(flat.split(self._sizes), self._latents)]
+        return _unflatten_dense_tensors(flat, self._latent_params)
 
     def _read_guide(self, guide, x, y) -> Tuple[List[torch.Tensor], torch.Tensor]:
         """
@@ -532,7 +536,8 @@ class BayesianNet(nn.Module):
                 for w in self._latents:
                     guide._get_loc_and_scale(w.site)
         constraint = store._constraints[scales[0]]
-        raw = torch.cat([store._params[name].detach().reshape(-1) for name in scales])
+        with torch.no_grad():
+            raw = _flatten_dense_tensors([store._params[name] for name in scales])
         if all(store._constraints[name] is constraint for name in scales):
             scale = scale_transform(constraint)(raw)
         else:
@@ -554,7 +559,7 @@ class BayesianNet(nn.Module):
                 piece.normal_()
             weights = torch.addcmul(mean, scale, noise)
         with torch.no_grad():
-            torch._foreach_copy_([w.param for w in self._latents], self._split(weights))
+            torch._foreach_copy_(self._latent_params, self._split(weights))
         return weights, noise
 
     def _full_nll(self, nll, loss_scale, noise_scale, target, batch_size) -> torch.Tensor:

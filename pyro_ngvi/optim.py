@@ -9,6 +9,7 @@ import warnings
 from typing import Callable, Dict, List, NamedTuple, Optional, Union
 
 import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 import pyro
 from pyro.optim.optim import PyroOptim
@@ -374,8 +375,8 @@ class NGVI(PyroOptim):
             new = torch.where(started, torch.lerp(grad, old, self.momentum), grad)
         if mask is not None and all(site.name in buffers for site in sites):
             new = torch.where(mask, new, old)
-        for site, piece in zip(sites, new.split(group.sizes)):
-            buffers[site.name] = piece.view_as(site.loc)
+        for site, piece in zip(sites, _unflatten_dense_tensors(new, group.locs)):
+            buffers[site.name] = piece
         return new
 
     # ---------------------------------------------------------------- state
@@ -470,4 +471,4 @@ def _flat(tensors: List[torch.Tensor]) -> torch.Tensor:
     """The tensors, flattened and concatenated (no copy for a single contiguous one)."""
     if len(tensors) == 1:
         return tensors[0].reshape(-1)
-    return torch.cat([t.reshape(-1) for t in tensors])
+    return _flatten_dense_tensors(tensors)  # one call: reshape and cat in C++
