@@ -164,7 +164,6 @@ class BayesianNet(nn.Module):
                 "BayesianNet found no weight to put a prior on: the network needs a "
                 "parameter with requires_grad=True outside BatchNorm layers."
             )
-        self._sizes = [w.param.numel() for w in self._latents]
         self._latent_params = [w.param for w in self._latents]
         self._prior_cache = self._flat_prior_cache = None
         self._set_priors(prior)
@@ -555,7 +554,7 @@ class BayesianNet(nn.Module):
             weights = mean
         else:
             noise = torch.empty_like(mean)
-            for piece in noise.split(self._sizes):
+            for piece in self._split(noise):
                 piece.normal_()
             weights = torch.addcmul(mean, scale, noise)
         with torch.no_grad():
