@@ -368,15 +368,16 @@ class NGVI(PyroOptim):
             old = _flat([buffers[site.name] for site in sites])
             new = torch.lerp(grad, old, self.momentum)
         else:  # some site's first step: its buffer starts at g
+            pieces = grad.split(group.sizes)
             old = _flat([buffers[site.name].reshape(-1) if site.name in buffers else piece
-                         for site, piece in zip(sites, grad.split(group.sizes))])
+                         for site, piece in zip(sites, pieces)])
             started = _flat([torch.full_like(piece, site.name in buffers, dtype=torch.bool)
-                             for site, piece in zip(sites, grad.split(group.sizes))])
+                             for site, piece in zip(sites, pieces)])
             new = torch.where(started, torch.lerp(grad, old, self.momentum), grad)
         if mask is not None and all(site.name in buffers for site in sites):
             new = torch.where(mask, new, old)
-        for site, piece in zip(sites, _unflatten_dense_tensors(new, group.locs)):
-            buffers[site.name] = piece
+        for site, piece in zip(sites, _unflatten_dense_tensors(new, [site.loc for site in sites])):
+            buffers[site.name] = piece  # shaped like the site's loc
         return new
 
     # ---------------------------------------------------------------- state

@@ -485,3 +485,16 @@ def test_sites_updated_together_follow_the_update_equations_elementwise(monkeypa
             mu, lam = reference[name]
             assert torch.allclose(store[f"g.locs.{name}"].detach(), mu, rtol=1e-10, atol=1e-12), name
             assert torch.allclose(store[f"g.scales.{name}"].detach().pow(-2), lam, rtol=1e-8), name
+
+
+def test_momentum_state_is_shaped_like_each_site():
+    def model():
+        pyro.sample("a", dist.Normal(torch.zeros(3, 2), 1.0).to_event(2))
+        pyro.sample("b", dist.Normal(0.0, 1.0))
+
+    optim = NGVI(momentum=0.9)
+    svi = SVI(model, AutoNormal(model), optim, Trace_ELBO())
+    for _ in range(3):
+        svi.step()
+    shapes = {k: tuple(v.shape) for k, v in optim.get_state()["ngvi"]["momentum"].items()}
+    assert shapes == {"a": (3, 2), "b": ()}
