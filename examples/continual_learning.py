@@ -17,7 +17,7 @@ Methods, all on the same networks, initialisation and data:
 * ``NGVI (ours)``: :class:`~pyro_ngvi.BayesianNet` + ``CurvatureELBO("ef")`` +
   :class:`~pyro_ngvi.NGVI` (VOGN), the posterior carried as the prior
   (:func:`~pyro_ngvi.posterior_as_prior`, :func:`~pyro_ngvi.with_priors`) and the
-  new guide started at it (:func:`~pyro_ngvi.priors.start_task`, ``carry=True``);
+  new guide started at it (:func:`~pyro_ngvi.start_task`, ``carry=True``);
 * ``VCL (BBB, Adam)``: the same Bayesian models and chain, fitted by
   Bayes-by-Backprop: ``Trace_ELBO`` + ``pyro.optim.Adam`` (variational
   continual learning);
@@ -64,7 +64,7 @@ from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 
 from pyro_ngvi import BayesianNet, CurvatureELBO, NGVI, posterior_as_prior, with_priors
-from pyro_ngvi.priors import start_task
+from pyro_ngvi import start_task
 
 EXPERIMENTS = ("permuted", "split")
 METHODS = ("NGVI (ours)", "VCL (BBB, Adam)", "Fine-tuning (MAP)", "MAP + L2 pull")

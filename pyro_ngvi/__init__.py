@@ -7,7 +7,9 @@ from .elbo import CurvatureELBO
 from .laplace import LaplaceResult, LaplaceWarning, laplace, optimize_prior_precision
 from .nn import BayesianNet
 from .optim import NGVI, NGVIWarning
-from .priors import PriorMessenger, conjugate_normal, posterior_as_prior, start_task, with_priors
+from .continual import posterior_as_prior, start_task, with_priors
+from .handlers import PriorMessenger
+from .priors import conjugate_normal
 
 __all__ = [
     "BayesianNet",

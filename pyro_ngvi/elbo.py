@@ -53,9 +53,18 @@ class CurvatureELBO(ELBO):
     - ``"ggn"``: the exact generalised Gauss-Newton diagonal for Categorical,
       Bernoulli and Normal likelihoods.
 
-    On a :class:`~pyro_ngvi.nn.BayesianNet` model no Pyro tracing happens after the
-    first step: the network runs with the sampled weights and BackPACK computes the
-    per-example quantities. On any other model the same numbers come from autograd.
+    **A model's own fast path.** A model that can compute these statistics
+    faster than tracing says so (the protocol; the ELBO knows no model class):
+
+    - ``model.curvature_sources``: the sources it serves (a tuple of names);
+    - ``model.curvature_step(guide, *args, curvature=, num_particles=,
+      deterministic=, mc_samples=, **kwargs)``: does what :meth:`loss_and_grads`
+      does (attach a :class:`~pyro_ngvi.family.SiteCurvature` to every guide
+      site's ``loc``, set ``.grad`` of the other parameters) and returns the loss.
+
+    :class:`~pyro_ngvi.BayesianNet` is one: its network runs with the sampled
+    weights and BackPACK computes the per-example quantities, with no Pyro
+    tracing. For any other model (or source) the same numbers come from autograd.
 
     :param str curvature: one of the sources above (default: ``"reparam"``)
     :param int num_particles: Monte-Carlo samples per step (default: 1)
@@ -109,9 +118,7 @@ class CurvatureELBO(ELBO):
         Estimate the loss, attach a :class:`~pyro_ngvi.family.SiteCurvature` to every
         guide site's ``loc`` and set ``.grad`` of the other parameters.
         """
-        from .nn import BayesianNet
-
-        if isinstance(model, BayesianNet) and self.curvature in model.curvature_sources:
+        if self.curvature in getattr(model, "curvature_sources", ()):  # the model's own fast path
             loss = model.curvature_step(
                 guide, *args, curvature=self.curvature, num_particles=self.num_particles,
                 deterministic=self.deterministic, mc_samples=self.mc_samples, **kwargs,

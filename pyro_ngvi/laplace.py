@@ -82,7 +82,6 @@ from pyro.infer.autoguide.initialization import init_to_feasible
 from .curvature import check_source
 from .elbo import CurvatureELBO
 from .family import GaussianSite, pop_curvature
-from .nn import BayesianNet
 from .optim import NGVI
 
 __all__ = ["LaplaceResult", "LaplaceWarning", "PriorPrecisionSearch", "laplace", "optimize_prior_precision"]
@@ -223,8 +222,8 @@ def laplace(
     if not tol > 0:
         raise ValueError(f"tol must be positive, got {tol!r}")
     if guide is None:
-        init = model.init_loc_fn if isinstance(model, BayesianNet) else init_to_feasible
-        guide = AutoNormal(model, init_loc_fn=init)
+        # a model may say where its guide should start (BayesianNet: at its network's weights)
+        guide = AutoNormal(model, init_loc_fn=getattr(model, "init_loc_fn", init_to_feasible))
     elif not isinstance(guide, AutoNormal):
         raise NotImplementedError(
             f"laplace writes its result into an AutoNormal guide, got {type(guide).__name__}"

@@ -23,7 +23,7 @@ from pyro.infer.autoguide import AutoNormal
 
 from pyro_ngvi import BayesianNet, CurvatureELBO, NGVI, PriorMessenger
 from pyro_ngvi import posterior_as_prior, with_priors
-from pyro_ngvi.priors import start_task
+from pyro_ngvi import start_task
 
 NOISE = 0.4
 D = 4

@@ -262,7 +262,7 @@ def test_two_ranks_one_sample_each_equal_one_process_with_two_samples(trained):
     for rank in range(WORLD):
         torch.manual_seed(SEED + rank)
         streams.append(torch.get_rng_state())
-    draw = bnn._sample_into_net
+    draw = bnn._fast_path._sample_into_net
     particle = [0]
 
     def sample_as_rank(*args):
@@ -273,7 +273,7 @@ def test_two_ranks_one_sample_each_equal_one_process_with_two_samples(trained):
         particle[0] += 1
         return noises
 
-    bnn._sample_into_net = sample_as_rank
+    bnn._fast_path._sample_into_net = sample_as_rank
     svi = SVI(bnn, guide, ngvi(), CurvatureELBO("ef", num_particles=WORLD))
     for _ in range(STEPS):
         svi.step(x, y)

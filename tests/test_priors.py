@@ -1,4 +1,5 @@
-"""Specification of pyro_ngvi.priors: conjugacy, posterior-as-prior, prior swapping."""
+"""Specification of the prior machinery: conjugacy (pyro_ngvi.priors), posterior-as-prior
+(pyro_ngvi.continual) and prior swapping (pyro_ngvi.handlers)."""
 
 import math
 
@@ -13,7 +14,7 @@ from pyro import poutine
 from pyro.infer import SVI, Predictive, Trace_ELBO
 from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
 
-from pyro_ngvi.priors import PriorMessenger, conjugate_normal, posterior_as_prior, with_priors
+from pyro_ngvi import PriorMessenger, conjugate_normal, posterior_as_prior, with_priors
 
 
 def f64(x):

@@ -3,20 +3,16 @@ Bayesian neural networks from plain :class:`torch.nn.Module` networks.
 
 :class:`BayesianNet` turns a network, a Normal prior on its weights and a
 likelihood into a Pyro model ``model(x, y=None)`` (usable with any autoguide,
-``SVI`` and ``Predictive``), and keeps the plain network for BackPACK so that
-:class:`~pyro_ngvi.CurvatureELBO` can compute gradient and curvature of the
-likelihood for every weight tensor in one backward pass, without tracing
-(:meth:`BayesianNet.curvature_step`).
+``SVI`` and ``Predictive``). It offers :class:`~pyro_ngvi.CurvatureELBO` a faster
+way to its curvature (:meth:`BayesianNet.curvature_step`, the protocol of
+:mod:`pyro_ngvi.elbo`), served by :mod:`pyro_ngvi.nn.fast_path`.
 """
 
-import math
-from copy import deepcopy
-from itertools import chain
 from typing import Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch._utils import _unflatten_dense_tensors
 from torch.func import functional_call
 
 import pyro
@@ -24,21 +20,12 @@ import pyro.distributions as dist
 from pyro.distributions import constraints
 from pyro.infer.autoguide.initialization import init_to_feasible
 
-from backpack import extend
+from ..priors import _weight_prior_loc_scale
+from .fast_path import LOSS_MODULES, BackpackStep
 
-from .curvature.backpack import network_curvature
-from .family import SiteCurvature, attach_curvature, scale_transform
-
-_HALF_LOG_TWO_PI = 0.5 * math.log(2 * math.pi)
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
-_LOSS_MODULES = {
-    "categorical": nn.CrossEntropyLoss,
-    "bernoulli": nn.BCEWithLogitsLoss,
-    "gaussian": nn.MSELoss,
-}
 
 PriorSpec = Union[float, torch.Tensor, Tuple, torch.distributions.Distribution]
-
 
 class _Weight(NamedTuple):
     site: str  # Pyro site (latent) or param (point estimate) name
@@ -107,7 +94,7 @@ class BayesianNet(nn.Module):
     """
 
     #: Curvature sources :meth:`curvature_step` supports.
-    curvature_sources = ("ef", "ggn", "ggn_mc", "reparam")
+    curvature_sources = BackpackStep.sources
 
     def __init__(
         self,
@@ -120,10 +107,10 @@ class BayesianNet(nn.Module):
         name: str = "",
     ):
         super().__init__()
-        if likelihood not in _LOSS_MODULES:
+        if likelihood not in LOSS_MODULES:
             raise ValueError(
                 f"Unknown likelihood {likelihood!r}; supported: "
-                + ", ".join(repr(k) for k in _LOSS_MODULES)
+                + ", ".join(repr(k) for k in LOSS_MODULES)
             )
         if int(num_data) < 1:
             raise ValueError(f"num_data must be a positive integer, got {num_data}")
@@ -137,16 +124,7 @@ class BayesianNet(nn.Module):
         self.init_noise_scale = float(init_noise_scale)
         self.prefix = name + "." if name else ""
 
-        # A twin of the network sharing its parameters and buffers (the very
-        # dicts), extended with BackPACK. ``net`` stays free of BackPACK's hooks,
-        # so the traced model path (and torch.func on it) runs the plain network.
-        twin = deepcopy(net, memo={id(t): t for t in chain(net.parameters(), net.buffers())})
-        for twin_module, module in zip(twin.modules(), net.modules()):
-            twin_module._parameters = module._parameters
-            twin_module._buffers = module._buffers
-        loss_module = extend(_LOSS_MODULES[likelihood](reduction="sum"))
-        self._backpack = (extend(twin), loss_module, list(zip(twin.modules(), net.modules())))
-        self._twin_params = [p for p in twin.parameters() if p.requires_grad]
+        self._fast_path = BackpackStep(net, likelihood)
 
         self._latents: List[_Weight] = []
         self._point_estimates: List[_Weight] = []
@@ -227,8 +205,7 @@ class BayesianNet(nn.Module):
     def _apply(self, fn, *args, **kwargs):
         self._prior_cache = self._flat_prior_cache = None  # .to(), .double(), ... replace the buffers
         module = super()._apply(fn, *args, **kwargs)
-        twin = self._backpack[0]  # shares the net's parameter dicts, which may hold new tensors
-        self._twin_params = [p for p in twin.parameters() if p.requires_grad]
+        self._fast_path.refresh()  # the shared parameter dicts may hold new tensors
         self._latent_params = [w.param for w in self._latents]
         return module
 
@@ -269,8 +246,6 @@ class BayesianNet(nn.Module):
         :param dict priors: ``{site name: distribution}``.
         :returns: a new :class:`BayesianNet` sharing :attr:`net` with this one.
         """
-        from .priors import _weight_prior_loc_scale  # (priors does not import nn)
-
         if not isinstance(priors, dict):
             raise TypeError(f"priors must be a dict of distributions, got {type(priors).__name__}")
         sites = self.latent_sites
@@ -366,14 +341,6 @@ class BayesianNet(nn.Module):
 
     # ------------------------------------------------------------ fast path
 
-    def _loss_target(self, y: torch.Tensor) -> torch.Tensor:
-        """``y`` in the form the BackPACK loss module expects: class indices, or
-        floats shaped as the network output (``(B,)`` targets of a ``(B, 1)`` output)."""
-        if self.likelihood == "categorical":
-            return y.long()
-        dtype = self._latents[0].param.dtype
-        return (y.unsqueeze(-1) if y.dim() == 1 else y).to(dtype)
-
     def curvature_step(
         self,
         guide,
@@ -431,203 +398,14 @@ class BayesianNet(nn.Module):
             included; when ``deterministic``, :math:`\\ell(\\mu) + \\mathrm{KL}(q \\| p_0)`.
         :rtype: torch.Tensor
         """
-        self._check_step(guide, y, curvature, deterministic)
-        locs, scale = self._read_guide(guide, x, y)
-        points = [self._point_estimate(w) for w in self._point_estimates]
-        noise_scale = self._noise_scale() if self.likelihood == "gaussian" else None
-        twin, loss_module, module_pairs = self._backpack
-        for twin_module, module in module_pairs:
-            if twin_module.training != module.training:
-                twin_module.training = module.training
-        with torch.no_grad():
-            for weight, value in zip(self._point_estimates, points):
-                weight.param.copy_(value)
-
-        # per-example weight c of the loss module: -log p = c * MSE + const
-        if noise_scale is None:
-            loss_scale = 1.0
-        elif isinstance(noise_scale, torch.Tensor):  # no .item(): no device sync
-            loss_scale = 0.5 / noise_scale.detach() ** 2
-        else:
-            loss_scale = 0.5 / noise_scale**2
-        # all sites as one flat vector: mu, sigma, eps, w (views split it per site)
-        with torch.no_grad():
-            mean = _flatten_dense_tensors(locs)
-        stddevs = self._split(scale)
-        target = self._loss_target(y)
-        source = "none" if curvature == "reparam" else curvature
-        grads: List[torch.Tensor] = []
-        curvatures: List[torch.Tensor] = []
-        point_grads: List[torch.Tensor] = []
-        nll, log_ratio = 0.0, 0.0
-        for particle in range(num_particles):
-            weights, noise = self._sample_into_net(mean, scale, deterministic)
-            result = network_curvature(
-                twin, loss_module, x, target, source, mc_samples=mc_samples, loss_scale=loss_scale,
-                params=self._twin_params,
-            )
-            site_grads = [result.grads[w.index] for w in self._latents]
-            if curvature == "reparam":
-                site_curvatures = [g * e / s for g, e, s in zip(site_grads, self._split(noise), stddevs)]
-            else:
-                site_curvatures = [result.curvatures[w.index] for w in self._latents]
-            site_point_grads = [result.grads[w.index] for w in self._point_estimates]
-            if particle == 0:  # fresh tensors, ours to scale in place below
-                grads, curvatures, point_grads = site_grads, site_curvatures, site_point_grads
-            else:
-                torch._foreach_add_(grads, site_grads)
-                torch._foreach_add_(curvatures, site_curvatures)
-                if point_grads:
-                    torch._foreach_add_(point_grads, site_point_grads)
-            nll = nll + result.loss
-            if not deterministic:
-                log_ratio = log_ratio + self._log_ratio(weights, noise)
-
-        # full-data scale N/B and particle average; hand g, h over on each loc
-        factor = self.num_data / len(x) / num_particles
-        torch._foreach_mul_(grads, factor)
-        torch._foreach_mul_(curvatures, factor)
-        prior_locs, prior_precisions = self._site_priors()
-        for loc, grad, curv, stddev, prior_loc, prior_precision in zip(
-            locs, grads, curvatures, stddevs, prior_locs, prior_precisions
-        ):
-            stats = SiteCurvature(
-                grad=grad,
-                curvature=curv,
-                prior_loc=prior_loc,
-                prior_precision=prior_precision,
-                sampled=curvature == "reparam",
-                nonnegative=curvature != "reparam",
-                scale=stddev,
-            )
-            attach_curvature(loc.unconstrained(), stats)
-        for value, grad in zip(points, point_grads):
-            _accumulate_grad(value.unconstrained(), grad.mul_(factor))
-
-        nll = self._full_nll(nll / num_particles, loss_scale, noise_scale, target, len(x))
-        if deterministic:
-            return (nll + self._kl(mean, scale)).detach()
-        # the particle average of sum [lambda_0 (w - m_0)^2 - eps^2] / 2 - log sigma + log s_0
-        log_ratio = log_ratio / num_particles - scale.log().sum() + self._prior_log_scale_total
-        return (nll + log_ratio).detach()
+        return self._fast_path(
+            self, guide, x, y, curvature, num_particles=num_particles,
+            deterministic=deterministic, mc_samples=mc_samples,
+        )
 
     def _split(self, flat: torch.Tensor) -> List[torch.Tensor]:
         """A flat vector over all latent sites as views shaped like each site's weight."""
         return _unflatten_dense_tensors(flat, self._latent_params)
-
-    def _read_guide(self, guide, x, y) -> Tuple[List[torch.Tensor], torch.Tensor]:
-        """
-        The guide's unconstrained ``loc`` tensors, read by ``pyro.param``
-        statements (which ``SVI.step`` records to hand them to the optimizer), and
-        :math:`\\sigma` of all sites as one flat vector (detached). The scales are
-        read from the param store directly: :class:`~pyro_ngvi.NGVI` finds their
-        raw tensors by name, and gets :math:`\\sigma` in the
-        :class:`~pyro_ngvi.family.SiteCurvature`.
-        """
-        if guide.prototype_trace is None:
-            guide(x, y)
-        store = pyro.get_param_store()
-        prefix = guide._pyro_name
-        locs = [f"{prefix}.locs.{w.site}" for w in self._latents]
-        scales = [f"{prefix}.scales.{w.site}" for w in self._latents]
-        if not all(loc in store and scale in store for loc, scale in zip(locs, scales)):
-            with guide._pyro_context:  # (re-)registers the guide's own tensors
-                for w in self._latents:
-                    guide._get_loc_and_scale(w.site)
-        constraint = store._constraints[scales[0]]
-        with torch.no_grad():
-            raw = _flatten_dense_tensors([store._params[name] for name in scales])
-        if all(store._constraints[name] is constraint for name in scales):
-            scale = scale_transform(constraint)(raw)
-        else:
-            scale = torch.cat([store[name].detach().reshape(-1) for name in scales])
-        return [pyro.param(name) for name in locs], scale
-
-    def _sample_into_net(self, mean, scale, deterministic) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """
-        Draw :math:`\\epsilon` site by site (as ``randn_like`` per site), write
-        :math:`w = \\mu + \\sigma\\epsilon` (:math:`\\mu` when ``deterministic``) into the
-        net; return the flat ``(w, eps)`` (``eps`` is ``None`` when ``deterministic``).
-        """
-        noise = None
-        if deterministic:
-            weights = mean
-        else:
-            noise = torch.empty_like(mean)
-            for piece in self._split(noise):
-                piece.normal_()
-            weights = torch.addcmul(mean, scale, noise)
-        with torch.no_grad():
-            torch._foreach_copy_(self._latent_params, self._split(weights))
-        return weights, noise
-
-    def _full_nll(self, nll, loss_scale, noise_scale, target, batch_size) -> torch.Tensor:
-        """
-        :math:`\\ell = \\frac{N}{B}(-\\sum_i \\log p(y_i \\mid f_i))` with constants, from the
-        loss module's :math:`c \\cdot` batch sum ``nll``; for a learned Gaussian noise scale
-        also sets its ``.grad`` to :math:`\\partial \\ell / \\partial` (unconstrained).
-        """
-        scale = self.num_data / batch_size
-        if noise_scale is None:
-            return scale * nll
-        # l = N/B [sse / (2 sigma^2) + B D (log sigma + log(2 pi) / 2)], sse = nll / c
-        events = target.numel()
-        if isinstance(noise_scale, torch.Tensor):
-            sse = nll / loss_scale
-            sigma_term = scale * (0.5 * sse / noise_scale**2 + events * noise_scale.log())
-            if noise_scale.requires_grad:
-                sigma_term.backward()
-            sigma_term = sigma_term.detach()
-        else:
-            sigma_term = scale * (nll + events * math.log(noise_scale))
-        return sigma_term + scale * events * _HALF_LOG_TWO_PI
-
-    def _check_step(self, guide, y, curvature, deterministic):
-        if curvature not in self.curvature_sources:
-            raise ValueError(
-                f"Curvature source {curvature!r} is not available on the BayesianNet "
-                "fast path; supported: " + ", ".join(repr(c) for c in self.curvature_sources)
-            )
-        if curvature == "reparam" and deterministic:
-            raise ValueError(
-                "The 'reparam' curvature g * eps / sigma needs sampled weights; "
-                "use deterministic=False or a curvature 'ef', 'ggn', 'ggn_mc'"
-            )
-        if y is None:
-            raise ValueError("curvature_step needs the targets y")
-        if not hasattr(guide, "_get_loc_and_scale") or not hasattr(guide, "prototype_trace"):
-            raise NotImplementedError(
-                f"The BayesianNet fast path needs an AutoNormal guide, got {type(guide).__name__}"
-            )
-
-    def _log_ratio(self, weights, noise) -> torch.Tensor:
-        """
-        The sample-dependent part of :math:`\\log q(w) - \\log p_0(w)` at
-        :math:`w = \\mu + \\sigma\\epsilon` (all sites, flat):
-        :math:`\\tfrac12 \\sum [\\lambda_0 (w - m_0)^2 - \\epsilon^2]`; the rest,
-        :math:`\\sum [\\log s_0 - \\log\\sigma]`, does not depend on the sample.
-        """
-        prior_loc, prior_precision = self._flat_prior()
-        deviation = weights - prior_loc
-        return 0.5 * (deviation.mul(prior_precision).dot(deviation) - noise.dot(noise))
-
-    def _kl(self, mean, scale) -> torch.Tensor:
-        """
-        :math:`\\sum_j \\mathrm{KL}(q_j \\| p_{0j})
-        = \\sum [\\log(s_0/\\sigma) + \\lambda_0(\\sigma^2 + (\\mu - m_0)^2)/2 - 1/2]`
-        over all sites (flat :math:`\\mu`, :math:`\\sigma`).
-        """
-        prior_loc, prior_precision = self._flat_prior()
-        second_moment = scale.square() + (mean - prior_loc).square()
-        return (self._prior_log_scale_total - scale.log().sum()
-                + 0.5 * (prior_precision.dot(second_moment) - mean.numel()))
-
-
-def _accumulate_grad(tensor: torch.Tensor, grad: torch.Tensor) -> None:
-    if tensor.grad is None:
-        tensor.grad = grad
-    else:
-        tensor.grad += grad
 
 
 def _as_loc_scale(spec, weight: _Weight) -> Tuple[torch.Tensor, torch.Tensor]:

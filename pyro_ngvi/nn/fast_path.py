@@ -1,0 +1,328 @@
+"""
+The fast path of :class:`~pyro_ngvi.nn.BayesianNet`: what
+:class:`~pyro_ngvi.CurvatureELBO` does for it and an
+:class:`~pyro.infer.autoguide.AutoNormal` guide, without Pyro's tracing.
+
+Sampled weights are copied into a BackPACK-extended twin of the plain network
+(it shares the network's parameter and buffer dicts), one backward pass gives the
+gradient and the per-example curvature of the likelihood for every weight tensor
+(:func:`~pyro_ngvi.curvature.backpack.network_curvature`), and the result is handed
+to :class:`~pyro_ngvi.NGVI` as a :class:`~pyro_ngvi.family.SiteCurvature` per site.
+The model itself stays free of BackPACK's hooks, so its traced path (and
+``torch.func`` on it) runs the plain network.
+"""
+
+import math
+from copy import deepcopy
+from itertools import chain
+from typing import List, Optional, Tuple
+
+import torch
+from torch import nn
+from torch._utils import _flatten_dense_tensors
+
+import pyro
+
+from backpack import extend
+
+from ..curvature.backpack import network_curvature
+from ..family import SiteCurvature, attach_curvature, scale_transform
+
+_HALF_LOG_TWO_PI = 0.5 * math.log(2 * math.pi)
+
+#: The BackPACK loss module of each likelihood (``reduction="sum"``).
+LOSS_MODULES = {
+    "categorical": nn.CrossEntropyLoss,
+    "bernoulli": nn.BCEWithLogitsLoss,
+    "gaussian": nn.MSELoss,
+}
+
+
+class BackpackStep:
+    """
+    A BackPACK-extended twin of ``net`` and its loss module; calling it runs one
+    ELBO step of a :class:`~pyro_ngvi.nn.BayesianNet` (see :meth:`__call__`).
+
+    :param torch.nn.Module net: the plain network (its parameter and buffer dicts
+        are shared, not copied).
+    :param str likelihood: a key of :data:`LOSS_MODULES`.
+    """
+
+    #: Curvature sources the fast path serves.
+    sources = ("ef", "ggn", "ggn_mc", "reparam")
+
+    def __init__(self, net: nn.Module, likelihood: str):
+        twin = deepcopy(net, memo={id(t): t for t in chain(net.parameters(), net.buffers())})
+        for twin_module, module in zip(twin.modules(), net.modules()):
+            twin_module._parameters = module._parameters
+            twin_module._buffers = module._buffers
+        self.twin = extend(twin)
+        self.loss_module = extend(LOSS_MODULES[likelihood](reduction="sum"))
+        self.module_pairs = list(zip(twin.modules(), net.modules()))
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Re-read the twin's parameters (after ``.to()`` put new tensors in the shared dicts)."""
+        self.params = [p for p in self.twin.parameters() if p.requires_grad]
+
+    def _loss_target(self, model, y: torch.Tensor) -> torch.Tensor:
+        """``y`` in the form the BackPACK loss module expects: class indices, or
+        floats shaped as the network output (``(B,)`` targets of a ``(B, 1)`` output)."""
+        if model.likelihood == "categorical":
+            return y.long()
+        dtype = model._latents[0].param.dtype
+        return (y.unsqueeze(-1) if y.dim() == 1 else y).to(dtype)
+
+    def __call__(
+        self,
+        model,
+        guide,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        curvature: str,
+        num_particles: int = 1,
+        deterministic: bool = False,
+        mc_samples: int = 1,
+    ) -> torch.Tensor:
+        """
+        One ELBO step for an :class:`~pyro.infer.autoguide.AutoNormal` guide,
+        :math:`q(w) = \\mathcal{N}(\\mu, \\mathrm{diag}(\\sigma^2))`, without tracing.
+
+        For each of ``num_particles`` samples :math:`w = \\mu + \\sigma\\epsilon`,
+        :math:`\\epsilon \\sim \\mathcal{N}(0, I)` drawn from torch's global RNG
+        (site by site, in :attr:`latent_sites` order; :math:`w = \\mu` when
+        ``deterministic``), the negative log-likelihood of the minibatch,
+        :math:`\\ell(w) = -\\frac{N}{B}\\sum_{i=1}^B \\log p(y_i \\mid x_i, w)`, gives
+
+        .. math::
+
+            g = \\nabla_w \\ell, \\qquad h = \\begin{cases}
+                \\frac{N}{B} \\sum_i (\\nabla_w \\log p(y_i \\mid x_i, w))^2 & \\texttt{ef} \\\\
+                \\frac{N}{B} \\,\\mathrm{diag} \\sum_i J_i^\\top H_i J_i & \\texttt{ggn} \\\\
+                \\text{the same, } H_i \\text{ from sampled targets} & \\texttt{ggn\\_mc} \\\\
+                g \\, \\epsilon / \\sigma & \\texttt{reparam}
+            \\end{cases}
+
+        (:math:`J_i` the Jacobian of the output, :math:`H_i` the Hessian of
+        :math:`-\\log p(y_i \\mid f)` in the output). For the Gaussian likelihood
+        :math:`-\\log p = \\|f - y\\|^2 / (2\\sigma^2) + \\text{const}`, so the
+        per-example gradients carry :math:`1/(2\\sigma^2)` (squared in ``ef``).
+        :math:`g` and :math:`h` are averaged over particles and attached as
+        :class:`~pyro_ngvi.family.SiteCurvature` ``(g, h, m_0, 1/s_0^2, sigma)`` to
+        each site's unconstrained ``loc`` in the param store: the Normal prior is
+        conjugate and left to the optimizer. Point-estimated params (a learned
+        noise scale, ``BatchNorm``) get the gradient of the particle average of
+        :math:`\\ell` in ``.grad``. The guide's locs are read through ``pyro.param``
+        statements, so ``SVI.step`` hands them to the optimizer, which finds each
+        scale by name; all sites are handled as one flat vector (one sample
+        kernel, one copy into the net, one reduction for the ELBO value).
+
+        :param guide: an :class:`~pyro.infer.autoguide.AutoNormal` of this model
+            (run once on ``(x, y)`` if it has not been).
+        :param torch.Tensor x: a minibatch of inputs.
+        :param torch.Tensor y: its targets.
+        :param str curvature: ``"ef"``, ``"ggn"``, ``"ggn_mc"`` or ``"reparam"``.
+        :param int num_particles: samples of the weights (default: 1).
+        :param bool deterministic: evaluate at the mean (default: False).
+        :param int mc_samples: sampled targets per example for ``ggn_mc`` (default: 1).
+        :returns: an estimate of the negative ELBO with the meaning of
+            ``Trace_ELBO().loss``: the particle average of
+            :math:`\\ell(w) + \\sum_j [\\log q(w_j) - \\log p_0(w_j)]`, constants
+            included; when ``deterministic``, :math:`\\ell(\\mu) + \\mathrm{KL}(q \\| p_0)`.
+        :rtype: torch.Tensor
+        """
+        self._check_step(guide, y, curvature, deterministic)
+        locs, scale = self._read_guide(model, guide, x, y)
+        points = [model._point_estimate(w) for w in model._point_estimates]
+        noise_scale = model._noise_scale() if model.likelihood == "gaussian" else None
+        twin, loss_module, module_pairs = self.twin, self.loss_module, self.module_pairs
+        for twin_module, module in module_pairs:
+            if twin_module.training != module.training:
+                twin_module.training = module.training
+        with torch.no_grad():
+            for weight, value in zip(model._point_estimates, points):
+                weight.param.copy_(value)
+
+        # per-example weight c of the loss module: -log p = c * MSE + const
+        if noise_scale is None:
+            loss_scale = 1.0
+        elif isinstance(noise_scale, torch.Tensor):  # no .item(): no device sync
+            loss_scale = 0.5 / noise_scale.detach() ** 2
+        else:
+            loss_scale = 0.5 / noise_scale**2
+        # all sites as one flat vector: mu, sigma, eps, w (views split it per site)
+        with torch.no_grad():
+            mean = _flatten_dense_tensors(locs)
+        stddevs = model._split(scale)
+        target = self._loss_target(model, y)
+        source = "none" if curvature == "reparam" else curvature
+        grads: List[torch.Tensor] = []
+        curvatures: List[torch.Tensor] = []
+        point_grads: List[torch.Tensor] = []
+        nll, log_ratio = 0.0, 0.0
+        for particle in range(num_particles):
+            weights, noise = self._sample_into_net(model, mean, scale, deterministic)
+            result = network_curvature(
+                twin, loss_module, x, target, source, mc_samples=mc_samples, loss_scale=loss_scale,
+                params=self.params,
+            )
+            site_grads = [result.grads[w.index] for w in model._latents]
+            if curvature == "reparam":
+                site_curvatures = [g * e / s for g, e, s in zip(site_grads, model._split(noise), stddevs)]
+            else:
+                site_curvatures = [result.curvatures[w.index] for w in model._latents]
+            site_point_grads = [result.grads[w.index] for w in model._point_estimates]
+            if particle == 0:  # fresh tensors, ours to scale in place below
+                grads, curvatures, point_grads = site_grads, site_curvatures, site_point_grads
+            else:
+                torch._foreach_add_(grads, site_grads)
+                torch._foreach_add_(curvatures, site_curvatures)
+                if point_grads:
+                    torch._foreach_add_(point_grads, site_point_grads)
+            nll = nll + result.loss
+            if not deterministic:
+                log_ratio = log_ratio + self._log_ratio(model, weights, noise)
+
+        # full-data scale N/B and particle average; hand g, h over on each loc
+        factor = model.num_data / len(x) / num_particles
+        torch._foreach_mul_(grads, factor)
+        torch._foreach_mul_(curvatures, factor)
+        prior_locs, prior_precisions = model._site_priors()
+        for loc, grad, curv, stddev, prior_loc, prior_precision in zip(
+            locs, grads, curvatures, stddevs, prior_locs, prior_precisions
+        ):
+            stats = SiteCurvature(
+                grad=grad,
+                curvature=curv,
+                prior_loc=prior_loc,
+                prior_precision=prior_precision,
+                sampled=curvature == "reparam",
+                nonnegative=curvature != "reparam",
+                scale=stddev,
+            )
+            attach_curvature(loc.unconstrained(), stats)
+        for value, grad in zip(points, point_grads):
+            _accumulate_grad(value.unconstrained(), grad.mul_(factor))
+
+        nll = self._full_nll(model, nll / num_particles, loss_scale, noise_scale, target, len(x))
+        if deterministic:
+            return (nll + self._kl(model, mean, scale)).detach()
+        # the particle average of sum [lambda_0 (w - m_0)^2 - eps^2] / 2 - log sigma + log s_0
+        log_ratio = log_ratio / num_particles - scale.log().sum() + model._prior_log_scale_total
+        return (nll + log_ratio).detach()
+
+    def _read_guide(self, model, guide, x, y) -> Tuple[List[torch.Tensor], torch.Tensor]:
+        """
+        The guide's unconstrained ``loc`` tensors, read by ``pyro.param``
+        statements (which ``SVI.step`` records to hand them to the optimizer), and
+        :math:`\\sigma` of all sites as one flat vector (detached). The scales are
+        read from the param store directly: :class:`~pyro_ngvi.NGVI` finds their
+        raw tensors by name, and gets :math:`\\sigma` in the
+        :class:`~pyro_ngvi.family.SiteCurvature`.
+        """
+        if guide.prototype_trace is None:
+            guide(x, y)
+        store = pyro.get_param_store()
+        prefix = guide._pyro_name
+        locs = [f"{prefix}.locs.{w.site}" for w in model._latents]
+        scales = [f"{prefix}.scales.{w.site}" for w in model._latents]
+        if not all(loc in store and scale in store for loc, scale in zip(locs, scales)):
+            with guide._pyro_context:  # (re-)registers the guide's own tensors
+                for w in model._latents:
+                    guide._get_loc_and_scale(w.site)
+        constraint = store._constraints[scales[0]]
+        with torch.no_grad():
+            raw = _flatten_dense_tensors([store._params[name] for name in scales])
+        if all(store._constraints[name] is constraint for name in scales):
+            scale = scale_transform(constraint)(raw)
+        else:
+            scale = torch.cat([store[name].detach().reshape(-1) for name in scales])
+        return [pyro.param(name) for name in locs], scale
+
+    def _sample_into_net(self, model, mean, scale, deterministic) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """
+        Draw :math:`\\epsilon` site by site (as ``randn_like`` per site), write
+        :math:`w = \\mu + \\sigma\\epsilon` (:math:`\\mu` when ``deterministic``) into the
+        net; return the flat ``(w, eps)`` (``eps`` is ``None`` when ``deterministic``).
+        """
+        noise = None
+        if deterministic:
+            weights = mean
+        else:
+            noise = torch.empty_like(mean)
+            for piece in model._split(noise):
+                piece.normal_()
+            weights = torch.addcmul(mean, scale, noise)
+        with torch.no_grad():
+            torch._foreach_copy_(model._latent_params, model._split(weights))
+        return weights, noise
+
+    def _full_nll(self, model, nll, loss_scale, noise_scale, target, batch_size) -> torch.Tensor:
+        """
+        :math:`\\ell = \\frac{N}{B}(-\\sum_i \\log p(y_i \\mid f_i))` with constants, from the
+        loss module's :math:`c \\cdot` batch sum ``nll``; for a learned Gaussian noise scale
+        also sets its ``.grad`` to :math:`\\partial \\ell / \\partial` (unconstrained).
+        """
+        scale = model.num_data / batch_size
+        if noise_scale is None:
+            return scale * nll
+        # l = N/B [sse / (2 sigma^2) + B D (log sigma + log(2 pi) / 2)], sse = nll / c
+        events = target.numel()
+        if isinstance(noise_scale, torch.Tensor):
+            sse = nll / loss_scale
+            sigma_term = scale * (0.5 * sse / noise_scale**2 + events * noise_scale.log())
+            if noise_scale.requires_grad:
+                sigma_term.backward()
+            sigma_term = sigma_term.detach()
+        else:
+            sigma_term = scale * (nll + events * math.log(noise_scale))
+        return sigma_term + scale * events * _HALF_LOG_TWO_PI
+
+    def _check_step(self, guide, y, curvature, deterministic):
+        if curvature not in self.sources:
+            raise ValueError(
+                f"Curvature source {curvature!r} is not available on the BayesianNet "
+                "fast path; supported: " + ", ".join(repr(c) for c in self.sources)
+            )
+        if curvature == "reparam" and deterministic:
+            raise ValueError(
+                "The 'reparam' curvature g * eps / sigma needs sampled weights; "
+                "use deterministic=False or a curvature 'ef', 'ggn', 'ggn_mc'"
+            )
+        if y is None:
+            raise ValueError("curvature_step needs the targets y")
+        if not hasattr(guide, "_get_loc_and_scale") or not hasattr(guide, "prototype_trace"):
+            raise NotImplementedError(
+                f"The BayesianNet fast path needs an AutoNormal guide, got {type(guide).__name__}"
+            )
+
+    def _log_ratio(self, model, weights, noise) -> torch.Tensor:
+        """
+        The sample-dependent part of :math:`\\log q(w) - \\log p_0(w)` at
+        :math:`w = \\mu + \\sigma\\epsilon` (all sites, flat):
+        :math:`\\tfrac12 \\sum [\\lambda_0 (w - m_0)^2 - \\epsilon^2]`; the rest,
+        :math:`\\sum [\\log s_0 - \\log\\sigma]`, does not depend on the sample.
+        """
+        prior_loc, prior_precision = model._flat_prior()
+        deviation = weights - prior_loc
+        return 0.5 * (deviation.mul(prior_precision).dot(deviation) - noise.dot(noise))
+
+    def _kl(self, model, mean, scale) -> torch.Tensor:
+        """
+        :math:`\\sum_j \\mathrm{KL}(q_j \\| p_{0j})
+        = \\sum [\\log(s_0/\\sigma) + \\lambda_0(\\sigma^2 + (\\mu - m_0)^2)/2 - 1/2]`
+        over all sites (flat :math:`\\mu`, :math:`\\sigma`).
+        """
+        prior_loc, prior_precision = model._flat_prior()
+        second_moment = scale.square() + (mean - prior_loc).square()
+        return (model._prior_log_scale_total - scale.log().sum()
+                + 0.5 * (prior_precision.dot(second_moment) - mean.numel()))
+
+
+
+def _accumulate_grad(tensor: torch.Tensor, grad: torch.Tensor) -> None:
+    if tensor.grad is None:
+        tensor.grad = grad
+    else:
+        tensor.grad += grad
+
