@@ -17,7 +17,7 @@ from pyro.util import check_site_shape
 
 from .curvature import check_source
 from .curvature.autograd import diag_hessian, empirical_fisher_diag, ggn_diag, mc_ggn_diag, per_example_log_prob
-from .family import SiteCurvature, attach_curvature
+from .family import SiteCurvature, attach_curvature, begin_handover, calling_svi
 from .priors import conjugate_normal
 
 
@@ -117,7 +117,19 @@ class CurvatureELBO(ELBO):
         """
         Estimate the loss, attach a :class:`~pyro_ngvi.family.SiteCurvature` to every
         guide site's ``loc`` and set ``.grad`` of the other parameters.
+
+        :raises RuntimeError: when run by an ``SVI`` whose optimizer is not
+            :class:`~pyro_ngvi.NGVI` (any other would find no ``.grad`` on the
+            guide and train nothing).
         """
+        svi = calling_svi("loss_and_grads", self.loss_and_grads)
+        if svi is not None and not getattr(svi.optim, "consumes_curvature", False):
+            raise RuntimeError(
+                "CurvatureELBO hands its gradient and curvature to pyro_ngvi.NGVI only; this "
+                f"SVI's optimizer is {type(svi.optim).__name__}, which would find no .grad on "
+                "the guide and train nothing. Use NGVI, or Trace_ELBO with this optimizer."
+            )
+        begin_handover()
         if self.curvature in getattr(model, "curvature_sources", ()):  # the model's own fast path
             loss = model.curvature_step(
                 guide, *args, curvature=self.curvature, num_particles=self.num_particles,

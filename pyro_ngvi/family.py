@@ -18,8 +18,9 @@ unconstrained ``loc`` tensor with :func:`attach_curvature` (BackPACK style: the
 result lives on the parameter) and taken off by :func:`pop_curvature`.
 """
 
+import sys
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch.distributions import biject_to
@@ -27,9 +28,26 @@ from torch.distributions.transforms import Transform
 
 import pyro
 from pyro.distributions.transforms import SoftplusTransform
+from pyro.infer.autoguide import (
+    AutoCallable,
+    AutoDelta,
+    AutoDiagonalNormal,
+    AutoGuide,
+    AutoGuideList,
+    AutoLowRankMultivariateNormal,
+    AutoMultivariateNormal,
+    AutoNormal,
+)
 
 _CURVATURE_ATTR = "_pyro_ngvi_curvature"
-_SUPPORTED = "AutoNormal and AutoDiagonalNormal"
+_SUPPORTED = (
+    "AutoNormal and AutoDiagonalNormal guides, alone or as parts of an AutoGuideList "
+    "(where AutoDelta parts are point-estimated beside them)"
+)
+#: How far up the call stack :func:`calling_svi` looks for ``SVI.step``.
+_STACK_DEPTH = 6
+#: The id of the latest hand-over (one per ELBO evaluation), see :func:`begin_handover`.
+_live_handover = [0]
 
 
 @dataclass
@@ -54,6 +72,8 @@ class SiteCurvature:
         then positive and the optimizer skips its positivity correction.
     :param scale: the guide's :math:`\\sigma` the ELBO read this step, or ``None``
         (the optimizer then reads it from the param store itself).
+    :param int handover: the ELBO evaluation that made these statistics
+        (set by :func:`attach_curvature`).
     """
 
     grad: torch.Tensor
@@ -64,34 +84,35 @@ class SiteCurvature:
     sampled: bool = False
     nonnegative: bool = False
     scale: Optional[torch.Tensor] = None
+    handover: int = 0
+
+
+def begin_handover() -> int:
+    """
+    Start a new hand-over: an ELBO calls this once per evaluation, before it
+    attaches anything. Statistics attached under an earlier hand-over (an
+    evaluation whose optimizer step never came: an exception, an interrupt, a
+    call outside ``SVI``) are stale from now on and never reach the optimizer.
+    """
+    _live_handover[0] += 1
+    return _live_handover[0]
 
 
 def attach_curvature(loc: torch.Tensor, stats: SiteCurvature) -> None:
-    """
-    Hand ``stats`` to the optimizer on the site's unconstrained ``loc`` tensor.
-
-    :raises RuntimeError: when the previous step's statistics are still there:
-        nothing took them, i.e. SVI's optimizer is not :class:`~pyro_ngvi.NGVI`
-        (another optimizer would silently leave the guide untrained).
-    """
-    if hasattr(loc, _CURVATURE_ATTR):
-        name = pyro.get_param_store().param_name(loc) or f"of shape {tuple(loc.shape)}"
-        delattr(loc, _CURVATURE_ATTR)
-        raise RuntimeError(
-            f"The gradient and curvature CurvatureELBO handed over for guide parameter "
-            f"'{name}' last step were never used: CurvatureELBO works only with "
-            "pyro_ngvi.NGVI as SVI's optimizer (it does not set the guide's .grad that "
-            "other optimizers read)."
-        )
+    """Hand ``stats`` to the optimizer on the site's unconstrained ``loc`` tensor,
+    under the live hand-over (replacing anything stale left there)."""
+    stats.handover = _live_handover[0]
     setattr(loc, _CURVATURE_ATTR, stats)
 
 
 def pop_curvature(loc: torch.Tensor) -> Optional[SiteCurvature]:
-    """Take the :class:`SiteCurvature` an ELBO attached to ``loc`` (or ``None``)."""
+    """Take the :class:`SiteCurvature` of the live hand-over off ``loc`` (``None``
+    when there is none; stale statistics are dropped)."""
     stats = getattr(loc, _CURVATURE_ATTR, None)
-    if stats is not None:
-        delattr(loc, _CURVATURE_ATTR)
-    return stats
+    if stats is None:
+        return None
+    delattr(loc, _CURVATURE_ATTR)
+    return stats if stats.handover == _live_handover[0] else None
 
 
 @dataclass
@@ -105,6 +126,10 @@ class GaussianSite:
     loc: torch.Tensor
     raw_scale: torch.Tensor
     scale_name: str
+
+    def __post_init__(self):
+        # the param-store name of ``loc``: unique, unlike a site name two guides may share
+        self.key = pyro.get_param_store().param_name(self.loc) or self.name
 
     @property
     def _scale_transform(self) -> Transform:
@@ -174,50 +199,131 @@ def scale_transform(constraint) -> Transform:
     return _SoftplusFloat64() if type(transform) is SoftplusTransform else transform
 
 
-def split_params(params) -> Tuple[List[GaussianSite], List[torch.Tensor]]:
-    """
-    Pair the tensors ``SVI.step`` hands an optimizer into Gaussian guide sites
-    (``<prefix>.locs.<site>`` with ``<prefix>.scales.<site>``, or ``<prefix>.loc``
-    with ``<prefix>.scale`` of an AutoDiagonalNormal) and everything else. A loc
-    whose scale is not among ``params`` takes it from the param store (an ELBO
-    that hands the scale over in :class:`SiteCurvature` need not read it through
-    ``pyro.param``, as :class:`~pyro_ngvi.BayesianNet`'s fast path does not).
+# --------------------------------------------------------------------------- #
+# Which tensors form a Gaussian site: read off the guide, never off names
+# --------------------------------------------------------------------------- #
 
-    :raises NotImplementedError: for a low-rank or full-covariance autoguide.
+
+def calling_svi(attribute: str, value) -> Optional[object]:
+    """
+    The :class:`pyro.infer.SVI` (or any object with a ``guide``) whose ``step`` is
+    running this call, found on the call stack as the ``self`` of a frame whose
+    ``attribute`` is ``value`` (``"optim"`` and the optimizer, or
+    ``"loss_and_grads"`` and the ELBO's bound method); ``None`` outside such a call.
+    ``SVI.step`` hands an optimizer only tensors: this is how an optimizer learns
+    which guide they belong to.
+    """
+    frame = sys._getframe(2)
+    for _ in range(_STACK_DEPTH):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if owner is not None and hasattr(owner, "guide"):
+            try:
+                if getattr(owner, attribute, None) == value:
+                    return owner
+            except RuntimeError:  # an attribute whose == is not a bool
+                pass
+        frame = frame.f_back
+    return None
+
+
+def _is_autonormal(part) -> bool:
+    return isinstance(part, AutoNormal) and all(
+        getattr(type(part), method) is getattr(AutoNormal, method)
+        for method in ("forward", "_get_loc_and_scale", "_setup_prototype")
+    )
+
+
+def _is_autodiagonalnormal(part) -> bool:
+    return isinstance(part, AutoDiagonalNormal) and all(
+        getattr(type(part), method) is getattr(AutoDiagonalNormal, method)
+        for method in ("get_posterior", "get_transform", "_setup_prototype", "_loc_scale")
+    )
+
+
+def guide_parts(guide) -> List[object]:
+    """The leaf guides of ``guide`` (the parts of nested ``AutoGuideList`` s, or ``guide``)."""
+    if isinstance(guide, AutoGuideList):
+        return [leaf for part in guide for leaf in guide_parts(part)]
+    return [guide]
+
+
+def _unsupported(part, why: str) -> NotImplementedError:
+    name = type(part).__name__ if isinstance(part, AutoGuide) else f"hand-written guide {part!r}"
+    return NotImplementedError(
+        f"NGVI cannot train {name}: {why}. NGVI supports {_SUPPORTED}; a Pyro "
+        "optimizer such as pyro.optim.Adam trains any guide."
+    )
+
+
+def gaussian_sites(guide) -> List[GaussianSite]:
+    """
+    The Gaussian sites of ``guide``, found from its structure: each part that is
+    an :class:`~pyro.infer.autoguide.AutoNormal` (one site per latent site of its
+    prototype trace, the tensors Pyro registered for ``locs.<site>`` and
+    ``scales.<site>`` under the part's own name) or an
+    :class:`~pyro.infer.autoguide.AutoDiagonalNormal` (one site over the whole
+    latent vector, its ``loc`` and ``scale``). ``AutoDelta`` parts are point
+    estimates and have none.
+
+    :raises NotImplementedError: for a guide (or ``AutoGuideList`` part) of any
+        other kind, naming what is supported; for an ``AutoDelta`` that is not
+        beside a Gaussian part (NGVI would have nothing to be Bayesian about).
     """
     store = pyro.get_param_store()
-    by_name: Dict[str, torch.Tensor] = {}
-    others = []
-    for p in params:
-        name = store.param_name(p)
-        if name is None:
-            others.append(p)
-        else:
-            by_name[name] = p
-    sites, used = [], set()
-    for name in sorted(by_name):
-        prefix, sep, site = name.partition(".locs.")
-        if sep:
-            scale_name = prefix + ".scales." + site
-        elif name.endswith(".loc") or name == "loc":
-            prefix = name[: -len("loc")]
-            for extra in ("cov_factor", "scale_tril"):
-                if prefix + extra in store:
-                    raise NotImplementedError(
-                        f"NGVI supports mean-field Gaussian guides ({_SUPPORTED}); "
-                        f"'{prefix + extra}' belongs to a guide with correlations. "
-                        "Use AutoNormal or AutoDiagonalNormal."
-                    )
-            site, scale_name = name, prefix + "scale"
-        else:
+    sites: List[GaussianSite] = []
+    parts = guide_parts(guide)
+    for part in parts:
+        if _is_autonormal(part):
+            if part.prototype_trace is None:
+                continue
+            prefix = part._pyro_name
+            for name, _ in part.prototype_trace.iter_stochastic_nodes():
+                loc_name, scale_name = f"{prefix}.locs.{name}", f"{prefix}.scales.{name}"
+                if loc_name in store._params and scale_name in store._params:
+                    sites.append(GaussianSite(name, store._params[loc_name],
+                                              store._params[scale_name], scale_name))
+        elif _is_autodiagonalnormal(part):
+            prefix = part._pyro_name
+            if part.prototype_trace is None or f"{prefix}.scale" not in store._params:
+                continue
+            sites.append(GaussianSite(prefix, store._params[f"{prefix}.loc"],
+                                      store._params[f"{prefix}.scale"], f"{prefix}.scale"))
+        elif isinstance(part, AutoDelta):
             continue
-        if scale_name in by_name:
-            raw_scale = by_name[scale_name]
-        elif scale_name in store._params:  # an ELBO that read only the loc (BayesianNet)
-            raw_scale = store._params[scale_name]
+        elif isinstance(part, (AutoMultivariateNormal, AutoLowRankMultivariateNormal)):
+            raise _unsupported(part, "its Gaussian has correlations between latent coordinates")
+        elif isinstance(part, AutoGuide) and part.prototype_trace is not None and not any(
+            True for _ in part.prototype_trace.iter_stochastic_nodes()
+        ) and not isinstance(part, AutoCallable):
+            continue  # an autoguide with no latent site has nothing to train
         else:
-            continue
-        sites.append(GaussianSite(site, by_name[name], raw_scale, scale_name))
-        used.update((name, scale_name))
-    others += [p for n, p in by_name.items() if n not in used]
-    return sites, others
+            raise _unsupported(part, "it is not a mean-field Gaussian guide NGVI can recognise "
+                                     "from its structure")
+    if not sites and any(isinstance(part, AutoDelta) and part.prototype_trace is not None
+                         and any(True for _ in part.prototype_trace.iter_stochastic_nodes())
+                         for part in parts):
+        raise _unsupported(
+            next(part for part in parts if isinstance(part, AutoDelta)),
+            "an AutoDelta is a point estimate, with no Gaussian to take natural-gradient "
+            "steps on (inside an AutoGuideList, beside an AutoNormal part, its values are "
+            "trained by the point optimizer)",
+        )
+    return sites
+
+
+def split_params(guide, params) -> Tuple[List[GaussianSite], List[torch.Tensor]]:
+    """
+    Split the tensors ``SVI.step`` hands an optimizer into the Gaussian sites of
+    ``guide`` (:func:`gaussian_sites`) whose ``loc`` is among them, and
+    everything else (model parameters, ``AutoDelta`` values), which a point
+    optimizer trains. A site's scale need not be among ``params``: an ELBO that
+    hands :math:`\\sigma` over in :class:`SiteCurvature` need not read it through
+    ``pyro.param`` (:class:`~pyro_ngvi.BayesianNet`'s fast path does not).
+    """
+    params = list(params)
+    present = {id(p) for p in params}
+    sites = [site for site in gaussian_sites(guide) if id(site.loc) in present]
+    used = {id(t) for site in sites for t in (site.loc, site.raw_scale)}
+    return sites, [p for p in params if id(p) not in used]

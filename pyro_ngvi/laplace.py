@@ -257,7 +257,7 @@ def laplace(
                         site.loc.copy_(loc)
                         site.raw_scale.copy_(raw_scale)
                 step_size["lr"] /= 2
-                optim._momentum_buffers.clear()  # restart the heavy ball
+                optim._restart_momentum()  # restart the heavy ball
                 halvings += 1
                 if halvings > _MAX_HALVINGS:
                     break

@@ -6,6 +6,7 @@
 import math
 import numbers
 import warnings
+import weakref
 from typing import Callable, Dict, List, NamedTuple, Optional, Union
 
 import torch
@@ -15,7 +16,7 @@ import pyro
 from pyro.optim.optim import PyroOptim
 
 from .distributed import all_reduce_stats
-from .family import GaussianSite, SiteCurvature, pop_curvature, split_params
+from .family import GaussianSite, SiteCurvature, calling_svi, pop_curvature, split_params
 
 Schedule = Union[float, Callable[[int], float]]
 
@@ -97,9 +98,17 @@ class NGVI(PyroOptim):
     its precision from the first minibatch [2]). This stops a small
     ``init_scale`` from turning the first mean steps into overshoots.
 
-    **Everything else** SVI hands over (``pyro.param`` values, a noise scale,
-    BatchNorm weights) is updated by ``point_optim`` (Adam by default) through
-    :class:`~pyro.optim.PyroOptim`'s per-parameter machinery, in the same step.
+    **Which tensors are Gaussian sites** is read off the guide, never off
+    parameter names (:func:`~pyro_ngvi.family.gaussian_sites`): NGVI takes the
+    guide from the :class:`~pyro.infer.SVI` that calls it (or from ``guide``).
+    **Everything else** SVI hands over (``pyro.param`` values of the model, a
+    noise scale, BatchNorm weights, the values of ``AutoDelta`` parts of an
+    ``AutoGuideList``) is updated by ``point_optim`` (Adam by default) through
+    :class:`~pyro.optim.PyroOptim`'s per-parameter machinery, in the same step;
+    a model with no latent site at all is trained by it alone. Per-site state
+    (momentum, the first-step warm start) belongs to the site's tensor, as
+    Pyro's optimizers key theirs: two guides, or a guide made anew after
+    ``pyro.clear_param_store()``, never share it.
 
     **Distributed.** With a :mod:`torch.distributed` process group of more than
     one rank initialised, every site's :math:`g, h` and the point-estimated
@@ -126,6 +135,9 @@ class NGVI(PyroOptim):
     :param point_optim: torch optimizer class for non-guide parameters
         (default: :class:`torch.optim.Adam`)
     :param dict point_optim_args: its arguments (default: ``{"lr": 1e-3}``)
+    :param guide: the guide whose sites to update; only needed when NGVI is
+        called outside :class:`~pyro.infer.SVI` (default: None, the calling
+        ``SVI``'s guide)
 
     :ivar int num_steps: updates taken.
     :ivar int num_skipped_steps: steps skipped for non-finite values.
@@ -155,6 +167,7 @@ class NGVI(PyroOptim):
         warm_start: bool = True,
         point_optim=torch.optim.Adam,
         point_optim_args: Optional[Dict] = None,
+        guide=None,
     ):
         self.lr = _check_schedule("lr", lr, 0.0, math.inf)
         self.beta = _check_schedule("beta", beta, 0.0, 1.0)
@@ -176,12 +189,16 @@ class NGVI(PyroOptim):
                 f"point_optim must be a torch.optim.Optimizer class, got {point_optim!r}"
             )
         super().__init__(point_optim, dict(point_optim_args or {"lr": 1e-3}))
+        self.guide = guide
         self.num_steps = 0
         self.num_skipped_steps = 0
-        self._momentum_buffers: Dict[str, torch.Tensor] = {}
-        self._started: set = set()
+        self._states: Dict[int, _SiteState] = {}  # id(loc) -> that site's state
+        self._pending_states: Dict[str, Dict] = {}  # from set_state, by param name
         self._split_cache = None
         self._group_cache: Dict[tuple, List[_Group]] = {}
+
+    #: :class:`~pyro_ngvi.CurvatureELBO` hands its statistics to an optimizer that says so.
+    consumes_curvature = True
 
     def _hyper(self, name: str, low: float, high: float) -> float:
         value = getattr(self, name)
@@ -192,18 +209,11 @@ class NGVI(PyroOptim):
     # ---------------------------------------------------------------- the step
     def __call__(self, params, *args, **kwargs) -> None:
         sites, others = self._split(params)
-        if not sites:
-            raise NotImplementedError(
-                "NGVI found no Gaussian guide site among the parameters SVI passed: "
-                "it supports AutoNormal and AutoDiagonalNormal guides (each site's "
-                "'<prefix>.locs.<site>' / '<prefix>.scales.<site>' or "
-                "'<prefix>.loc' / '<prefix>.scale'); for AutoDelta or a hand-written "
-                "guide use a pyro.optim optimizer such as Adam."
-            )
-        stats = {site.name: self._site_curvature(site) for site in sites}
+        states = [self._state(site) for site in sites]  # may refuse: before any write
+        stats = {site.key: self._site_curvature(site) for site in sites}
         stats = all_reduce_stats(stats, others)  # no-op without torch.distributed
         groups = self._groups(sites, stats)
-        group_stats = [[stats[site.name] for site in group.sites] for group in groups]
+        group_stats = [[stats[site.key] for site in group.sites] for group in groups]
         flats = [(_flat([s.grad for s in st]), _flat([s.curvature for s in st])) for st in group_stats]
         others_with_grad = [p for p in others if p.grad is not None]
         finite = [_finite(grad, curvature, mask=st[0].mask) for (grad, curvature), st in zip(flats, group_stats)]
@@ -224,31 +234,68 @@ class NGVI(PyroOptim):
         lr = self._hyper("lr", 0.0, math.inf)
         beta = self._hyper("beta", 0.0, 1.0)
         tau = self._hyper("tau", 0.0, math.inf)
+        state_of = {site.key: state for site, state in zip(sites, states)}
         for group, st, (grad, curvature) in zip(groups, group_stats, flats):
-            self._update_group(group, st, grad, curvature, lr, beta, tau)
+            self._update_group(group, st, grad, curvature, lr, beta, tau,
+                               [state_of[site.key] for site in group.sites])
         if others:
             super().__call__(others, *args, **kwargs)
         self.num_steps += 1
 
     def _split(self, params):
-        """:func:`~pyro_ngvi.family.split_params`, remembered for the same tensors (SVI
-        hands the same ones every step) as long as each site's scale is still the
-        param store's."""
-        key = frozenset(map(id, params))
+        """:func:`~pyro_ngvi.family.split_params` for the guide, remembered for the same
+        guide and tensors (SVI hands the same ones every step) as long as each site's
+        tensors are still the param store's."""
+        guide = self._guide()
+        key = (id(guide), frozenset(map(id, params)))
         if self._split_cache is not None and self._split_cache[0] == key:
             sites, others = self._split_cache[1:]
             store = pyro.get_param_store()._params
             if all(store.get(site.scale_name) is site.raw_scale for site in sites):
                 return sites, others
-        sites, others = split_params(params)
+        sites, others = split_params(guide, params)
         self._split_cache = (key, sites, others)
         self._group_cache = {}
         return sites, others
 
+    def _guide(self):
+        """The guide given at construction, else the one of the ``SVI`` running this step."""
+        if self.guide is not None:
+            return self.guide
+        svi = calling_svi("optim", self)
+        if svi is None:
+            raise RuntimeError(
+                "NGVI reads which tensors form Gaussian sites off the guide, and found none: "
+                "call it through pyro.infer.SVI(model, guide, NGVI(...), loss), or pass the "
+                "guide, NGVI(..., guide=guide), when calling it yourself."
+            )
+        return svi.guide
+
+    def _state(self, site: GaussianSite) -> "_SiteState":
+        """The state of ``site`` (keyed by its ``loc`` tensor; new for a new tensor),
+        taking a :meth:`set_state` entry of the same param name once."""
+        state = self._states.get(id(site.loc))
+        if state is not None and state.loc() is site.loc:
+            return state
+        state = _SiteState(weakref.ref(site.loc))
+        pending = self._pending_states.pop(site.key, None)
+        if pending is not None:
+            momentum = pending["momentum"]
+            if momentum is not None and momentum.shape != site.loc.shape:
+                raise ValueError(
+                    f"NGVI state for '{site.key}' holds a momentum of shape "
+                    f"{tuple(momentum.shape)}, the site has {tuple(site.loc.shape)}: the "
+                    "checkpoint belongs to another model"
+                )
+            state.started = pending["started"]
+            state.momentum = None if momentum is None else momentum.to(site.loc).clone()
+        self._states[id(site.loc)] = state
+        return state
+
     def _groups(self, sites: List[GaussianSite], stats: Dict[str, SiteCurvature]) -> List["_Group"]:
         """:func:`_group_sites` for these sites and kinds of statistics, remembered."""
         key = tuple((s.mask is None, s.sampled, s.nonnegative, s.prior_precision is None)
-                    for s in (stats[site.name] for site in sites))
+                    for s in (stats[site.key] for site in sites))
         groups = self._group_cache.get(key)
         if groups is None:
             groups = self._group_cache[key] = [_Group.of(group) for group in _group_sites(sites, stats)]
@@ -288,7 +335,8 @@ class NGVI(PyroOptim):
 
     @torch.no_grad()
     def _update_group(self, group: "_Group", stats: List[SiteCurvature],
-                      grad: torch.Tensor, curvature: torch.Tensor, lr, beta, tau):
+                      grad: torch.Tensor, curvature: torch.Tensor, lr, beta, tau,
+                      states: List["_SiteState"]):
         """
         The update of the class docstring for ``sites`` at once, as one flat
         vector (one kernel per operation rather than one per site and operation);
@@ -310,9 +358,9 @@ class NGVI(PyroOptim):
         if first.prior_precision is not None:
             prior_precision = _flat([s.prior_precision for s in stats])
             target.add_(prior_precision)
-        if self.warm_start and any(site.name not in self._started for site in sites):
-            fresh = _flat([torch.full_like(site.loc, site.name not in self._started, dtype=torch.bool)
-                           for site in sites])
+        if self.warm_start and not all(state.started for state in states):
+            fresh = _flat([torch.full_like(site.loc, not state.started, dtype=torch.bool)
+                           for site, state in zip(sites, states)])
             step_beta = torch.where(fresh & (target > precision), 1.0, beta).to(target.dtype)
         else:
             step_beta = beta
@@ -325,7 +373,7 @@ class NGVI(PyroOptim):
         del target
         denominator = new_precision + self.damping if self.damping else new_precision
 
-        direction = self._momentum(group, grad.div_(tau) if tau != 1 else grad, mask)
+        direction = self._momentum(group, states, grad.div_(tau) if tau != 1 else grad, mask)
         pull = None
         if first.prior_precision is not None:
             pull = (mean - _flat([s.prior_loc for s in stats])).mul_(prior_precision)
@@ -353,56 +401,84 @@ class NGVI(PyroOptim):
             (loc,), (raw_scale,) = group.locs, group.raw_scales
             loc.copy_(torch.where(mask, new_mean, loc))
             raw_scale.copy_(torch.where(mask, new_raw_scale, raw_scale))
-        self._started.update(site.name for site in sites)
+        for state in states:
+            state.started = True
 
-    def _momentum(self, group: "_Group", grad: torch.Tensor, mask) -> torch.Tensor:
+    def _momentum(self, group: "_Group", states: List["_SiteState"], grad: torch.Tensor, mask) -> torch.Tensor:
         """
         :math:`\\bar g \\leftarrow \\rho \\bar g + (1 - \\rho) g` (a site's first step
         takes g), as one flat vector; each site's buffer is kept as a view of it.
         """
         if self.momentum == 0:
             return grad
-        buffers = self._momentum_buffers
         sites = group.sites
-        if all(site.name in buffers for site in sites):
-            old = _flat([buffers[site.name] for site in sites])
+        if all(state.momentum is not None for state in states):
+            old = _flat([state.momentum for state in states])
             new = torch.lerp(grad, old, self.momentum)
+            if mask is not None:
+                new = torch.where(mask, new, old)
         else:  # some site's first step: its buffer starts at g
             pieces = grad.split(group.sizes)
-            old = _flat([buffers[site.name].reshape(-1) if site.name in buffers else piece
-                         for site, piece in zip(sites, pieces)])
-            started = _flat([torch.full_like(piece, site.name in buffers, dtype=torch.bool)
-                             for site, piece in zip(sites, pieces)])
+            old = _flat([piece if state.momentum is None else state.momentum.reshape(-1)
+                         for state, piece in zip(states, pieces)])
+            started = _flat([torch.full_like(piece, state.momentum is not None, dtype=torch.bool)
+                             for state, piece in zip(states, pieces)])
             new = torch.where(started, torch.lerp(grad, old, self.momentum), grad)
-        if mask is not None and all(site.name in buffers for site in sites):
-            new = torch.where(mask, new, old)
-        for site, piece in zip(sites, _unflatten_dense_tensors(new, [site.loc for site in sites])):
-            buffers[site.name] = piece  # shaped like the site's loc
+        for state, piece in zip(states, _unflatten_dense_tensors(new, [site.loc for site in sites])):
+            state.momentum = piece  # shaped like the site's loc
         return new
+
+    def _restart_momentum(self) -> None:
+        """Forget every site's momentum (its next step starts the average at g)."""
+        for state in self._states.values():
+            state.momentum = None
 
     # ---------------------------------------------------------------- state
     def get_state(self) -> Dict:
-        """Optimizer state: step counts, momentum buffers and the point optimizers'."""
+        """
+        Optimizer state: step counts, each site's state (keyed, as Pyro keys its
+        optimizers' state, by the param-store name of the site's ``loc``) and the
+        point optimizers'. Plain tensors, numbers and strings: it loads with
+        ``torch.load(..., weights_only=True)``.
+        """
+        store = pyro.get_param_store()
+        sites = {}
+        for state in self._states.values():
+            loc = state.loc()
+            name = None if loc is None else store.param_name(loc)
+            if name is not None:
+                sites[name] = {"started": state.started,
+                               "momentum": None if state.momentum is None else state.momentum.clone()}
+        for name, pending in self._pending_states.items():  # restored, not seen since
+            sites.setdefault(name, pending)
         return {
-            "ngvi": {
-                "num_steps": self.num_steps,
-                "num_skipped_steps": self.num_skipped_steps,
-                "started": sorted(self._started),
-                "momentum": {k: v.clone() for k, v in self._momentum_buffers.items()},
-            },
+            "ngvi": {"num_steps": self.num_steps, "num_skipped_steps": self.num_skipped_steps,
+                     "sites": sites},
             "point": super().get_state(),
         }
 
     def set_state(self, state_dict: Dict) -> None:
-        """Restore a :meth:`get_state` dict (also after :meth:`load`)."""
-        if set(state_dict) != {"ngvi", "point"}:
+        """Restore a :meth:`get_state` dict (also after :meth:`load`); each site's
+        entry is taken up when a site of that name next steps."""
+        if not isinstance(state_dict, dict) or set(state_dict) != {"ngvi", "point"}:
             raise ValueError("NGVI.set_state expects a dict produced by NGVI.get_state")
         ngvi = state_dict["ngvi"]
         self.num_steps = ngvi["num_steps"]
         self.num_skipped_steps = ngvi["num_skipped_steps"]
-        self._started = set(ngvi["started"])
-        self._momentum_buffers = {k: v.clone() for k, v in ngvi["momentum"].items()}
+        self._states = {}
+        self._pending_states = {name: dict(entry) for name, entry in ngvi["sites"].items()}
         super().set_state(state_dict["point"])
+
+
+class _SiteState:
+    """What NGVI keeps for one site between steps, keyed by its ``loc`` tensor."""
+
+    __slots__ = ("loc", "started", "momentum")
+
+    def __init__(self, loc: weakref.ref):
+        self.loc = loc  # a weak reference: a cleared param store frees the site
+        self.started = False  # the first-step warm start has happened
+        self.momentum: Optional[torch.Tensor] = None
 
 
 def _finite(*tensors: torch.Tensor, mask=None) -> torch.Tensor:
@@ -435,9 +511,9 @@ def _group_sites(sites: List[GaussianSite], stats: Dict[str, SiteCurvature]) -> 
     groups: Dict[tuple, List[GaussianSite]] = {}
     sizes: Dict[tuple, int] = {}
     for site in sites:
-        s = stats[site.name]
+        s = stats[site.key]
         if s.mask is not None or site.loc.numel() > _FLAT_MAX:
-            key = ("alone", site.name)
+            key = ("alone", site.key)
         else:
             constraint = id(pyro.get_param_store()._constraints[site.scale_name])
             key = (constraint, site.loc.dtype, site.loc.device, s.sampled, s.nonnegative,

@@ -213,12 +213,13 @@ def test_network_helper_and_pyro_module_bnn_agree(float64, curvature):
         store[f"AutoNormal.locs.{h_site}"] = value
         store[f"AutoNormal.locs.{p_site}"] = value.clone()
     elbo = CurvatureELBO(curvature, deterministic=True)
+    # each evaluation's hand-over is taken before the next one starts (which makes it stale)
     fast_loss = elbo.loss_and_grads(helper, helper_guide, x, y)
+    fast_stats = [pop_curvature(store._params[f"AutoNormal.locs.{h}"]) for h, _ in pairs]
     traced_loss = elbo.loss_and_grads(pyro_bnn, pyro_guide, x, y)
+    traced_stats = [pop_curvature(store._params[f"AutoNormal.locs.{p}"]) for _, p in pairs]
     assert fast_loss == pytest.approx(traced_loss, rel=1e-10)  # l(mu) + KL on both paths
-    for h_site, p_site in pairs:
-        fast = pop_curvature(store._params[f"AutoNormal.locs.{h_site}"])
-        traced = pop_curvature(store._params[f"AutoNormal.locs.{p_site}"])
+    for fast, traced in zip(fast_stats, traced_stats):
         assert torch.allclose(fast.grad, traced.grad, rtol=1e-8, atol=1e-10)
         assert torch.allclose(fast.curvature, traced.curvature, rtol=1e-8, atol=1e-10)
         assert torch.allclose(fast.prior_precision, traced.prior_precision)
@@ -272,10 +273,20 @@ def test_another_optimizer_gets_a_clear_error_not_a_silently_untrained_guide(flo
         model_fn = BayesianNet(nn.Linear(4, 1), "gaussian", num_data=len(x), noise_scale=NOISE)
     else:
         model_fn = regression
-    svi = SVI(model_fn, AutoNormal(model_fn), pyro.optim.Adam({"lr": 0.01}), CurvatureELBO("ggn"))
-    svi.step(x, y)  # Adam finds no .grad on the guide: nothing would ever train
-    with pytest.raises(RuntimeError, match="only with pyro_ngvi.NGVI"):
+    guide = AutoNormal(model_fn)
+    guide(x, y)
+    before = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+    svi = SVI(model_fn, guide, pyro.optim.Adam({"lr": 0.01}), CurvatureELBO("ggn"))
+    # Adam would find no .grad on the guide: nothing would ever train
+    with pytest.raises(RuntimeError, match="to pyro_ngvi.NGVI only"):
         svi.step(x, y)
+    for name, value in pyro.get_param_store().items():
+        assert torch.equal(value.detach(), before[name]), name
+    # the same SVI with NGVI trains from the very next step (nothing stale is left over)
+    svi.optim = NGVI(lr=1.0, beta=1.0)
+    for _ in range(3):
+        svi.step(x, y)
+    assert svi.optim.num_steps == 3
 
 
 def regression_with_deterministic(x, y):

@@ -413,7 +413,8 @@ def test_precision_stays_positive_and_finite(beta, precision, curvature, first):
     site = GaussianSite("x", store._params["g.locs.x"], store._params["g.scales.x"], "g.scales.x")
     optim = NGVI(lr=1.0, beta=beta, warm_start=first)
     stats = SiteCurvature(torch.ones(1, dtype=torch.float64), torch.full((1,), curvature, dtype=torch.float64))
-    optim._update_group(_Group.of([site]), [stats], stats.grad, stats.curvature, 1.0, beta, 1.0)
+    optim._update_group(_Group.of([site]), [stats], stats.grad, stats.curvature, 1.0, beta, 1.0,
+                        [optim._state(site)])
     new = site.precision
     assert torch.isfinite(new).all() and (new > 0).all()
     assert torch.isfinite(loc).all()
@@ -440,15 +441,21 @@ def test_sites_updated_together_follow_the_update_equations_elementwise(monkeypa
         "a": (True, False, False), "b": (True, False, False),
         "c": (False, True, False), "d": (True, False, True), "e": (True, False, False),
     }
-    for name, shape in shapes.items():
-        pyro.param(f"g.locs.{name}", torch.randn(shape, generator=g))
-        pyro.param(f"g.scales.{name}", torch.rand(shape, generator=g) + 0.2,
-                   constraint=dist.constraints.softplus_positive)
+
+    def model():
+        for name, shape in shapes.items():
+            pyro.sample(name, dist.Normal(torch.zeros(shape), 1.0).to_event(len(shape)))
+
+    guide = AutoNormal(model)
+    guide()
     store = pyro.get_param_store()
+    for name, shape in shapes.items():
+        store[f"AutoNormal.locs.{name}"] = torch.randn(shape, generator=g)
+        store[f"AutoNormal.scales.{name}"] = torch.rand(shape, generator=g) + 0.2
     params = [store._params[n] for n in store.keys()]
     lr, beta, rho, damping, max_step = 0.7, 0.3, 0.8, 0.1, 0.5
-    optim = NGVI(lr=lr, beta=beta, momentum=rho, damping=damping, max_step=max_step)
-    reference = {n: (store[f"g.locs.{n}"].detach().clone(), store[f"g.scales.{n}"].detach().pow(-2))
+    optim = NGVI(lr=lr, beta=beta, momentum=rho, damping=damping, max_step=max_step, guide=guide)
+    reference = {n: (store[f"AutoNormal.locs.{n}"].detach().clone(), store[f"AutoNormal.scales.{n}"].detach().pow(-2))
                  for n in shapes}
     buffers, started = {}, set()
     for _ in range(2):
@@ -458,7 +465,7 @@ def test_sites_updated_together_follow_the_update_equations_elementwise(monkeypa
             curvature = torch.randn(shape, generator=g) * 4 + 1  # some negative
             mask = torch.tensor([True, False, True, True, False]) if masked else None
             m0, lam0 = (torch.randn(shape, generator=g), torch.rand(shape, generator=g) + 0.5) if prior else (None, None)
-            attach_curvature(store._params[f"g.locs.{name}"],
+            attach_curvature(store._params[f"AutoNormal.locs.{name}"],
                              SiteCurvature(grad, curvature, m0, lam0, mask=mask, sampled=sampled))
             # the reference, element by element
             mu, lam = reference[name]
@@ -483,8 +490,8 @@ def test_sites_updated_together_follow_the_update_equations_elementwise(monkeypa
         optim(params)
         for name in shapes:
             mu, lam = reference[name]
-            assert torch.allclose(store[f"g.locs.{name}"].detach(), mu, rtol=1e-10, atol=1e-12), name
-            assert torch.allclose(store[f"g.scales.{name}"].detach().pow(-2), lam, rtol=1e-8), name
+            assert torch.allclose(store[f"AutoNormal.locs.{name}"].detach(), mu, rtol=1e-10, atol=1e-12), name
+            assert torch.allclose(store[f"AutoNormal.scales.{name}"].detach().pow(-2), lam, rtol=1e-8), name
 
 
 def test_momentum_state_is_shaped_like_each_site():
@@ -496,5 +503,5 @@ def test_momentum_state_is_shaped_like_each_site():
     svi = SVI(model, AutoNormal(model), optim, Trace_ELBO())
     for _ in range(3):
         svi.step()
-    shapes = {k: tuple(v.shape) for k, v in optim.get_state()["ngvi"]["momentum"].items()}
-    assert shapes == {"a": (3, 2), "b": ()}
+    shapes = {k: tuple(v["momentum"].shape) for k, v in optim.get_state()["ngvi"]["sites"].items()}
+    assert shapes == {"AutoNormal.locs.a": (3, 2), "AutoNormal.locs.b": ()}
