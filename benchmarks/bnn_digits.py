@@ -51,9 +51,10 @@ import statistics
 import sys
 import time
 import warnings
+from dataclasses import replace
 from typing import Dict, List
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
 import torch  # noqa: E402
 
@@ -61,10 +62,8 @@ import pyro  # noqa: E402
 
 from pyro_ngvi import NGVIWarning  # noqa: E402
 
-from common import (  # noqa: E402
-    History, IVONMethod, MAPAdam, bayes_by_backprop, load_digits, make_net, ngvi, train,
-    trace_elbo_per_datum,
-)
+import harness  # noqa: E402  (examples/harness)
+from harness import History  # noqa: E402
 
 BBB = "Pyro SVI + Adam (BBB)"
 CHECKPOINTS = (10, 50, 200)
@@ -81,7 +80,7 @@ METHODS: Dict[str, tuple] = {
 }
 
 
-def build(kind: str, params: dict, net, num_data: int):
+def build(kind: str, params: dict, task: harness.Task) -> harness.Method:
     params = dict(params)
     if kind == "ngvi":
         tau_warmup = params.pop("tau_warmup", 0)
@@ -90,14 +89,9 @@ def build(kind: str, params: dict, net, num_data: int):
         decay = params.pop("lr_decay_steps", 0)
         if decay:
             params["lr"] = lambda t, lr=params["lr"], steps=decay: lr / (1 + t / steps)
-        return ngvi("ngvi", net, num_data, **params)
-    if kind == "bbb":
-        return bayes_by_backprop("bbb", net, num_data, **params)
-    if kind == "map":
-        return MAPAdam(net, num_data, **params)
-    if kind == "ivon":
-        return IVONMethod(net, num_data, **params)
-    raise ValueError(kind)
+        return harness.ngvi(task, **params)
+    factory = {"bbb": harness.bayes_by_backprop, "map": harness.MAP, "ivon": harness.IVON}[kind]
+    return factory(task, **params)
 
 
 def parse_overrides(items: List[str], methods: Dict[str, tuple]):
@@ -114,31 +108,21 @@ def parse_overrides(items: List[str], methods: Dict[str, tuple]):
 
 
 # ------------------------------------------------------------------ report
-def mean_sd(values: List[float], fmt: str = "{:.3f}") -> str:
-    values = [v for v in values if v is not None]
-    if not values:
-        return "—"
-    if any(math.isnan(v) for v in values):
-        return "diverged"
-    if len(values) == 1:
-        return fmt.format(values[0])
-    return f"{fmt.format(statistics.mean(values))} ± {fmt.format(statistics.stdev(values))}"
+def neg_elbo_per_datum(history: History, num_data: int) -> List[float]:
+    """-ELBO / N at every scored epoch (empty for a point estimate)."""
+    return [-value / num_data for value in history.scores.get("elbo", [])]
 
 
-def at_epoch(history: History, epoch: int):
-    return history.test[history.epochs.index(epoch)] if epoch in history.epochs else None
-
-
-def first_epoch_below(history: History, target: float):
-    for epoch, value in zip(history.epochs, history.neg_elbo):
+def first_epoch_below(history: History, target: float, num_data: int):
+    for epoch, value in zip(history.epoch, neg_elbo_per_datum(history, num_data)):
         if epoch > 0 and value <= target:
             return epoch
     return None
 
 
-def report(results: Dict[str, List[History]], epochs: int, seeds: List[int], args) -> str:
+def report(results: Dict[str, List[History]], epochs: int, seeds: List[int], num_data: int) -> str:
     bbb = results.get(BBB)
-    targets = [statistics.mean(h.neg_elbo[-5:]) for h in bbb] if bbb else None
+    targets = [statistics.mean(neg_elbo_per_datum(h, num_data)[-5:]) for h in bbb] if bbb else None
     ms = {name: 1e3 * statistics.median([t for h in hs for t in h.step_times]) for name, hs in results.items()}
     checkpoints = [c for c in CHECKPOINTS if c < epochs] + [epochs]
     lines = [
@@ -151,7 +135,7 @@ def report(results: Dict[str, List[History]], epochs: int, seeds: List[int], arg
     if targets:
         lines += [
             f"Target: Pyro SVI + Adam's -ELBO/N after {epochs} epochs (mean of its last 5 epochs): "
-            f"{mean_sd(targets)} (per seed: {', '.join(f'{t:.3f}' for t in targets)}).",
+            f"{harness.mean_sd(targets)} (per seed: {', '.join(f'{t:.3f}' for t in targets)}).",
             "",
         ]
     header = "| method | -ELBO/N at end | epoch reaching target | train time to it (s) | "
@@ -160,49 +144,49 @@ def report(results: Dict[str, List[History]], epochs: int, seeds: List[int], arg
     lines += [header, "|" + "---|" * (header.count("|") - 1)]
     for name, hs in results.items():
         reach_time = "—"
-        if math.isnan(hs[0].neg_elbo[0]):
+        if "elbo" not in hs[0].scores:
             elbo, reach = "—", "—"
         else:
-            elbo = mean_sd([h.neg_elbo[-1] for h in hs])
+            elbo = harness.mean_sd([neg_elbo_per_datum(h, num_data)[-1] for h in hs])
             if targets is None or name == BBB:
                 reach = "—" if name != BBB else f"{epochs} (defines it)"
-                reach_time = mean_sd([h.wall[-1] for h in hs], "{:.1f}") if name == BBB else "—"
+                reach_time = harness.mean_sd([h.time[-1] for h in hs], ".1f") if name == BBB else "—"
             else:
-                found = [first_epoch_below(h, t) for h, t in zip(hs, targets)]
-                reach = ", ".join(str(e) if e is not None else f">{h.epochs[-1]}" for e, h in zip(found, hs))
+                found = [first_epoch_below(h, t, num_data) for h, t in zip(hs, targets)]
+                reach = ", ".join(str(e) if e is not None else f">{h.epoch[-1]}" for e, h in zip(found, hs))
                 if all(e is not None for e in found):
-                    reach_time = mean_sd([h.wall[h.epochs.index(e)] for h, e in zip(hs, found)], "{:.1f}")
+                    reach_time = harness.mean_sd([h.time[h.epoch.index(e)] for h, e in zip(hs, found)], ".1f")
         cells = []
         for c in checkpoints:
-            tests = [at_epoch(h, c) for h in hs]
-            if any(t is None for t in tests):
+            scores = [h.at(c) for h in hs]
+            if any(s is None for s in scores):
                 cells += ["—"] * 3
                 continue
-            cells += [mean_sd([t["nll"] for t in tests]), mean_sd([t["acc"] for t in tests]),
-                      mean_sd([t["ece"] for t in tests])]
+            cells += [harness.mean_sd([s[key] for s in scores]) for key in ("nll", "accuracy", "ece")]
         ratio = f"{ms[name] / ms[BBB]:.2f}" if BBB in ms else "—"
-        lines.append(f"| {name} | {elbo} | {reach} | {reach_time} | " + " | ".join(cells) + f" | {ms[name]:.2f} | {ratio} |")
+        lines.append(f"| {name} | {elbo} | {reach} | {reach_time} | " + " | ".join(cells)
+                     + f" | {ms[name]:.2f} | {ratio} |")
     lines += ["", "Hyperparameters:", ""]
     for name in results:
         lines.append(f"- {name}: {METHODS[name][1]}")
-    lines += ["", targets_text(results, targets, checkpoints, epochs)]
+    lines += ["", targets_text(results, targets, checkpoints, epochs, num_data)]
     return "\n".join(lines) + "\n"
 
 
-def targets_text(results, targets, checkpoints, epochs) -> str:
+def targets_text(results, targets, checkpoints, epochs, num_data) -> str:
     """DESIGN §5 targets, checked on the seed means."""
     out = ["Targets (DESIGN §5):", ""]
     ngvis = [n for n in results if n.startswith("NGVI")]
 
     def mean_metric(name, c, key):
-        tests = [at_epoch(h, c) for h in results[name]]
-        if any(t is None for t in tests):
+        scores = [h.at(c) for h in results[name]]
+        if any(s is None for s in scores):
             return math.nan
-        return statistics.mean(t[key] for t in tests)
+        return statistics.mean(s[key] for s in scores)
 
     for name in ngvis:
         if targets:
-            found = [first_epoch_below(h, t) for h, t in zip(results[name], targets)]
+            found = [first_epoch_below(h, t, num_data) for h, t in zip(results[name], targets)]
             ok = all(e is not None and e <= 20 for e in found)
             out.append(f"- {name} reaches SVI+Adam's {epochs}-epoch ELBO in <= 20 epochs: "
                        f"{'yes' if ok else 'NO'} (epochs: {found})")
@@ -217,46 +201,6 @@ def targets_text(results, targets, checkpoints, epochs) -> str:
                     rows.append(f"@{c}: {a:.3f} vs {b:.3f} {'ok' if a <= b else 'WORSE'}")
                 out.append(f"- {name} {key.upper()} <= {other}: " + "; ".join(rows))
     return "\n".join(out)
-
-
-def plot(results: Dict[str, List[History]], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-    for index, (name, hs) in enumerate(results.items()):
-        style = dict(label=name, color=f"C{index}")
-        epochs = hs[0].epochs
-        wall = [statistics.mean(h.wall[i] for h in hs) for i in range(len(epochs))]
-        elbo = [statistics.mean(h.neg_elbo[i] for h in hs) for i in range(len(epochs))]
-        nll = [statistics.mean(h.test[i]["nll"] for h in hs) for i in range(len(epochs))]
-        if not math.isnan(elbo[0]):
-            axes[0, 0].plot(epochs, elbo, **style)
-            axes[0, 1].plot(wall[1:], elbo[1:], **style)  # (epoch 0 is at time 0: off a log axis)
-        axes[1, 0].plot(epochs, nll, **style)
-        axes[1, 1].plot(wall[1:], nll[1:], **style)
-        if name == BBB:
-            target = statistics.mean(statistics.mean(h.neg_elbo[-5:]) for h in hs)
-            for ax in axes[0]:
-                ax.axhline(target, color="0.5", linestyle="--", linewidth=0.8)
-    for ax in axes[0]:
-        ax.set_ylabel("-ELBO / N (train)")
-        ax.set_yscale("log")
-    for ax in axes[1]:
-        ax.set_ylabel("test NLL (predictive)")
-        ax.set_yscale("log")
-    for ax in axes[:, 0]:
-        ax.set_xlabel("epoch")
-    for ax in axes[:, 1]:
-        ax.set_xlabel("training wall time (s)")
-        ax.set_xscale("log")
-    axes[1, 0].legend()  # every method has a test NLL (MAP has no ELBO)
-    fig.suptitle("Digits BNN 64-100-10: mean over seeds (dashed: Pyro SVI + Adam's final -ELBO/N)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def main(argv=None):
@@ -285,39 +229,39 @@ def main(argv=None):
     if unknown:
         raise SystemExit(f"unknown methods {unknown}; choose from {list(METHODS)}")
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    task = harness.digits_mlp()
     if args.from_json:
         with open(args.from_json) as f:
             results = {name: [History(**h) for h in hs] for name, hs in json.load(f).items()}
         runs = len(next(iter(results.values())))
-        return write(results, args.epochs, list(range(args.first_seed, args.first_seed + runs)), args)
-    data = load_digits()
+        return write(results, args.epochs, list(range(args.first_seed, args.first_seed + runs)), task, args)
     results: Dict[str, List[History]] = {name: [] for name in names}
-    eval_net = make_net(0)
+    eval_epochs = [0, *range(args.eval_every, args.epochs + 1, args.eval_every), args.epochs]
     start = time.perf_counter()
     for seed in seeds:
+        seeded = replace(task, seed=seed)  # the split stays; initial weights and minibatch order change
         for name in names:
             kind, params = METHODS[name]
-            pyro.set_rng_seed(seed)
-            method = build(kind, params, make_net(seed), data.num_train)
-            history = train(method, data, args.epochs, seed, eval_net, eval_every=args.eval_every)
+            method = build(kind, params, seeded)
+            history = harness.fit(method, args.epochs, harness.evaluator(seeded, seed=seed), eval_epochs)
             results[name].append(history)
-            skipped = getattr(getattr(method, "optim", None), "num_skipped_steps", 0)
-            print(f"seed {seed} {name:24s} -ELBO/N {history.neg_elbo[-1]:8.3f}  test NLL "
-                  f"{history.test[-1]['nll']:.3f}  acc {history.test[-1]['acc']:.3f}  ECE "
-                  f"{history.test[-1]['ece']:.3f}  {1e3 * statistics.median(history.step_times):.2f} ms/step"
+            last = history.at(args.epochs)
+            skipped = getattr(method.optim, "num_skipped_steps", 0)
+            elbo = f"-ELBO/N {-last['elbo'] / task.num_data:8.3f}" if "elbo" in last else " " * 16
+            print(f"seed {seed} {name:24s} {elbo}  test NLL {last['nll']:.3f}  acc {last['accuracy']:.3f}  "
+                  f"ECE {last['ece']:.3f}  {1e3 * history.seconds_per_step:.2f} ms/step"
                   + (f"  ({skipped} skipped steps)" if skipped else "")
                   + f"  [{time.perf_counter() - start:.0f} s]", flush=True)
             if seed == seeds[0] and name == BBB:
-                posterior = method.posterior()
-                check = trace_elbo_per_datum(seed, posterior, data.x_train, data.y_train)
+                check = -harness.trace_elbo(seeded, method.posterior()) / task.num_data
                 print(f"  cross-check: Pyro Trace_ELBO(64 particles) -ELBO/N {check:.3f} vs ours "
-                      f"{history.neg_elbo[-1]:.3f}", flush=True)
-    write(results, args.epochs, seeds, args)
+                      f"{-last['elbo'] / task.num_data:.3f}", flush=True)
+    write(results, args.epochs, seeds, task, args)
 
 
-def write(results: Dict[str, List[History]], epochs: int, seeds: List[int], args) -> None:
+def write(results: Dict[str, List[History]], epochs: int, seeds: List[int], task: harness.Task, args) -> None:
     """Print the table; write it, the histories and the figure into ``args.out``."""
-    text = report(results, epochs, seeds, args)
+    text = report(results, epochs, seeds, task.num_data)
     print()
     print(text)
     os.makedirs(args.out, exist_ok=True)
@@ -327,7 +271,11 @@ def write(results: Dict[str, List[History]], epochs: int, seeds: List[int], args
     with open(os.path.join(args.out, "bnn_digits.json"), "w") as f:
         json.dump({name: [h.__dict__ for h in hs] for name, hs in results.items()}, f)
     if not args.no_plot:
-        plot(results, os.path.join(args.out, "bnn_digits.png"))
+        bbb = results.get(BBB)
+        target = statistics.mean(-statistics.mean(h.scores["elbo"][-5:]) / task.num_data for h in bbb) if bbb else None
+        harness.plot_training(results, "nll", "test NLL (predictive)", os.path.join(args.out, "bnn_digits.png"),
+                              num_data=task.num_data, target=target,
+                              title="Digits BNN 64-100-10: mean over seeds (dashed: Pyro SVI + Adam's final -ELBO/N)")
     print(f"wrote {md} and {args.out}/bnn_digits.{{json,png}}")
 
 

@@ -39,9 +39,10 @@ import statistics
 import sys
 import time
 import warnings
+from dataclasses import replace
 from typing import Callable, Dict, List
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
 import torch  # noqa: E402
 
@@ -49,7 +50,7 @@ import pyro  # noqa: E402
 
 from pyro_ngvi import NGVIWarning  # noqa: E402
 
-from common import BATCH_SIZE, HandVOGN, IVONMethod, MAPAdam, bayes_by_backprop, load_digits, make_net, ngvi  # noqa: E402
+import harness  # noqa: E402  (examples/harness)
 
 SVI_ADAM = "Pyro SVI + Adam (Trace_ELBO, BBB)"
 VOGN_REF = "hand-written VOGN (SumGradSquared)"
@@ -61,24 +62,20 @@ NGVI_ARGS = dict(lr=0.01, beta=0.05, momentum=0.9, damping=30.0)
 VOGN_ARGS = NGVI_ARGS  # the same update (momentum included) by hand
 
 
-def methods(num_data: int, seed: int) -> Dict[str, Callable]:
+def methods(task: harness.Task) -> Dict[str, Callable]:
     """Label -> factory of the method; all start from the same network."""
-
-    def net():
-        return make_net(seed)
-
     return {
-        "NGVI + CurvatureELBO('ef') (BackPACK)": lambda: ngvi("ef", net(), num_data, "ef", **NGVI_ARGS),
-        "NGVI + CurvatureELBO('ggn') (BackPACK)": lambda: ngvi("ggn", net(), num_data, "ggn", **NGVI_ARGS),
-        "NGVI + CurvatureELBO('ggn_mc') (BackPACK)": lambda: ngvi("ggn_mc", net(), num_data, "ggn_mc", **NGVI_ARGS),
-        "NGVI + CurvatureELBO('reparam')": lambda: ngvi("reparam", net(), num_data, "reparam", **NGVI_ARGS),
-        "NGVI + Trace_ELBO (reparam from grads)": lambda: ngvi("trace", net(), num_data, None, **NGVI_ARGS),
-        SVI_ADAM: lambda: bayes_by_backprop("bbb", net(), num_data, lr=1e-3),
-        VOGN_REF: lambda: HandVOGN(net(), num_data, curvature="ef", **VOGN_ARGS),
-        "hand-written VOGN (DiagGGNExact)": lambda: HandVOGN(net(), num_data, curvature="ggn", **VOGN_ARGS),
-        "hand-written VOGN (DiagGGNMC)": lambda: HandVOGN(net(), num_data, curvature="ggn_mc", **VOGN_ARGS),
-        "MAP Adam (plain torch)": lambda: MAPAdam(net(), num_data, lr=1e-3),
-        "ivon-opt IVON": lambda: IVONMethod(net(), num_data, lr=0.1),
+        "NGVI + CurvatureELBO('ef') (BackPACK)": lambda: harness.ngvi(task, "ef", **NGVI_ARGS),
+        "NGVI + CurvatureELBO('ggn') (BackPACK)": lambda: harness.ngvi(task, "ggn", **NGVI_ARGS),
+        "NGVI + CurvatureELBO('ggn_mc') (BackPACK)": lambda: harness.ngvi(task, "ggn_mc", **NGVI_ARGS),
+        "NGVI + CurvatureELBO('reparam')": lambda: harness.ngvi(task, "reparam", **NGVI_ARGS),
+        "NGVI + Trace_ELBO (reparam from grads)": lambda: harness.ngvi(task, None, **NGVI_ARGS),
+        SVI_ADAM: lambda: harness.bayes_by_backprop(task, lr=1e-3),
+        VOGN_REF: lambda: harness.HandVOGN(task, curvature="ef", **VOGN_ARGS),
+        "hand-written VOGN (DiagGGNExact)": lambda: harness.HandVOGN(task, curvature="ggn", **VOGN_ARGS),
+        "hand-written VOGN (DiagGGNMC)": lambda: harness.HandVOGN(task, curvature="ggn_mc", **VOGN_ARGS),
+        "MAP Adam (plain torch)": lambda: harness.MAP(task, lr=1e-3),
+        "ivon-opt IVON": lambda: harness.IVON(task, lr=0.1, hess_init=0.5),
     }
 
 
@@ -92,14 +89,13 @@ TARGETS = [
 ]
 
 
-def fixed_batches(x, y, count: int, seed: int):
+def fixed_batches(task: harness.Task, count: int):
     """``count`` full minibatches, drawn from successive shuffles of the data."""
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(task.seed)
     out = []
     while len(out) < count:
-        for idx in torch.randperm(len(x), generator=generator).split(BATCH_SIZE):
-            if len(idx) == BATCH_SIZE:
-                out.append((x[idx].contiguous(), y[idx].contiguous()))
+        epoch = harness.minibatches(task.split.x_train, task.split.y_train, task.batch_size, generator)
+        out += [(x, y) for x, y in epoch if len(x) == task.batch_size]
     return out[:count]
 
 
@@ -109,7 +105,6 @@ def time_steps(makers: Dict[str, Callable], batches, steps: int, warmup: int, bl
     pyro.set_rng_seed(seed)
     for name, make in makers.items():
         method = make()
-        method.prepare(*batches[0])
         with method.active():
             for i in range(warmup):
                 method.step(*batches[i % len(batches)])
@@ -202,9 +197,9 @@ def main(argv=None):
         pyro.enable_validation(False)
     warnings.simplefilter("error", NGVIWarning)  # a diverging run would time another code path
     warnings.filterwarnings("ignore", "Full backward hook is firing")  # BackPACK's first layer
-    data = load_digits()
-    batches = fixed_batches(data.x_train, data.y_train, 50, args.seed)
-    makers = methods(data.num_train, args.seed)
+    task = replace(harness.digits_mlp(), seed=args.seed)
+    batches = fixed_batches(task, 50)
+    makers = methods(task)
     if args.only:
         keep = {SVI_ADAM, VOGN_REF}
         keep |= {n for n in makers if any(s in n for s in args.only)}
@@ -212,9 +207,9 @@ def main(argv=None):
         makers = {n: m for n, m in makers.items() if n in keep}
     runs, times, cpu_times = time_steps(makers, batches, args.steps, args.warmup, args.block, args.seed)
     if args.only:
-        text = report_subset(times, args, data.num_train)
+        text = report_subset(times, args, task.num_data)
     else:
-        text = report(times, cpu_times, args, data.num_train)
+        text = report(times, cpu_times, args, task.num_data)
     print(text)
     if args.out:
         with open(args.out, "w") as f:

@@ -58,7 +58,7 @@ import statistics
 import sys
 import time
 from dataclasses import replace
-from typing import Dict, List, Sequence
+from typing import Dict, List
 
 import torch
 from tqdm.auto import tqdm
@@ -77,6 +77,8 @@ def load_example():
 
 
 cl = load_example()
+sys.path.insert(0, os.path.dirname(_EXAMPLE))
+import harness  # noqa: E402  (examples/harness)
 
 NGVI, VCL, FINE_TUNING = "NGVI (ours)", "VCL (BBB, Adam)", "Fine-tuning (MAP)"
 
@@ -115,12 +117,6 @@ TUNING_GRID = [
 ]
 
 
-def mean_std(values: Sequence[float]) -> str:
-    if len(values) == 1:
-        return f"{values[0]:.1f}"
-    return f"{statistics.mean(values):.1f} ± {statistics.stdev(values):.1f}"
-
-
 def summary_table(results) -> str:
     """Mean ± standard deviation over seeds, per experiment and method."""
     lines = [
@@ -137,9 +133,9 @@ def summary_table(results) -> str:
                   if r.config["seed"] in reference]
         ratio = f"{statistics.mean(ratios):.2f}" if ratios else "-"
         lines.append(
-            f"| {experiment} | {method} | {mean_std([100 * r.average_accuracy for r in runs])} | "
-            f"{mean_std([100 * r.forgetting for r in runs])} | "
-            f"{mean_std([r.train_seconds for r in runs])} | {ratio} |"
+            f"| {experiment} | {method} | {harness.mean_sd([100 * r.average_accuracy for r in runs], '.1f')} | "
+            f"{harness.mean_sd([100 * r.forgetting for r in runs], '.1f')} | "
+            f"{harness.mean_sd([r.train_seconds for r in runs], '.1f')} | {ratio} |"
         )
     return "\n".join(lines)
 

@@ -41,6 +41,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "distributed_bnn.py"
+sys.path.insert(0, str(EXAMPLE.parent))
+import harness  # noqa: E402  (examples/harness)
 TIMEOUT = 900  # seconds for one launch, at most
 
 
@@ -124,10 +126,7 @@ def variance_worker(args):
     from pyro.infer import SVI
     from pyro.infer.autoguide import AutoNormal
 
-    sys.path.insert(0, str(EXAMPLE.parent))
-    import _common as common
     import distributed_bnn as example
-    from sklearn.datasets import load_digits
 
     from pyro_ngvi import NGVI, BayesianNet, CurvatureELBO
     from pyro_ngvi.distributed import get_rank, shard
@@ -136,14 +135,14 @@ def variance_worker(args):
     owns_group = example.start_process_group("cpu", timeout=120)
     try:
         rank = get_rank()
-        split = common.load_split(load_digits, classification=True, seed=args.seed)
-        x, y = split.x_train[:128], split.y_train[:128]  # the same batch on every rank ...
+        task = harness.digits_mlp(args.seed, test_size=0.2)
+        x, y = task.split.x_train[:128], task.split.y_train[:128]  # the same batch on every rank ...
         if args.split_batch:  # ... or a half of it each
             index = shard(len(x))
             x, y = x[index], y[index]
         pyro.clear_param_store()
         pyro.set_rng_seed(args.seed)
-        bnn = BayesianNet(example.make_net(), "categorical", num_data=split.num_train, prior=1.0)
+        bnn = BayesianNet(task.make_net(), "categorical", num_data=task.num_data, prior=1.0)
         guide = AutoNormal(bnn, init_loc_fn=bnn.init_loc_fn, init_scale=example.INIT_SCALE)
         guide(x[:2], y[:2])
         store = pyro.get_param_store()
@@ -184,15 +183,6 @@ def _mean_precision(sites):
     return torch.cat(means), torch.cat(precisions)
 
 
-# ------------------------------------------------------------------ tables
-def table(rows, columns):
-    lines = ["| " + " | ".join(h for _, h, _ in columns) + " |",
-             "|" + "|".join("---" if i == 0 else "---:" for i in range(len(columns))) + "|"]
-    for row in rows:
-        lines.append("| " + " | ".join(format(row[k], spec) for k, _, spec in columns) + " |")
-    return "\n".join(lines)
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     parser.add_argument("--epochs", type=int, default=30)
@@ -221,14 +211,14 @@ def main(argv=None):
         f"Digits MLP 64-100-10, CurvatureELBO('ef'), global batch 128, {args.epochs} epochs, "
         f"gloo on loopback, 1 thread per process; {os.cpu_count()} CPUs, load average {load}.",
         "",
-        table(training, [("setup", "setup", "s"), ("samples", "samples/step", "d"),
+        harness.markdown_table(training, [("setup", "setup", "s"), ("samples", "samples/step", "d"),
                          ("seconds", "s/epoch", ".3f"), ("elbo", "final ELBO", ".1f"),
                          ("accuracy", "test acc", ".3f"), ("nll", "test NLL", ".3f")]),
         "",
         f"Update variance at the trained guide, one fixed batch of 128, {args.repeats} repeats "
         "(sums over all weights; ratio to one sample):",
         "",
-        table(variance, [("setup", "setup", "s"), ("samples", "samples/step", "d"),
+        harness.markdown_table(variance, [("setup", "setup", "s"), ("samples", "samples/step", "d"),
                          ("var_mean", "Var(Δμ)", ".3e"), ("mean_ratio", "ratio", ".2f"),
                          ("var_precision", "Var(Δλ)", ".3e"), ("precision_ratio", "ratio", ".2f")]),
     ])

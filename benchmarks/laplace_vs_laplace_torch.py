@@ -44,8 +44,7 @@ from torch import nn
 
 import pyro
 
-from pyro_ngvi import BayesianNet
-from pyro_ngvi.laplace import LaplaceWarning, laplace
+from pyro_ngvi import BayesianNet, LaplaceWarning, laplace
 
 
 def parse_args(argv=None):

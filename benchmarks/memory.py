@@ -25,15 +25,16 @@ Usage::
 import os
 import sys
 import warnings
+from dataclasses import replace
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import pyro  # noqa: E402
 
-from common import BATCH_SIZE, IVONMethod, bayes_by_backprop, load_digits, make_net, ngvi  # noqa: E402
+import harness  # noqa: E402  (examples/harness)
 
 
 def tensor_bytes(obj) -> int:
@@ -94,7 +95,6 @@ def table(title: str, methods, x, y, latent: int) -> None:
     for name, make in methods.items():
         pyro.set_rng_seed(0)
         method = make()
-        method.prepare(x, y)
         with method.active():
             for _ in range(5):
                 method.step(x, y)
@@ -107,45 +107,34 @@ def main():
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", "Full backward hook is firing")
     warnings.filterwarnings("ignore", "Memory block of unknown size")
-    data = load_digits()
-    n = data.num_train
-    x, y = data.x_train[:BATCH_SIZE], data.y_train[:BATCH_SIZE]
-    try:
-        import ivon  # noqa: F401
+    task = harness.digits_mlp()
+    x, y = task.split.x_train[:task.batch_size], task.split.y_train[:task.batch_size]
+    has_ivon = harness.ivon_installed()
 
-        has_ivon = True
-    except ImportError:
-        has_ivon = False
-        print("ivon-opt is not installed: skipping it")
-
-    def small():
-        return make_net(0)
+    def latent_size(task):
+        return sum(p.numel() for p in task.make_net().parameters())
 
     methods = {
-        "NGVI ef (momentum 0.9)": lambda: ngvi("a", small(), n, "ef", lr=0.03, momentum=0.9),
-        "NGVI ef (no momentum)": lambda: ngvi("b", small(), n, "ef", lr=0.03),
-        "NGVI ggn (momentum 0.9)": lambda: ngvi("c", small(), n, "ggn", lr=0.1, momentum=0.9, damping=30.0),
-        "NGVI + Trace_ELBO (momentum 0.9)": lambda: ngvi("d", small(), n, None, lr=0.03, momentum=0.9),
-        "Pyro SVI + Adam (BBB)": lambda: bayes_by_backprop("e", small(), n, lr=1e-2),
+        "NGVI ef (momentum 0.9)": lambda: harness.ngvi(task, "ef", lr=0.03, momentum=0.9),
+        "NGVI ef (no momentum)": lambda: harness.ngvi(task, "ef", lr=0.03),
+        "NGVI ggn (momentum 0.9)": lambda: harness.ngvi(task, "ggn", lr=0.1, momentum=0.9, damping=30.0),
+        "NGVI + Trace_ELBO (momentum 0.9)": lambda: harness.ngvi(task, None, lr=0.03, momentum=0.9),
+        "Pyro SVI + Adam (BBB)": lambda: harness.bayes_by_backprop(task, lr=1e-2),
     }
     if has_ivon:
-        methods["ivon-opt IVON"] = lambda: IVONMethod(small(), n, lr=0.1)
-    table("Digits MLP 64-100-10 (4 sites, one flat update)", methods, x, y,
-          sum(p.numel() for p in small().parameters()))
+        methods["ivon-opt IVON"] = lambda: harness.IVON(task, lr=0.1, hess_init=0.5)
+    table("Digits MLP 64-100-10 (4 sites, one flat update)", methods, x, y, latent_size(task))
 
-    def wide():
-        torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(64, 1000), torch.nn.ReLU(), torch.nn.Linear(1000, 1000),
-                                   torch.nn.ReLU(), torch.nn.Linear(1000, 10))
-
+    wide = replace(task, make_net=lambda: torch.nn.Sequential(
+        torch.nn.Linear(64, 1000), torch.nn.ReLU(), torch.nn.Linear(1000, 1000), torch.nn.ReLU(),
+        torch.nn.Linear(1000, 10)))
     methods = {
-        "NGVI reparam (momentum 0.9)": lambda: ngvi("f", wide(), n, "reparam", lr=0.03, momentum=0.9),
-        "Pyro SVI + Adam (BBB)": lambda: bayes_by_backprop("g", wide(), n, lr=1e-2),
+        "NGVI reparam (momentum 0.9)": lambda: harness.ngvi(wide, "reparam", lr=0.03, momentum=0.9),
+        "Pyro SVI + Adam (BBB)": lambda: harness.bayes_by_backprop(wide, lr=1e-2),
     }
     if has_ivon:
-        methods["ivon-opt IVON"] = lambda: IVONMethod(wide(), n, lr=0.1)
-    table("Digits MLP 64-1000-1000-10 (the 1000 x 1000 weight updated alone)", methods, x, y,
-          sum(p.numel() for p in wide().parameters()))
+        methods["ivon-opt IVON"] = lambda: harness.IVON(wide, lr=0.1, hess_init=0.5)
+    table("Digits MLP 64-1000-1000-10 (the 1000 x 1000 weight updated alone)", methods, x, y, latent_size(wide))
 
 
 if __name__ == "__main__":

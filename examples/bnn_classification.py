@@ -1,8 +1,8 @@
 """
 A Bayesian MLP (64-100-10) on scikit-learn's handwritten digits.
 
-The same network, the same N(0, s0^2) prior on every weight and the same
-initial weights for every method:
+The same network, the same N(0, s0^2) prior on every weight, the same initial
+weights and minibatches for every method:
 
 * NGVI + CurvatureELBO("ef")   - VOGN: per-example squared gradients (BackPACK)
 * NGVI + CurvatureELBO("ggn")  - exact Gauss-Newton diagonal (BackPACK)
@@ -10,9 +10,13 @@ initial weights for every method:
 * MAP + Adam                   - the plain network, weight decay = the prior
 * ivon-opt                     - IVON on the plain network (if installed)
 
-Bayesian predictions average the softmax over posterior samples drawn with
-Pyro's ``Predictive`` (ivon-opt: its ``sampled_params``). Prints a markdown
-table of test accuracy, NLL, ECE and Brier score, and saves into ``--out``:
+Every method is scored alike (``harness.evaluator``): Bayesian predictions
+average the softmax over ``--samples`` weights drawn from the method's Gaussian
+posterior (the same draws for every method), the ELBO is the expected
+log-likelihood of the training set by as many draws minus the closed-form KL to
+the prior. Prints a
+markdown table of test accuracy, NLL, ECE, Brier score and the final ELBO, and
+saves into ``--out``:
 
 * ``training_curves.png`` - negative ELBO and test NLL against epochs and wall time
 * ``reliability.png``     - reliability diagrams
@@ -29,98 +33,69 @@ import sys
 from pathlib import Path
 
 import torch
-from torch import nn
-
-import pyro.optim
-from pyro.infer import Trace_ELBO
 
 HERE = str(Path(__file__).resolve().parent)
-if HERE not in sys.path:  # run as a script or imported by path: find _common
+if HERE not in sys.path:  # run as a script or imported by path: find the harness
     sys.path.insert(0, HERE)
-import _common as common  # noqa: E402
+import harness  # noqa: E402
 
-from pyro_ngvi import CurvatureELBO, metrics  # noqa: E402
+from pyro_ngvi import metrics  # noqa: E402
 
 NAME = "bnn_classification"
 
-# Settings: a small grid on --seed 1 (the reported runs use --seed 0). NGVI's
-# step on the mean is a diagonal (Jacobi-like) Newton step, stable for lr well
-# below 1, and annealed 10x over the run to remove the single-sample noise floor.
-# Gauss-Newton curvature vanishes on confidently wrong examples while their
-# gradient does not, so "ggn" needs damping (and momentum smooths it); "ef" grows
-# with the gradient and needs neither. The baselines got the same kind of grid:
-# Adam lr 0.01 / 0.03 / 0.05 and guide init_scale 0.01 / 0.1 for Bayes-by-Backprop,
-# lr 1e-3 / 3e-3 / 1e-2 for MAP, lr / hess_init / beta2 for ivon-opt.
-NGVI_EF = dict(lr=(0.05, 0.005), beta=0.1)
-NGVI_GGN = dict(lr=(0.1, 0.01), beta=0.1, damping=100.0, momentum=0.9)
-NGVI_INIT_SCALE = 0.1  # NGVI's warm start raises the precision to the first curvature where larger
-ADAM_LR = 0.03  # Bayes-by-Backprop
-ADAM_INIT_SCALE = 0.01
-MAP_LR = 1e-2
-IVON = dict(lr=0.2, hess_init=0.5)
 
-
-def make_net() -> nn.Module:
-    return nn.Sequential(nn.Linear(64, 100), nn.ReLU(), nn.Linear(100, 10))
-
-
-def score(outputs: torch.Tensor, y: torch.Tensor) -> dict:
-    """Test metrics of logit samples ``(S, N, 10)``: softmax averaged over samples."""
-    return common.classification_metrics(metrics.predictive_probs_from_logits(outputs), y)
+def methods(task: harness.Task, steps: int) -> dict:
+    """
+    Name -> factory of each method. Settings: a small grid on --seed 1 (the
+    reported runs use --seed 0). NGVI's step on the mean is a diagonal
+    (Jacobi-like) Newton step, stable for lr well below 1, and annealed 10x over
+    the run to remove the single-sample noise floor. Gauss-Newton curvature
+    vanishes on confidently wrong examples while their gradient does not, so
+    "ggn" needs damping (and momentum smooths it); "ef" grows with the gradient
+    and needs neither. NGVI's warm start raises the precision to the first
+    curvature where it is larger than init_scale's. The baselines got the same
+    kind of grid: Adam lr 0.01 / 0.03 / 0.05 and init_scale 0.01 / 0.1 for
+    Bayes-by-Backprop, lr 1e-3 / 3e-3 / 1e-2 for MAP, lr / hess_init / beta2 for ivon-opt.
+    """
+    factories = {
+        "NGVI (ef)": lambda: harness.ngvi(task, "ef", lr=harness.annealed(0.05, 0.005, steps), beta=0.1,
+                                          name="NGVI (ef)"),
+        "NGVI (ggn)": lambda: harness.ngvi(task, "ggn", lr=harness.annealed(0.1, 0.01, steps), beta=0.1,
+                                           damping=100.0, momentum=0.9, name="NGVI (ggn)"),
+        "BBB (Adam)": lambda: harness.bayes_by_backprop(task, lr=0.03, init_scale=0.01, name="BBB (Adam)"),
+        "MAP (Adam)": lambda: harness.MAP(task, lr=1e-2, name="MAP (Adam)"),
+    }
+    if harness.ivon_installed():
+        factories["ivon-opt"] = lambda: harness.IVON(task, lr=0.2, hess_init=0.5)
+    return factories
 
 
 def main(argv=None):
-    parser = common.make_parser(NAME, __doc__.strip().splitlines()[0], epochs=30)
-    parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--prior-scale", type=float, default=1.0, help="prior standard deviation s0")
-    parser.add_argument("--samples", type=int, default=32, help="posterior samples per prediction")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.epochs, args.samples = min(args.epochs, 2), min(args.samples, 8)
-
-    with common.session(args):
-        from sklearn.datasets import load_digits
-
-        split = common.load_split(load_digits, classification=True, seed=args.seed)
+    args = harness.parse_bnn_args(NAME, __doc__.strip().splitlines()[0], argv, epochs=30, batch_size=128, samples=32)
+    with harness.session(args):
+        task = harness.digits_mlp(args.seed, test_size=0.2, prior_scale=args.prior_scale,
+                                  batch_size=args.batch_size)
+        split = task.split
         permutation = torch.randperm(split.x_test.shape[1], generator=torch.Generator().manual_seed(args.seed))
         ood = split.x_test[:, permutation]  # the test digits, pixels shuffled
-        task = common.BNNTask(
-            split, "categorical", make_net, args.prior_scale, args.batch_size, args.epochs,
-            score=lambda outputs, noise: score(outputs, split.y_test),
-            inputs={"test": split.x_test, "ood": ood}, seed=args.seed,
-            eval_samples=args.samples, final_samples=args.samples,
-        )
-        steps = args.epochs * math.ceil(split.num_train / args.batch_size)
-        runs = {
-            "NGVI (ef)": common.run_pyro(task, "NGVI (ef)", common.ngvi(NGVI_EF, steps), CurvatureELBO("ef"),
-                                         NGVI_INIT_SCALE),
-            "NGVI (ggn)": common.run_pyro(task, "NGVI (ggn)", common.ngvi(NGVI_GGN, steps), CurvatureELBO("ggn"),
-                                          NGVI_INIT_SCALE),
-            "BBB (Adam)": common.run_pyro(task, "BBB (Adam)", pyro.optim.Adam({"lr": ADAM_LR}), Trace_ELBO(),
-                                          ADAM_INIT_SCALE),
-            "MAP (Adam)": common.run_map(task, "MAP (Adam)", MAP_LR),
-        }
-        if common.ivon is not None:
-            runs["ivon-opt"] = common.run_ivon(task, "ivon-opt", **IVON)
-        else:
-            print("ivon-opt is not installed: skipping that baseline (pip install ivon-opt)")
-
-        probs = {name: metrics.predictive_probs_from_logits(run.outputs["test"]) for name, run in runs.items()}
-        probs_ood = {name: metrics.predictive_probs_from_logits(run.outputs["ood"]) for name, run in runs.items()}
-        rows = []
-        for name, run in runs.items():
-            row = {"method": name, **common.classification_metrics(probs[name], split.y_test)}
-            row["ood_entropy"] = float(metrics.predictive_entropy(probs_ood[name]).mean())
-            row["elbo"] = run.history.elbo[-1] if run.history.objective == "ELBO" else None
-            row["seconds"] = run.history.time[-1]
-            row["ms_per_step"] = 1e3 * run.history.seconds_per_step
-            rows.append(row)
+        steps = args.epochs * math.ceil(task.num_data / args.batch_size)
+        runs = harness.compare(methods(task, steps), args.epochs,
+                               harness.evaluator(task, args.samples, args.samples, seed=args.seed))
+        rows, probs, probs_ood = [], {}, {}
+        for name, (method, history) in runs.items():
+            probs[name], probs_ood[name] = (
+                metrics.predictive_probs_from_logits(
+                    method.predict(x, args.samples, torch.Generator().manual_seed(args.seed)))
+                for x in (split.x_test, ood))
+            rows.append({"method": name, **history.at(args.epochs), "seconds": history.time[-1],
+                         "ood_entropy": float(metrics.predictive_entropy(probs_ood[name]).mean()),
+                         "ms_per_step": 1e3 * history.seconds_per_step})
         print()
         print(f"Digits, MLP 64-100-10, prior N(0, {args.prior_scale:g}^2), {args.epochs} epochs, "
               f"batch {args.batch_size}, {args.samples} posterior samples per prediction "
-              f"(N = {split.num_train} train / {len(split.x_test)} test)")
+              f"(N = {task.num_data} train / {len(split.x_test)} test)")
         print()
-        print(common.markdown_table(rows, [
+        print(harness.markdown_table(rows, [
             ("method", "method", "s"),
             ("accuracy", "test acc", ".3f"),
             ("nll", "test NLL", ".3f"),
@@ -131,13 +106,13 @@ def main(argv=None):
             ("seconds", "train s", ".1f"),
             ("ms_per_step", "ms/step", ".2f"),
         ]))
-        histories = [run.history for run in runs.values()]
         figures = [
-            common.plot_training(histories, "nll", "test NLL", args.out / "training_curves.png"),
-            common.plot_reliability(probs, split.y_test, args.out / "reliability.png"),
-            common.plot_entropy(
+            harness.plot_training({name: [h] for name, (_, h) in runs.items()}, "nll", "test NLL",
+                                  args.out / "training_curves.png"),
+            harness.plot_reliability(probs, split.y_test, args.out / "reliability.png"),
+            harness.plot_entropy(
                 {name: (metrics.predictive_entropy(probs[name]), metrics.predictive_entropy(probs_ood[name]))
-                 for name in runs},
+                 for name in probs},
                 args.out / "entropy.png", labels=("test digits", "pixel-permuted digits"),
             ),
         ]

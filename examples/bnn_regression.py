@@ -27,48 +27,46 @@ import sys
 from pathlib import Path
 
 import torch
-from torch import nn
-
-import pyro.optim
-from pyro.infer import Trace_ELBO
 
 HERE = str(Path(__file__).resolve().parent)
-if HERE not in sys.path:  # run as a script or imported by path: find _common
+if HERE not in sys.path:  # run as a script or imported by path: find the harness
     sys.path.insert(0, HERE)
-import _common as common  # noqa: E402
-
-from pyro_ngvi import CurvatureELBO  # noqa: E402
+import harness  # noqa: E402
 
 NAME = "bnn_regression"
 
-# Settings: a small grid on --seed 1 (the reported runs use --seed 0); the
-# learning rates of NGVI are annealed 10x over the run (the single-sample noise
-# floor), the noise scale is a point estimate that NGVI hands to its point
-# optimiser (Adam). Baselines: Adam lr 0.01 / 0.03 and init_scale 0.01 / 0.1 for
-# Bayes-by-Backprop, lr 1e-3 / 3e-3 / 1e-2 for MAP, lr / hess_init for ivon-opt.
-NGVI_GGN = dict(lr=(0.05, 0.005), beta=0.1, damping=10.0, point_optim_args={"lr": 1e-2})
-NGVI_EF = dict(lr=(0.02, 0.002), beta=0.1, point_optim_args={"lr": 1e-2})
-NGVI_INIT_SCALE = 0.1
-ADAM_LR = 1e-2
-ADAM_INIT_SCALE = 0.01
-MAP_LR = 1e-3
-IVON = dict(lr=0.05, hess_init=0.1)
 
-
-def make_net() -> nn.Module:
-    return nn.Sequential(nn.Linear(10, 50), nn.ReLU(), nn.Linear(50, 1))
+def methods(task: harness.Task, steps: int) -> dict:
+    """
+    Name -> factory of each method. Settings: a small grid on --seed 1 (the
+    reported runs use --seed 0); the learning rates of NGVI are annealed 10x over
+    the run (the single-sample noise floor), the noise scale is a point estimate
+    that NGVI hands to its point optimiser (Adam). Baselines: Adam lr 0.01 / 0.03
+    and init_scale 0.01 / 0.1 for Bayes-by-Backprop, lr 1e-3 / 3e-3 / 1e-2 for
+    MAP, lr / hess_init for ivon-opt.
+    """
+    point_optim_args = {"lr": 1e-2}
+    factories = {
+        "NGVI (ggn)": lambda: harness.ngvi(task, "ggn", lr=harness.annealed(0.05, 0.005, steps), beta=0.1,
+                                           damping=10.0, point_optim_args=point_optim_args, name="NGVI (ggn)"),
+        "NGVI (ef)": lambda: harness.ngvi(task, "ef", lr=harness.annealed(0.02, 0.002, steps), beta=0.1,
+                                          point_optim_args=point_optim_args, name="NGVI (ef)"),
+        "BBB (Adam)": lambda: harness.bayes_by_backprop(task, lr=1e-2, init_scale=0.01, name="BBB (Adam)"),
+        "MAP (Adam)": lambda: harness.MAP(task, lr=1e-3, name="MAP (Adam)"),
+    }
+    if harness.ivon_installed():
+        factories["ivon-opt"] = lambda: harness.IVON(task, lr=0.05, hess_init=0.1)
+    return factories
 
 
 def plot_predictions(runs, y, path):
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(runs), figsize=(3.2 * len(runs), 3.3), sharex=True, sharey=True,
-                             squeeze=False)
+    fig, axes = harness.plt.subplots(1, len(runs), figsize=(3.2 * len(runs), 3.3), sharex=True, sharey=True,
+                                     squeeze=False)
     order = torch.argsort(y)
-    for ax, (name, run) in zip(axes[0], runs.items()):
-        loc = run.outputs["test"].reshape(len(run.outputs["test"]), -1)[:, order]
+    for ax, (name, (loc, noise_scale)) in zip(axes[0], runs.items()):
+        loc = loc.squeeze(-1)[:, order]
         noise = torch.randn((20,) + loc.shape, generator=torch.Generator().manual_seed(0))
-        draws = (loc + run.noise_scale * noise).reshape(-1, loc.shape[1])
+        draws = (loc + noise_scale * noise).reshape(-1, loc.shape[1])
         low, high = torch.quantile(draws, torch.tensor([0.05, 0.95]), dim=0).numpy()
         index = torch.arange(len(y)).numpy()
         ax.fill_between(index, low, high, alpha=0.3, label="90 % interval")
@@ -78,57 +76,29 @@ def plot_predictions(runs, y, path):
         ax.set_xlabel("test point (sorted by target)")
     axes[0, 0].set_ylabel("standardised target")
     axes[0, 0].legend(fontsize=7)
-    return common.save_figure(fig, path)
+    return harness.save_figure(fig, path)
 
 
 def main(argv=None):
-    parser = common.make_parser(NAME, __doc__.strip().splitlines()[0], epochs=100)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--prior-scale", type=float, default=1.0, help="prior standard deviation s0")
-    parser.add_argument("--samples", type=int, default=64, help="posterior samples per prediction")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.epochs, args.samples = min(args.epochs, 2), min(args.samples, 8)
-
-    with common.session(args):
-        from sklearn.datasets import load_diabetes
-
-        split = common.load_split(load_diabetes, classification=False, seed=args.seed)
-        task = common.BNNTask(
-            split, "gaussian", make_net, args.prior_scale, args.batch_size, args.epochs,
-            score=lambda outputs, noise: common.regression_metrics(outputs, noise, split.y_test),
-            inputs={"test": split.x_test}, seed=args.seed,
-            eval_samples=args.samples, final_samples=args.samples,
-        )
-        steps = args.epochs * math.ceil(split.num_train / args.batch_size)
-        runs = {
-            "NGVI (ggn)": common.run_pyro(task, "NGVI (ggn)", common.ngvi(NGVI_GGN, steps), CurvatureELBO("ggn"),
-                                          NGVI_INIT_SCALE),
-            "NGVI (ef)": common.run_pyro(task, "NGVI (ef)", common.ngvi(NGVI_EF, steps), CurvatureELBO("ef"),
-                                         NGVI_INIT_SCALE),
-            "BBB (Adam)": common.run_pyro(task, "BBB (Adam)", pyro.optim.Adam({"lr": ADAM_LR}), Trace_ELBO(),
-                                          ADAM_INIT_SCALE),
-            "MAP (Adam)": common.run_map(task, "MAP (Adam)", MAP_LR),
-        }
-        if common.ivon is not None:
-            runs["ivon-opt"] = common.run_ivon(task, "ivon-opt", **IVON)
-        else:
-            print("ivon-opt is not installed: skipping that baseline (pip install ivon-opt)")
-
-        rows = []
-        for name, run in runs.items():
-            row = {"method": name, **common.regression_metrics(run.outputs["test"], run.noise_scale, split.y_test)}
-            row["noise"] = run.noise_scale
-            row["elbo"] = run.history.elbo[-1] if run.history.objective == "ELBO" else None
-            row["seconds"] = run.history.time[-1]
-            row["ms_per_step"] = 1e3 * run.history.seconds_per_step
-            rows.append(row)
+    args = harness.parse_bnn_args(NAME, __doc__.strip().splitlines()[0], argv, epochs=100, batch_size=32, samples=64)
+    with harness.session(args):
+        task = harness.diabetes_mlp(args.seed, prior_scale=args.prior_scale, batch_size=args.batch_size)
+        split = task.split
+        steps = args.epochs * math.ceil(task.num_data / args.batch_size)
+        runs = harness.compare(methods(task, steps), args.epochs,
+                               harness.evaluator(task, args.samples, args.samples, seed=args.seed))
+        rows, predictions = [], {}
+        for name, (method, history) in runs.items():
+            outputs = method.predict(split.x_test, args.samples, torch.Generator().manual_seed(args.seed))
+            predictions[name] = outputs, method.noise_scale
+            rows.append({"method": name, **history.at(args.epochs), "noise": method.noise_scale,
+                         "seconds": history.time[-1], "ms_per_step": 1e3 * history.seconds_per_step})
         print()
         print(f"Diabetes, MLP 10-50-1, prior N(0, {args.prior_scale:g}^2), learned noise, {args.epochs} epochs, "
-              f"batch {args.batch_size}, {args.samples} posterior samples (N = {split.num_train} train / "
+              f"batch {args.batch_size}, {args.samples} posterior samples (N = {task.num_data} train / "
               f"{len(split.x_test)} test; standardised target)")
         print()
-        print(common.markdown_table(rows, [
+        print(harness.markdown_table(rows, [
             ("method", "method", "s"),
             ("rmse", "test RMSE", ".3f"),
             ("loglik", "test log-lik", ".3f"),
@@ -140,9 +110,9 @@ def main(argv=None):
             ("ms_per_step", "ms/step", ".2f"),
         ]))
         figures = [
-            common.plot_training([run.history for run in runs.values()], "loglik", "test log-likelihood",
-                                 args.out / "training_curves.png"),
-            plot_predictions(runs, split.y_test, args.out / "predictions.png"),
+            harness.plot_training({name: [h] for name, (_, h) in runs.items()}, "loglik", "test log-likelihood",
+                                  args.out / "training_curves.png"),
+            plot_predictions(predictions, split.y_test, args.out / "predictions.png"),
         ]
         print()
         print("figures: " + ", ".join(str(f) for f in figures))

@@ -56,15 +56,18 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call
 from tqdm.auto import tqdm
 
 import pyro
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 
-from pyro_ngvi import BayesianNet, CurvatureELBO, NGVI, posterior_as_prior, with_priors
-from pyro_ngvi import start_task
+from pyro_ngvi import BayesianNet, CurvatureELBO, NGVI, metrics, posterior_as_prior, start_task, with_priors
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:  # run as a script or imported by path: find the harness
+    sys.path.insert(0, HERE)
+import harness  # noqa: E402
 
 EXPERIMENTS = ("permuted", "split")
 METHODS = ("NGVI (ours)", "VCL (BBB, Adam)", "Fine-tuning (MAP)", "MAP + L2 pull")
@@ -159,12 +162,6 @@ def load_tasks(experiment: str, cfg: Config) -> List[Task]:
     return tasks
 
 
-def minibatches(n: int, batch_size: int, generator: torch.Generator):
-    """Shuffled index batches covering ``range(n)`` once."""
-    order = torch.randperm(n, generator=generator)
-    return order.split(batch_size)
-
-
 # --------------------------------------------------------------------------- #
 # Networks
 # --------------------------------------------------------------------------- #
@@ -187,27 +184,6 @@ def make_networks(experiment: str, cfg: Config) -> Tuple[List[nn.Module], List[s
         for t in range(cfg.tasks)
     ]
     return nets, [f"body.{name}" for name, _ in body.named_parameters()]
-
-
-@torch.no_grad()
-def predict_proba(
-    net: nn.Module, weights: Weights, x: torch.Tensor, samples: int, generator: torch.Generator
-) -> torch.Tensor:
-    """Class probabilities, averaged over ``samples`` draws of the weights
-    (one forward pass with the means when every site is a point estimate)."""
-    names = [name for name, _ in net.named_parameters()]
-    if all(weights[name][1] is None for name in names):
-        params = {name: weights[name][0] for name in names}
-        return functional_call(net, params, (x,)).softmax(-1)
-    total = 0.0
-    for _ in range(samples):
-        params = {}
-        for name in names:
-            mean, std = weights[name]
-            noise = torch.randn(mean.shape, generator=generator, dtype=mean.dtype)
-            params[name] = mean if std is None else mean + std * noise
-        total = total + functional_call(net, params, (x,)).softmax(-1)
-    return total / samples
 
 
 # --------------------------------------------------------------------------- #
@@ -274,8 +250,8 @@ class BayesianChain(Method):
         svi = SVI(model, guide, self.optimizer(), self.loss())
         generator = torch.Generator().manual_seed(cfg.seed * 100 + t)
         for _ in range(self.epochs):
-            for index in minibatches(len(task.x_train), self.batch_size, generator):
-                svi.step(task.x_train[index], task.y_train[index])
+            for x, y in harness.minibatches(task.x_train, task.y_train, self.batch_size, generator):
+                svi.step(x, y)
             on_epoch()
         for site in model.latent_sites:
             loc, scale = guide._get_loc_and_scale(site)
@@ -339,8 +315,8 @@ class MapFineTuning(Method):
         optimizer = torch.optim.Adam(params.values(), lr=cfg.map_lr)
         generator = torch.Generator().manual_seed(cfg.seed * 100 + t)
         for _ in range(self.epochs):
-            for index in minibatches(len(task.x_train), self.batch_size, generator):
-                loss = F.cross_entropy(net(task.x_train[index]), task.y_train[index])
+            for x, y in harness.minibatches(task.x_train, task.y_train, self.batch_size, generator):
+                loss = F.cross_entropy(net(x), y)
                 for name, anchor in anchors.items():
                     loss = loss + 0.5 * self.strength * (params[name] - anchor).square().sum()
                 optimizer.zero_grad()
@@ -417,7 +393,8 @@ def run_method(
         method.train_task(t, nets[t], task, lambda: progress.update())
         seconds += time.perf_counter() - start
         for k in range(t + 1):
-            probs = predict_proba(nets[k], method.weights, tasks[k].x_test, cfg.eval_samples, generator)
+            logits = harness.sample_outputs(nets[k], method.weights, tasks[k].x_test, cfg.eval_samples, generator)
+            probs = metrics.predictive_probs_from_logits(logits)
             accuracy[t, k] = (probs.argmax(-1) == tasks[k].y_test).float().mean()
         progress.set_postfix(avg_acc=f"{float(accuracy[t, : t + 1].mean()):.3f}")
     progress.close()
@@ -450,12 +427,7 @@ def results_table(results: Sequence[Result], reference: str = "VCL (BBB, Adam)")
 
 def plot_accuracy_matrices(results: Sequence[Result], path: str) -> None:
     """One heat map per method: accuracy on task k (columns) after task t (rows)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(results), figsize=(3.2 * len(results), 3.4), squeeze=False)
+    fig, axes = harness.plt.subplots(1, len(results), figsize=(3.2 * len(results), 3.4), squeeze=False)
     for ax, r in zip(axes[0], results):
         matrix = r.accuracy.numpy()
         ax.imshow(matrix, vmin=0.0, vmax=1.0, cmap="viridis")
@@ -470,19 +442,12 @@ def plot_accuracy_matrices(results: Sequence[Result], path: str) -> None:
         ax.set_ylabel("after training task")
         ax.set_title(f"{r.method}\navg {100 * r.average_accuracy:.1f} %", fontsize=9)
     fig.suptitle(f"{results[0].experiment} digits: test accuracy (%)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    harness.save_figure(fig, path)
 
 
 def plot_average_accuracy(results: Sequence[Result], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     experiments = list(dict.fromkeys(r.experiment for r in results))
-    fig, axes = plt.subplots(1, len(experiments), figsize=(5 * len(experiments), 3.6), squeeze=False)
+    fig, axes = harness.plt.subplots(1, len(experiments), figsize=(5 * len(experiments), 3.6), squeeze=False)
     for ax, experiment in zip(axes[0], experiments):
         for r in results:
             if r.experiment == experiment:
@@ -494,9 +459,7 @@ def plot_average_accuracy(results: Sequence[Result], path: str) -> None:
         ax.set_title(f"{experiment} digits")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    harness.save_figure(fig, path)
 
 
 def write_outputs(results: Sequence[Result], out: str, header: str = "") -> str:

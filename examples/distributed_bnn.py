@@ -34,25 +34,20 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 import pyro
-from pyro.infer import SVI, Trace_ELBO
+from pyro.infer import SVI, Predictive, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as common  # noqa: E402
+import harness  # noqa: E402
 
-from pyro_ngvi import NGVI, BayesianNet, CurvatureELBO, metrics  # noqa: E402
+from pyro_ngvi import NGVI, BayesianNet, CurvatureELBO  # noqa: E402
 from pyro_ngvi.distributed import get_rank, get_world_size, seed_rank, shard  # noqa: E402
 
 NAME = "distributed_bnn"
 NGVI_EF = dict(lr=0.05, beta=0.1)  # as in examples/bnn_classification.py
 INIT_SCALE = 0.01
-
-
-def make_net() -> nn.Module:
-    return nn.Sequential(nn.Linear(64, 100), nn.ReLU(), nn.Linear(100, 10))
 
 
 def start_process_group(device: str, timeout: float) -> bool:
@@ -88,7 +83,7 @@ def average_over_ranks(value: float, device: torch.device) -> float:
 
 
 def main(argv=None):
-    parser = common.make_parser(NAME, __doc__.strip().splitlines()[0], epochs=20)
+    parser = harness.make_parser(NAME, __doc__.strip().splitlines()[0], epochs=20)
     parser.add_argument("--batch-size", type=int, default=128, help="global batch, split across ranks")
     parser.add_argument("--particles", type=int, default=1, help="weight samples per rank and step")
     parser.add_argument("--samples", type=int, default=32,
@@ -116,15 +111,14 @@ def main(argv=None):
 
 
 def _train(args, rank, world, device):
-    from sklearn.datasets import load_digits
-
-    split = common.load_split(load_digits, classification=True, seed=args.seed)
+    task = harness.digits_mlp(args.seed, test_size=0.2)
+    split = task.split
     x_train, y_train = split.x_train.to(device), split.y_train.to(device)
     x_test, y_test = split.x_test.to(device), split.y_test.to(device)
 
     pyro.clear_param_store()
     pyro.set_rng_seed(args.seed)  # the same network, hence the same guide, on every rank
-    bnn = BayesianNet(make_net().to(device), "categorical", num_data=split.num_train, prior=1.0)
+    bnn = BayesianNet(task.make_net().to(device), "categorical", num_data=task.num_data, prior=1.0)
     guide = AutoNormal(bnn, init_loc_fn=bnn.init_loc_fn, init_scale=INIT_SCALE)
     guide(x_train[:2], y_train[:2])
     seed_rank(args.seed)  # ... and each rank's own weight samples
@@ -132,11 +126,11 @@ def _train(args, rank, world, device):
 
     if rank == 0:
         print(f"digits, MLP 64-100-10, {world} process(es) x {args.particles} sample(s), global batch "
-              f"{args.batch_size} ({args.batch_size // world} per rank), N = {split.num_train}", flush=True)
+              f"{args.batch_size} ({args.batch_size // world} per rank), N = {task.num_data}", flush=True)
     history = {"epoch": [], "elbo": [], "seconds": []}
     for epoch in range(1, args.epochs + 1):
         start = time.perf_counter()
-        batches = rank_batches(split.num_train, args.batch_size, epoch, args.seed)
+        batches = rank_batches(task.num_data, args.batch_size, epoch, args.seed)
         total = sum(svi.step(x_train[index], y_train[index]) for index in batches)
         elbo = -average_over_ranks(total / len(batches), device)
         seconds = time.perf_counter() - start
@@ -150,8 +144,7 @@ def _train(args, rank, world, device):
 
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
         final_elbo = -Trace_ELBO(num_particles=args.samples).loss(bnn, guide, x_train, y_train)
-        logits = common.guide_outputs(bnn, guide, x_test, args.samples)["output"]
-    probs = metrics.predictive_probs_from_logits(logits.cpu())
+        logits = Predictive(bnn, guide=guide, num_samples=args.samples, return_sites=["output"])(x_test)["output"]
     summary = {
         "processes": world,
         "particles_per_rank": args.particles,
@@ -160,7 +153,7 @@ def _train(args, rank, world, device):
         "history": history,
         "seconds_per_epoch": sum(history["seconds"]) / args.epochs,
         "final_elbo": final_elbo,
-        **common.classification_metrics(probs, y_test.cpu()),
+        **harness.predictive_metrics("categorical", logits.cpu(), y_test.cpu()),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))

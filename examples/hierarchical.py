@@ -38,9 +38,9 @@ from pyro.infer import MCMC, NUTS, Predictive, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 
 HERE = str(Path(__file__).resolve().parent)
-if HERE not in sys.path:  # run as a script or imported by path: find _common
+if HERE not in sys.path:  # run as a script or imported by path: find the harness
     sys.path.insert(0, HERE)
-import _common as common  # noqa: E402
+import harness  # noqa: E402
 
 from pyro_ngvi import NGVI, CurvatureELBO  # noqa: E402
 
@@ -52,7 +52,7 @@ SIGMA = torch.tensor([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
 # NGVI: lr / beta decaying from 0.2, 0.3 or 0.5 (all reach the same ELBO; a
 # decaying lr removes the single-sample noise floor). Adam: lr 0.02 / 0.05 / 0.1,
 # 0.05 the quickest to settle.
-NGVI_ARGS = dict(lr=common.decaying(0.3, 0.01, 20), beta=common.decaying(0.3, 0.02, 20))
+NGVI_ARGS = dict(lr=harness.decaying(0.3, 0.01, 20), beta=harness.decaying(0.3, 0.02, 20))
 ADAM_LR = 0.05
 
 
@@ -92,9 +92,7 @@ def run_nuts(warmup: int, num_samples: int) -> dict:
 
 
 def plot_posteriors(summaries: dict, tau_samples: dict, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2.2, 1]})
+    fig, (left, right) = harness.plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2.2, 1]})
     names = list(next(iter(summaries.values())))
     width = 0.8 / len(summaries)
     for k, (method, summary) in enumerate(summaries.items()):
@@ -113,11 +111,11 @@ def plot_posteriors(summaries: dict, tau_samples: dict, path: Path) -> Path:
     right.set_xlabel("tau")
     right.set_ylabel("density")
     right.legend(fontsize=7)
-    return common.save_figure(fig, path)
+    return harness.save_figure(fig, path)
 
 
 def main(argv=None):
-    parser = common.make_parser(NAME, __doc__.strip().splitlines()[0], epochs=500, unit="steps")
+    parser = harness.make_parser(NAME, __doc__.strip().splitlines()[0], epochs=500, unit="steps")
     parser.add_argument("--warmup", type=int, default=500, help="NUTS warm-up steps")
     parser.add_argument("--samples", type=int, default=500, help="NUTS samples")
     parser.add_argument("--elbo-samples", type=int, default=1000, help="samples per ELBO estimate")
@@ -126,7 +124,7 @@ def main(argv=None):
         args.epochs, args.warmup, args.samples = min(args.epochs, 20), min(args.warmup, 30), min(args.samples, 30)
         args.elbo_samples = min(args.elbo_samples, 200)
 
-    with common.session(args):
+    with harness.session(args):
         data = (SIGMA, Y)
         methods = {
             "NGVI + Trace_ELBO": (lambda: NGVI(**NGVI_ARGS), Trace_ELBO()),
@@ -135,15 +133,15 @@ def main(argv=None):
         }
         histories, draws = {}, {}
         for name, (optim, loss) in methods.items():
-            common.seed_method(args.seed)
+            harness.seed(args.seed)
             guide = AutoNormal(model)
-            histories[name] = common.run_full_batch(name, model, guide, optim(), loss, data, args.epochs,
+            histories[name] = harness.run_full_batch(name, model, guide, optim(), loss, data, args.epochs,
                                                     args.elbo_samples)
             predictive = Predictive(model, guide=guide, num_samples=4000, return_sites=["mu", "tau", "theta"],
                                     parallel=True)
             with torch.no_grad():
                 draws[name] = predictive(SIGMA)
-        common.seed_method(args.seed)
+        harness.seed(args.seed)
         draws["NUTS"] = run_nuts(args.warmup, args.samples)
 
         summaries = {"NUTS": summarise(draws["NUTS"])}
@@ -154,29 +152,29 @@ def main(argv=None):
         print(f"Eight schools, non-centred: posterior mean +- sd (NUTS: {args.warmup} warm-up + {args.samples} "
               f"samples; VI: {args.epochs} steps, 4000 guide samples)")
         print()
-        print(common.markdown_table(rows, [("parameter", "parameter", "s")] + [(m, m, "s") for m in summaries]))
+        print(harness.markdown_table(rows, [("parameter", "parameter", "s")] + [(m, m, "s") for m in summaries]))
 
-        best = max(max(h.metrics["elbo"]) for h in histories.values())
+        best = max(max(h.scores["elbo"]) for h in histories.values())
         elbo_rows = []
         for name, history in histories.items():
-            reached = common.steps_to_within(history, best, 1.0)
+            reached = harness.steps_to_within(history, best, 1.0)
             elbo_rows.append({
                 "method": name,
-                "final": history.metrics["elbo"][-1],
+                "final": history.scores["elbo"][-1],
                 "steps": "not reached" if reached is None else str(reached),
                 "ms_per_step": 1e3 * history.seconds_per_step,
             })
         print()
         print(f"ELBO ({args.elbo_samples} samples per estimate; best over all runs {best:.2f})")
         print()
-        print(common.markdown_table(elbo_rows, [
+        print(harness.markdown_table(elbo_rows, [
             ("method", "method", "s"),
             ("final", "final ELBO", ".2f"),
             ("steps", "steps to best - 1 nat", "s"),
             ("ms_per_step", "ms/step", ".2f"),
         ]))
         figures = [
-            common.plot_elbo_curves({n: (h.eval_epoch, h.metrics["elbo"]) for n, h in histories.items()},
+            harness.plot_elbo_curves({n: (h.epoch, h.scores["elbo"]) for n, h in histories.items()},
                                     args.out / "elbo.png", best=best),
             plot_posteriors(summaries, {m: draws[m]["tau"] for m in summaries}, args.out / "posteriors.png"),
         ]

@@ -26,6 +26,7 @@ Usage::
 
 import argparse
 import os
+import sys
 import time
 import warnings
 
@@ -37,9 +38,13 @@ import pyro
 import pyro.distributions as dist
 from pyro.infer import Predictive
 
-from pyro_ngvi import BayesianNet
-from pyro_ngvi.laplace import LaplaceWarning, optimize_prior_precision
+from pyro_ngvi import BayesianNet, LaplaceWarning, optimize_prior_precision
 from pyro_ngvi.metrics import gaussian_log_likelihood, nll, predictive_probs_from_logits
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:  # run as a script or imported by path: find the harness
+    sys.path.insert(0, HERE)
+import harness  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -161,12 +166,7 @@ def print_table(name, best_evidence, rows, num_train):
 
 
 def plot(results, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), squeeze=False)
+    fig, axes = harness.plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), squeeze=False)
     for ax, (name, (_, rows)) in zip(axes[0], results.items()):
         alphas = [r["alpha"] for r in rows]
         ax.plot(alphas, [r["per_example"] for r in rows], "o-", color="C0", label="log evidence / N")
@@ -182,9 +182,7 @@ def plot(results, path):
         ax.set_title(name)
         lines = ax.get_lines()[:1] + twin.get_lines()
         ax.legend(lines, [line.get_label() for line in lines], fontsize=8, loc="best")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    harness.save_figure(fig, path)
 
 
 def main(argv=None):

@@ -26,6 +26,7 @@ Usage::
 import sys
 from pathlib import Path
 
+import torch
 
 import pyro
 import pyro.distributions as dist
@@ -34,9 +35,9 @@ from pyro.infer import Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 
 HERE = str(Path(__file__).resolve().parent)
-if HERE not in sys.path:  # run as a script or imported by path: find _common
+if HERE not in sys.path:  # run as a script or imported by path: find the harness
     sys.path.insert(0, HERE)
-import _common as common  # noqa: E402
+import harness  # noqa: E402
 
 from pyro_ngvi import NGVI, CurvatureELBO  # noqa: E402
 
@@ -47,8 +48,8 @@ NAME = "logistic_regression"
 # is then a Jacobi iteration, stable only for lr below 2 / lambda_max(D^-1 H),
 # so lr stays well below 1 even with the exact Hessian diagonal; one Monte-Carlo
 # sample per step leaves a noise floor on the mean that a decaying lr removes.
-NGVI_REPARAM = dict(lr=common.decaying(0.2, 0.005, 20), beta=common.decaying(0.3, 0.02, 20))
-NGVI_HESSIAN = dict(lr=common.decaying(0.2, 0.005, 10), beta=common.decaying(0.5, 0.05, 20))
+NGVI_REPARAM = dict(lr=harness.decaying(0.2, 0.005, 20), beta=harness.decaying(0.3, 0.02, 20))
+NGVI_HESSIAN = dict(lr=harness.decaying(0.2, 0.005, 10), beta=harness.decaying(0.5, 0.05, 20))
 ADAM_LR = 0.02  # of 0.01 / 0.02 / 0.05 / 0.1, the best ELBO after 800-1000 steps
 
 
@@ -62,16 +63,19 @@ def model(x, y=None):
 
 
 def main(argv=None):
-    parser = common.make_parser(NAME, __doc__.strip().splitlines()[0], epochs=1000, unit="steps")
+    parser = harness.make_parser(NAME, __doc__.strip().splitlines()[0], epochs=1000, unit="steps")
     parser.add_argument("--elbo-samples", type=int, default=500, help="samples per ELBO estimate")
     args = parser.parse_args(argv)
     if args.quick:
         args.epochs, args.elbo_samples = min(args.epochs, 20), min(args.elbo_samples, 200)
 
-    with common.session(args):
+    with harness.session(args):
         from sklearn.datasets import load_breast_cancer
+        from sklearn.preprocessing import StandardScaler
 
-        data = common.load_full(load_breast_cancer)
+        x, y = load_breast_cancer(return_X_y=True)
+        data = (torch.as_tensor(StandardScaler().fit_transform(x), dtype=torch.float32),
+                torch.as_tensor(y, dtype=torch.float32))
         methods = {
             "NGVI + Trace_ELBO": (lambda: NGVI(**NGVI_REPARAM), Trace_ELBO()),
             "NGVI + hessian": (lambda: NGVI(**NGVI_HESSIAN), CurvatureELBO("hessian")),
@@ -79,29 +83,29 @@ def main(argv=None):
         }
         histories = {}
         for name, (optim, loss) in methods.items():
-            common.seed_method(args.seed)
+            harness.seed(args.seed)
             guide = AutoNormal(model)
-            histories[name] = common.run_full_batch(name, model, guide, optim(), loss, data, args.epochs,
+            histories[name] = harness.run_full_batch(name, model, guide, optim(), loss, data, args.epochs,
                                                     args.elbo_samples)
 
-        best = max(max(h.metrics["elbo"]) for h in histories.values())
+        best = max(max(h.scores["elbo"]) for h in histories.values())
         rows = []
         for name, history in histories.items():
-            reached = common.steps_to_within(history, best, 1.0)
-            at = history.eval_epoch.index(reached) if reached is not None else None
+            reached = harness.steps_to_within(history, best, 1.0)
+            at = history.epoch.index(reached) if reached is not None else None
             rows.append({
                 "method": name,
-                "final": history.metrics["elbo"][-1],
-                "best": max(history.metrics["elbo"]),
+                "final": history.scores["elbo"][-1],
+                "best": max(history.scores["elbo"]),
                 "steps": "not reached" if reached is None else str(reached),
-                "seconds": None if at is None else history.eval_time[at],
+                "seconds": None if at is None else history.time[at],
                 "ms_per_step": 1e3 * history.seconds_per_step,
             })
         print()
         print(f"Breast cancer (N = {len(data[0])}, D = {data[0].shape[1]}), {args.epochs} full-batch steps; "
               f"ELBO from {args.elbo_samples} samples; best ELBO over all runs {best:.2f}")
         print()
-        print(common.markdown_table(rows, [
+        print(harness.markdown_table(rows, [
             ("method", "method", "s"),
             ("final", "final ELBO", ".2f"),
             ("best", "best ELBO", ".2f"),
@@ -109,8 +113,8 @@ def main(argv=None):
             ("seconds", "seconds to best - 1 nat", ".2f"),
             ("ms_per_step", "ms/step", ".2f"),
         ]))
-        curves = {name: (h.eval_epoch, h.metrics["elbo"]) for name, h in histories.items()}
-        figure = common.plot_elbo_curves(curves, args.out / "elbo.png", best=best)
+        curves = {name: (h.epoch, h.scores["elbo"]) for name, h in histories.items()}
+        figure = harness.plot_elbo_curves(curves, args.out / "elbo.png", best=best)
         print()
         print(f"figures: {figure}")
         return rows

@@ -1,0 +1,43 @@
+"""
+The experiment harness of the examples (the readable face) and the benchmarks
+(the measured one). Not part of the package: scripts put ``examples/`` on
+``sys.path`` and ``import harness``.
+
+* ``task``    a task = data split (train / validation / test) + network factory +
+              likelihood + prior; the metrics every prediction is scored by;
+* ``tasks``   the tasks the scripts run on;
+* ``methods`` a method = a training step + a predictive sampler: NGVI and
+              Bayes-by-Backprop through Pyro's ``SVI``, MAP, ivon-opt, hand-written VOGN;
+* ``train``   the timed loop, and the one evaluation (ELBO, test metrics) of every method;
+* ``report``  markdown tables and figures; ``cli`` the examples' command line.
+"""
+
+from .cli import make_parser, parse_bnn_args, seed, session
+from .methods import (
+    IVON, MAP, HandVOGN, Method, Posterior, PyroSVI, annealed, bayes_by_backprop, decaying, ivon_installed, ngvi,
+    sample_outputs,
+)
+from .report import (
+    markdown_table, mean_sd, plot_elbo_curves, plot_entropy, plot_reliability, plot_training, plt, save_figure,
+)
+from .task import Split, Task, make_split, minibatches, nll, predictive_metrics, regression_metrics
+from .tasks import diabetes_mlp, digits_mlp, mlp, sklearn_task
+from .train import (
+    History, compare, elbo, evaluator, fit, gaussian_kl, log_spaced, precise_elbo, run_full_batch, steps_to_within,
+    trace_elbo, train,
+)
+
+__all__ = [
+    # task.py, tasks.py
+    "Split", "Task", "make_split", "minibatches", "nll", "predictive_metrics", "regression_metrics",
+    "mlp", "sklearn_task", "digits_mlp", "diabetes_mlp",
+    # methods.py
+    "Method", "Posterior", "PyroSVI", "ngvi", "bayes_by_backprop", "MAP", "IVON", "HandVOGN", "sample_outputs",
+    "ivon_installed", "annealed", "decaying",
+    # train.py
+    "History", "train", "fit", "compare", "evaluator", "elbo", "gaussian_kl", "trace_elbo",
+    "run_full_batch", "precise_elbo", "log_spaced", "steps_to_within",
+    # report.py, cli.py
+    "markdown_table", "mean_sd", "save_figure", "plt", "plot_training", "plot_elbo_curves", "plot_reliability",
+    "plot_entropy", "make_parser", "parse_bnn_args", "session", "seed",
+]

@@ -1,0 +1,64 @@
+"""The command line every example shares, and the process-wide settings of one run."""
+
+import argparse
+import contextlib
+from pathlib import Path
+
+import torch
+
+import pyro
+
+
+def make_parser(name: str, description: str, epochs: int, unit: str = "epochs") -> argparse.ArgumentParser:
+    """The options every example has: ``--epochs`` (or steps), ``--quick``, ``--out``, ``--seed``, ``--threads``."""
+    parser = argparse.ArgumentParser(
+        prog=f"python examples/{name}.py",
+        description=description,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--epochs", type=int, default=epochs, help=f"training {unit} per method")
+    parser.add_argument("--quick", action="store_true", help=f"smoke test: a few {unit}, few samples")
+    parser.add_argument("--out", type=Path, default=Path("out") / name, help="folder for the figures")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (data split and training)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    return parser
+
+
+def parse_bnn_args(name: str, description: str, argv, epochs: int, batch_size: int, samples: int):
+    """
+    The options of a Bayesian-network example: :func:`make_parser`'s and
+    ``--batch-size``, ``--prior-scale``, ``--samples``; ``--quick`` keeps at most
+    2 epochs and 8 samples.
+    """
+    parser = make_parser(name, description, epochs)
+    parser.add_argument("--batch-size", type=int, default=batch_size)
+    parser.add_argument("--prior-scale", type=float, default=1.0, help="prior standard deviation s0")
+    parser.add_argument("--samples", type=int, default=samples, help="posterior samples per prediction")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.epochs, args.samples = min(args.epochs, 2), min(args.samples, 8)
+    return args
+
+
+@contextlib.contextmanager
+def session(args):
+    """
+    Seed, thread count, an empty param store and the output folder for one run;
+    Pyro's argument validation is off inside (it costs ~25 % of a step) and the
+    global settings are restored afterwards, so tests can call ``main`` in-process.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    seed(args.seed)
+    try:
+        with pyro.validation_enabled(False):
+            yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def seed(value: int) -> None:
+    """An empty param store and every RNG seeded: each method starts alike."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(value)

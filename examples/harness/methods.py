@@ -1,0 +1,312 @@
+"""
+The methods: each fits a task's network and offers the same small interface, so
+that one training loop and one evaluation serve all of them.
+
+* :class:`PyroSVI` (:func:`ngvi`, :func:`bayes_by_backprop`): Pyro's ``SVI`` on a
+  :class:`~pyro_ngvi.BayesianNet` with an ``AutoNormal`` guide;
+* :class:`MAP`: the plain network, Adam on the negative log joint;
+* :class:`IVON`: ivon-opt's IVON on the plain network;
+* :class:`HandVOGN`: VOGN written by hand with BackPACK, the speed reference.
+"""
+
+import contextlib
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+import pyro
+from pyro.infer import SVI, Trace_ELBO
+from pyro.infer.autoguide import AutoNormal
+
+from pyro_ngvi import NGVI, BayesianNet, CurvatureELBO
+
+from .task import Task, nll
+
+#: parameter name -> (mean, standard deviation) of a mean-field Gaussian over a network's weights
+Posterior = Dict[str, Tuple[torch.Tensor, torch.Tensor]]
+
+
+@torch.no_grad()
+def sample_outputs(net: nn.Module, posterior: Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor]]],
+                   x: torch.Tensor, num_samples: int, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """
+    Outputs ``(S, N, ...)`` of ``net`` on ``x`` at ``num_samples`` weight draws from
+    ``posterior`` (a standard deviation ``None`` is a point estimate; parameters it
+    does not name keep the network's values); one output when nothing is random.
+    """
+    names = [name for name, _ in net.named_parameters() if name in posterior]
+    if all(posterior[name][1] is None for name in names):
+        num_samples = 1
+    outputs = []
+    for _ in range(num_samples):
+        weights = {}
+        for name in names:
+            mean, std = posterior[name]
+            noise = torch.randn(mean.shape, generator=generator, dtype=mean.dtype)
+            weights[name] = mean if std is None else mean + std * noise
+        outputs.append(functional_call(net, weights, (x,)))
+    return torch.stack(outputs)
+
+
+class Method:
+    """
+    One way of fitting ``task``: ``step(x, y)`` takes an optimiser step on a
+    minibatch; ``posterior()`` is the mean-field Gaussian over the network's
+    weights (``None`` for a point estimate); ``predict(x, S)`` gives the network's
+    outputs at ``S`` draws from it (one output for a point estimate); ``noise_scale``
+    is the Gaussian likelihood's sigma. ``active()`` is the context the others run
+    in (a param store).
+    """
+
+    name = "method"
+
+    def __init__(self, task: Task):
+        self.task = task
+        self.net = task.network()
+
+    def active(self):
+        return contextlib.nullcontext()
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def posterior(self) -> Optional[Posterior]:
+        return None
+
+    @property
+    def noise_scale(self) -> Optional[float]:
+        return None
+
+    def predict(self, x: torch.Tensor, num_samples: int, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        posterior = self.posterior()
+        if posterior is None:
+            with torch.no_grad():
+                return self.net(x).unsqueeze(0)
+        return sample_outputs(self.net, posterior, x, num_samples, generator)
+
+
+class PyroSVI(Method):
+    """
+    Pyro's ``SVI`` with any optimizer and loss on a :class:`~pyro_ngvi.BayesianNet`
+    of the task's network and prior, with an ``AutoNormal`` guide started at the
+    network's initial weights; in a param-store scope of its own, so that several
+    can live in one process.
+    """
+
+    def __init__(self, task: Task, optim, loss, init_scale: float = 0.1, name: str = "Pyro SVI"):
+        super().__init__(task)
+        self.name = name
+        self.bnn = BayesianNet(self.net, task.likelihood, num_data=task.num_data, prior=task.prior_scale)
+        self.guide = AutoNormal(self.bnn, init_loc_fn=self.bnn.init_loc_fn, init_scale=init_scale)
+        self.optim = optim
+        self.svi = SVI(self.bnn, self.guide, optim, loss)
+        self._store = {"params": {}, "constraints": {}}
+        self._entered = False
+        with self.active():
+            self.guide(task.split.x_train[:2], task.split.y_train[:2])  # locs: the net's weights
+
+    @contextlib.contextmanager
+    def active(self):
+        if self._entered:
+            yield
+            return
+        with pyro.get_param_store().scope(self._store):
+            self._entered = True
+            try:
+                yield
+            finally:
+                self._entered = False
+
+    def step(self, x, y):
+        self.svi.step(x, y)
+
+    def posterior(self) -> Posterior:
+        with self.active(), torch.no_grad():
+            return {site: tuple(t.detach().clone() for t in self.guide._get_loc_and_scale(site))
+                    for site in self.bnn.latent_sites}
+
+    @property
+    def noise_scale(self):
+        if self.task.likelihood != "gaussian":
+            return None
+        with self.active():
+            return pyro.param("noise_scale").item()
+
+
+def ngvi(task: Task, curvature: Optional[str] = "ef", num_particles: int = 1, init_scale: float = 0.1,
+         name: Optional[str] = None, **ngvi_args) -> PyroSVI:
+    """NGVI with ``CurvatureELBO(curvature)``, or with ``Trace_ELBO`` for ``curvature=None``
+    (the curvature recovered from its gradients)."""
+    if curvature is None:
+        loss = Trace_ELBO(num_particles=num_particles)
+    else:
+        loss = CurvatureELBO(curvature, num_particles=num_particles)
+    return PyroSVI(task, NGVI(**ngvi_args), loss, init_scale, name or f"NGVI {curvature or 'Trace_ELBO'}")
+
+
+def bayes_by_backprop(task: Task, lr: float = 1e-3, init_scale: float = 0.1, num_particles: int = 1,
+                      name: str = "Pyro SVI + Adam (BBB)") -> PyroSVI:
+    """Bayes-by-Backprop: ``pyro.optim.Adam`` on ``Trace_ELBO``."""
+    return PyroSVI(task, pyro.optim.Adam({"lr": lr}), Trace_ELBO(num_particles=num_particles), init_scale, name)
+
+
+class _PlainNet(Method):
+    """A method on the plain network; a Gaussian likelihood's noise scale is a learned ``exp(log_noise)``."""
+
+    def __init__(self, task: Task):
+        super().__init__(task)
+        self.log_noise = nn.Parameter(torch.zeros(())) if task.likelihood == "gaussian" else None
+
+    def mean_nll(self, x, y) -> torch.Tensor:
+        noise = None if self.log_noise is None else self.log_noise.exp()
+        return nll(self.task.likelihood, self.net(x), y, noise, reduction="mean")
+
+    @property
+    def noise_scale(self):
+        return None if self.log_noise is None else self.log_noise.exp().item()
+
+
+class MAP(_PlainNet):
+    """
+    MAP: Adam on the negative log joint per datum, the mean NLL plus
+    :math:`\\frac{\\lambda_0}{2N}\\|w\\|^2` (the prior as weight decay;
+    ``prior_precision`` :math:`\\lambda_0` defaults to the task's).
+    """
+
+    def __init__(self, task: Task, lr: float = 1e-3, prior_precision: Optional[float] = None, name: str = "MAP Adam"):
+        super().__init__(task)
+        self.name = name
+        self.weight_decay = (task.prior_precision if prior_precision is None else prior_precision) / task.num_data
+        noise = [] if self.log_noise is None else [self.log_noise]
+        self.optim = torch.optim.Adam(list(self.net.parameters()) + noise, lr=lr)
+
+    def step(self, x, y):
+        self.optim.zero_grad(set_to_none=True)
+        penalty = sum(p.square().sum() for p in self.net.parameters())
+        (self.mean_nll(x, y) + 0.5 * self.weight_decay * penalty).backward()
+        self.optim.step()
+
+
+def ivon_installed() -> bool:
+    """Whether ivon-opt (an optional baseline) can be imported; says so when it cannot."""
+    try:
+        import ivon  # noqa: F401
+    except ImportError:
+        print("ivon-opt is not installed: skipping that baseline (pip install ivon-opt)")
+        return False
+    return True
+
+
+class IVON(_PlainNet):
+    """
+    ivon-opt's ``IVON`` (Shen et al. 2024) in its usual loop: the minibatch's mean
+    loss, ``ess = N`` and ``weight_decay`` :math:`= \\lambda_0 / N`, so that its
+    posterior :math:`\\mathcal{N}(m, 1 / (\\mathrm{ess}\\,(h + \\mathrm{weight\\_decay})))`
+    has the task's prior. ``hess_init`` is :math:`h` at the start, a Hessian of the
+    loss *per datum*: the initial posterior precision is about ``N * hess_init``.
+    ``h`` is an average with memory ``1 / (1 - beta2)`` steps (ivon-opt's default
+    beta2, 0.99999, keeps it at ``hess_init`` for a run of a few thousand steps).
+    A Gaussian likelihood's noise scale is learned by a separate Adam.
+    """
+
+    def __init__(self, task: Task, lr: float, hess_init: float, noise_lr: float = 1e-2, name: str = "ivon-opt",
+                 **ivon_args):
+        import ivon
+
+        super().__init__(task)
+        self.name = name
+        self.optim = ivon.IVON(self.net.parameters(), lr=lr, ess=task.num_data, hess_init=hess_init,
+                               weight_decay=task.prior_precision / task.num_data, **ivon_args)
+        self.noise_optim = None if self.log_noise is None else torch.optim.Adam([self.log_noise], lr=noise_lr)
+
+    def step(self, x, y):
+        if self.noise_optim is not None:
+            self.noise_optim.zero_grad()
+        for _ in range(self.optim.mc_samples):
+            with self.optim.sampled_params(train=True):
+                self.optim.zero_grad(set_to_none=True)
+                self.mean_nll(x, y).backward()
+        self.optim.step()
+        if self.noise_optim is not None:
+            self.noise_optim.step()
+
+    def posterior(self) -> Posterior:
+        (group,) = self.optim.param_groups
+        std = (group["ess"] * (group["hess"] + group["weight_decay"])).rsqrt()
+        params = list(self.net.named_parameters())
+        stds = std.split([p.numel() for _, p in params])
+        return {name: (p.detach().clone(), s.view_as(p).clone()) for (name, p), s in zip(params, stds)}
+
+
+class HandVOGN(Method):
+    """
+    VOGN [Osawa et al. 2019] by hand: plain network, BackPACK, in the same
+    coordinates as NGVI (full-data gradient, precision ``lam``)::
+
+        w   = mu + eps / sqrt(lam)                      (copied into the net)
+        g   = N/B * grad sum_i l_i,   h = N/B * sum_i (grad l_i)^2 (or the GGN diagonal)
+        lam <- (1 - beta) lam + beta (lam0 + h)
+        gm  <- momentum gm + (1 - momentum) g           (gm = g on the first step)
+        mu  <- mu - lr (gm + lam0 mu) / (lam + damping)
+
+    the update NGVI takes with the same arguments (its ``warm_start`` aside).
+    Categorical likelihood.
+    """
+
+    #: curvature source -> BackPACK extension (``ef``: VOGN's own)
+    EXTENSIONS = {"ef": "SumGradSquared", "ggn": "DiagGGNExact", "ggn_mc": "DiagGGNMC"}
+
+    def __init__(self, task: Task, lr=0.1, beta=0.05, damping=0.0, init_scale=0.1, curvature: str = "ef",
+                 momentum: float = 0.0):
+        import backpack.extensions
+        from backpack import extend
+
+        super().__init__(task)
+        self.name = f"hand-written VOGN ({self.EXTENSIONS[curvature]})"
+        self.net = extend(self.net)
+        self.loss = extend(nn.CrossEntropyLoss(reduction="sum"))
+        self.extension = getattr(backpack.extensions, self.EXTENSIONS[curvature])()
+        self.lr, self.beta, self.damping, self.momentum = lr, beta, damping, momentum
+        self.num_data, self.prior_precision = task.num_data, task.prior_precision
+        self.params = list(self.net.parameters())
+        self.mean = [p.detach().clone() for p in self.params]
+        self.precision = [torch.full_like(p, init_scale**-2) for p in self.params]
+        self.grad_average = None
+
+    def step(self, x, y):
+        from backpack import backpack
+
+        with torch.no_grad():
+            for p, mu, lam in zip(self.params, self.mean, self.precision):
+                p.copy_(torch.randn_like(mu).div_(lam.sqrt()).add_(mu))
+                p.grad = None
+        with backpack(self.extension):
+            self.loss(self.net(x), y).backward()
+        scale = self.num_data / len(x)
+        with torch.no_grad():
+            grads = [scale * p.grad for p in self.params]
+            if self.momentum and self.grad_average is not None:
+                torch._foreach_lerp_(self.grad_average, grads, 1 - self.momentum)
+                grads = self.grad_average
+            elif self.momentum:
+                self.grad_average = grads
+            for p, g, mu, lam in zip(self.params, grads, self.mean, self.precision):
+                h = getattr(p, self.extension.savefield)
+                lam.mul_(1 - self.beta).add_(h, alpha=self.beta * scale).add_(self.beta * self.prior_precision)
+                mu.sub_(self.lr * (g + self.prior_precision * mu) / (lam + self.damping))
+
+    def posterior(self) -> Posterior:
+        names = [name for name, _ in self.net.named_parameters()]
+        return {name: (mu.clone(), lam.rsqrt()) for name, mu, lam in zip(names, self.mean, self.precision)}
+
+
+def decaying(start: float, floor: float, halflife: float) -> Callable[[int], float]:
+    """A step-size schedule for NGVI: ``start / (1 + t / halflife)``, never below ``floor``."""
+    return lambda t: max(start / (1.0 + t / halflife), floor)
+
+
+def annealed(start: float, end: float, steps: int) -> Callable[[int], float]:
+    """A step-size schedule for NGVI: geometric from ``start`` to ``end`` over ``steps`` steps."""
+    return lambda t: start * (end / start) ** min(t / max(steps, 1), 1.0)
