@@ -43,7 +43,8 @@ def methods(task: harness.Task, steps: int) -> dict:
     the run (the single-sample noise floor), the noise scale is a point estimate
     that NGVI hands to its point optimiser (Adam). Baselines: Adam lr 0.01 / 0.03
     and init_scale 0.01 / 0.1 for Bayes-by-Backprop, lr 1e-3 / 3e-3 / 1e-2 for
-    MAP, lr / hess_init for ivon-opt.
+    MAP; for ivon-opt lr 0.02 / 0.05 / 0.1, hess_init 0.1 / 0.01 / 0.001 and
+    beta2 0.99999 / 0.999 / 0.99, by the ELBO.
     """
     point_optim_args = {"lr": 1e-2}
     factories = {
@@ -55,7 +56,7 @@ def methods(task: harness.Task, steps: int) -> dict:
         "MAP (Adam)": lambda: harness.MAP(task, lr=1e-3, name="MAP (Adam)"),
     }
     if harness.ivon_installed():
-        factories["ivon-opt"] = lambda: harness.IVON(task, lr=0.05, hess_init=0.1)
+        factories["ivon-opt"] = lambda: harness.IVON(task, lr=0.05, hess_init=0.1, beta2=0.99)
     return factories
 
 
