@@ -61,10 +61,15 @@ def state_bytes(method) -> int:
 
 class PeakMemory:
     """Wraps a callable; each call records the peak of the running sum of the
-    allocations and frees of its ops, in time order (CPU, :mod:`torch.profiler`)."""
+    allocations and frees of its ops, in time order (CPU, :mod:`torch.profiler`).
+    Other attributes are the callable's (``CurvatureELBO`` asks the optimizer it
+    runs with whether it is NGVI)."""
 
     def __init__(self, fn):
         self.fn, self.peak = fn, 0
+
+    def __getattr__(self, name):
+        return getattr(self.fn, name)
 
     def __call__(self, *args, **kwargs):
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
