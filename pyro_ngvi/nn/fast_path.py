@@ -84,53 +84,8 @@ class BackpackStep:
         deterministic: bool = False,
         mc_samples: int = 1,
     ) -> torch.Tensor:
-        """
-        One ELBO step for an :class:`~pyro.infer.autoguide.AutoNormal` guide,
-        :math:`q(w) = \\mathcal{N}(\\mu, \\mathrm{diag}(\\sigma^2))`, without tracing.
-
-        For each of ``num_particles`` samples :math:`w = \\mu + \\sigma\\epsilon`,
-        :math:`\\epsilon \\sim \\mathcal{N}(0, I)` drawn from torch's global RNG
-        (site by site, in :attr:`latent_sites` order; :math:`w = \\mu` when
-        ``deterministic``), the negative log-likelihood of the minibatch,
-        :math:`\\ell(w) = -\\frac{N}{B}\\sum_{i=1}^B \\log p(y_i \\mid x_i, w)`, gives
-
-        .. math::
-
-            g = \\nabla_w \\ell, \\qquad h = \\begin{cases}
-                \\frac{N}{B} \\sum_i (\\nabla_w \\log p(y_i \\mid x_i, w))^2 & \\texttt{ef} \\\\
-                \\frac{N}{B} \\,\\mathrm{diag} \\sum_i J_i^\\top H_i J_i & \\texttt{ggn} \\\\
-                \\text{the same, } H_i \\text{ from sampled targets} & \\texttt{ggn\\_mc} \\\\
-                g \\, \\epsilon / \\sigma & \\texttt{reparam}
-            \\end{cases}
-
-        (:math:`J_i` the Jacobian of the output, :math:`H_i` the Hessian of
-        :math:`-\\log p(y_i \\mid f)` in the output). For the Gaussian likelihood
-        :math:`-\\log p = \\|f - y\\|^2 / (2\\sigma^2) + \\text{const}`, so the
-        per-example gradients carry :math:`1/(2\\sigma^2)` (squared in ``ef``).
-        :math:`g` and :math:`h` are averaged over particles and attached as
-        :class:`~pyro_ngvi.family.SiteCurvature` ``(g, h, m_0, 1/s_0^2, sigma)`` to
-        each site's unconstrained ``loc`` in the param store: the Normal prior is
-        conjugate and left to the optimizer. Point-estimated params (a learned
-        noise scale, ``BatchNorm``) get the gradient of the particle average of
-        :math:`\\ell` in ``.grad``. The guide's locs are read through ``pyro.param``
-        statements, so ``SVI.step`` hands them to the optimizer, which finds each
-        scale by name; all sites are handled as one flat vector (one sample
-        kernel, one copy into the net, one reduction for the ELBO value).
-
-        :param guide: an :class:`~pyro.infer.autoguide.AutoNormal` of this model
-            (run once on ``(x, y)`` if it has not been).
-        :param torch.Tensor x: a minibatch of inputs.
-        :param torch.Tensor y: its targets.
-        :param str curvature: ``"ef"``, ``"ggn"``, ``"ggn_mc"`` or ``"reparam"``.
-        :param int num_particles: samples of the weights (default: 1).
-        :param bool deterministic: evaluate at the mean (default: False).
-        :param int mc_samples: sampled targets per example for ``ggn_mc`` (default: 1).
-        :returns: an estimate of the negative ELBO with the meaning of
-            ``Trace_ELBO().loss``: the particle average of
-            :math:`\\ell(w) + \\sum_j [\\log q(w_j) - \\log p_0(w_j)]`, constants
-            included; when ``deterministic``, :math:`\\ell(\\mu) + \\mathrm{KL}(q \\| p_0)`.
-        :rtype: torch.Tensor
-        """
+        """:meth:`pyro_ngvi.nn.BayesianNet.curvature_step` of ``model`` (see there for the
+        estimates and the value returned)."""
         self._check_step(guide, y, curvature, deterministic)
         locs, scale = self._read_guide(model, guide, x, y)
         points = [model._point_estimate(w) for w in model._point_estimates]
