@@ -11,14 +11,17 @@ from torch.distributions import biject_to
 import pyro
 import pyro.poutine as poutine
 from pyro.infer import Trace_ELBO
-from pyro.infer.autoguide import AutoNormal
+from pyro.infer.autoguide import AutoMultivariateNormal, AutoNormal
 from pyro.infer.elbo import ELBO
 from pyro.util import check_site_shape
 
 from .curvature import check_source
 from .curvature.autograd import diag_hessian, empirical_fisher_diag, ggn_diag, mc_ggn_diag, per_example_log_prob
-from .family import SiteCurvature, attach_curvature, begin_handover, calling_svi
-from .priors import conjugate_normal
+from .curvature.dense import empirical_fisher_matrix, ggn_matrix, hessian_matrix, mc_ggn_matrix
+from .family import SiteCurvature, _full_covariance_site, _is_automultivariatenormal, attach_curvature
+from .family import begin_handover, calling_svi
+from .full_covariance import price_curvature
+from .priors import conjugate_gaussian, conjugate_normal
 
 
 class CurvatureELBO(ELBO):
@@ -136,6 +139,8 @@ class CurvatureELBO(ELBO):
                 deterministic=self.deterministic, mc_samples=self.mc_samples, **kwargs,
             )
             return float(loss)
+        if isinstance(guide, AutoMultivariateNormal):
+            return self._full_loss_and_grads(model, guide, args, kwargs)
         _check_guide(guide, model, args, kwargs)
         totals: Dict[str, List[torch.Tensor]] = {}
         priors = {}
@@ -284,6 +289,160 @@ class CurvatureELBO(ELBO):
                 site_curvature = [scale * h for h in mc_ggn_diag(fn, inputs, data_dim, self.mc_samples)]
             curvatures = [c + h for c, h in zip(curvatures, site_curvature)]
         return curvatures
+
+
+    # ------------------------------------------------------ full covariance
+    def _full_loss_and_grads(self, model, guide, args, kwargs) -> float:
+        """
+        :meth:`loss_and_grads` for an :class:`~pyro.infer.autoguide.AutoMultivariateNormal`:
+        one :class:`~pyro_ngvi.family.SiteCurvature` for its whole latent vector ``z``
+        (``D`` coordinates), with :math:`g = \\nabla_z \\ell` and a dense
+        ``(D, D)`` curvature (:mod:`pyro_ngvi.curvature.dense`; ``"reparam"``: the
+        Price estimate :func:`~pyro_ngvi.full_covariance.price_curvature` of
+        :math:`\\mathrm{tril}(g\\epsilon^\\top)`, the one NGVI recovers from
+        Trace_ELBO's gradients). Priors that are Gaussian in ``u``
+        (:func:`~pyro_ngvi.priors.conjugate_gaussian`) are handed over as the
+        blocks of :math:`(m_0, S_0)`; the other sites' blocks of :math:`S_0` are zero.
+        """
+        if not _is_automultivariatenormal(guide):
+            raise NotImplementedError(
+                f"CurvatureELBO cannot read the Gaussian of {type(guide).__name__}, a subclass of "
+                "AutoMultivariateNormal that changes how it builds its posterior; use Trace_ELBO"
+            )
+        if guide.prototype_trace is None:
+            with poutine.block():
+                guide(*args, **kwargs)
+        site = _full_covariance_site(guide, pyro.get_param_store())
+        grad = curvature = None
+        prior = (None, None)
+        loss = 0.0
+        for _ in range(self.num_particles):
+            particle_loss, particle_grad, particle_curvature, prior = self._full_particle(
+                model, guide, args, kwargs)
+            loss += particle_loss / self.num_particles
+            grad = particle_grad if grad is None else grad + particle_grad
+            curvature = particle_curvature if curvature is None else curvature + particle_curvature
+        attach_curvature(site.loc, SiteCurvature(
+            grad / self.num_particles, curvature / self.num_particles, *prior,
+            sampled=self.curvature == "reparam",
+        ))
+        return loss
+
+    def _full_particle(self, model, guide, args, kwargs):
+        guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
+        latent = guide_trace.nodes[f"_{guide._pyro_name}_latent"]
+        posterior = latent["fn"]
+        loc, factor = posterior.loc.detach(), posterior.scale_tril.detach()
+        z = (loc if self.deterministic else latent["value"]).detach().clone().requires_grad_()
+        blocks, position = {}, 0
+        for prototype, u in guide._unpack_latent(z):
+            name = prototype["name"]
+            transform = biject_to(prototype["fn"].support)
+            guide_trace.nodes[name]["value"] = transform(u)
+            blocks[name] = (slice(position, position + u.numel()), u, transform, prototype["fn"].support)
+            position += u.numel()
+        model_trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(*args, **kwargs)
+        model_trace.compute_log_prob()
+
+        size = z.numel()
+        prior_loc, prior_precision = z.new_zeros(size), z.new_zeros(size, size)
+        conjugate = []
+        likelihood, prior_terms, observed = [], [], []
+        for name, node in model_trace.nodes.items():
+            if node["type"] != "sample":
+                continue
+            if node["is_observed"]:
+                if node["infer"].get("_deterministic"):
+                    continue
+                if self.max_plate_nesting < math.inf:
+                    check_site_shape(node, self.max_plate_nesting)
+                likelihood.append(node["log_prob_sum"])
+                observed.append(node)
+                continue
+            if name not in blocks:
+                continue
+            block, u, transform, support = blocks[name]
+            prior = conjugate_gaussian(node["fn"], support)
+            if prior is not None and not (prior[0].requires_grad or prior[1].requires_grad) \
+                    and _scalar_scale(node) == 1.0:
+                prior_loc[block] = prior[0].detach()
+                prior_precision[block, block] = prior[1].detach()
+                conjugate.append(name)
+            else:
+                log_det = transform.log_abs_det_jacobian(u, node["value"])
+                prior_terms.append(node["log_prob_sum"] + _scalar_scale(node) * log_det.sum())
+        nonconjugate_prior = -sum(prior_terms) if prior_terms else None
+        nll = -sum(likelihood) if likelihood else None
+        objective = _add(nll, nonconjugate_prior)
+
+        others = _other_params(model_trace, guide_trace, guide)
+        if objective is None:
+            grad, other_grads = torch.zeros_like(z), []
+        else:
+            grad, *other_grads = torch.autograd.grad(objective, [z] + others, allow_unused=True,
+                                                     retain_graph=True)
+            grad = torch.zeros_like(z) if grad is None else grad
+        for p, g in zip(others, other_grads):
+            if g is not None:
+                g = g.detach() / self.num_particles
+                p.grad = g if p.grad is None else p.grad + g
+        curvature = self._full_curvature(objective, nonconjugate_prior, observed, z, grad, loc, factor)
+        prior = (prior_loc, prior_precision) if conjugate else (None, None)
+
+        with torch.no_grad():
+            if self.deterministic:  # l(mu) - H(q) + the conjugate blocks' cross-entropy
+                loss = 0.0 if objective is None else float(objective)
+                loss -= float(posterior.entropy())
+                if conjugate:
+                    loss += float(_gaussian_cross_entropy(loc, factor, prior_loc, prior_precision,
+                                                          [blocks[n][0] for n in conjugate]))
+            else:
+                loss = -float(sum(node["log_prob_sum"] for node in model_trace.nodes.values()
+                                  if node["type"] == "sample"))
+                loss += float(posterior.log_prob(z))
+                for name, (_, u, transform, _) in blocks.items():
+                    value = guide_trace.nodes[name]["value"]
+                    loss -= float(transform.log_abs_det_jacobian(u, value).sum())
+        return loss, grad.detach(), curvature, prior
+
+    def _full_curvature(self, objective, nonconjugate_prior, observed, z, grad, loc, factor):
+        """The dense curvature of the non-conjugate part :math:`\\ell` at ``z``."""
+        size = z.numel()
+        if self.curvature == "reparam":
+            noise = torch.linalg.solve_triangular(factor, (z.detach() - loc).unsqueeze(-1),
+                                                  upper=False).squeeze(-1)
+            return price_curvature(factor, torch.outer(grad.detach(), noise).tril())
+        if objective is None:
+            return z.new_zeros(size, size)
+        if self.curvature == "hessian":
+            return hessian_matrix(objective, z)
+        curvature = z.new_zeros(size, size)
+        if nonconjugate_prior is not None:
+            curvature = hessian_matrix(nonconjugate_prior, z)
+        for node in observed:
+            data_dim, scale = _data_dim(node, self.curvature), _scalar_scale(node)
+            if self.curvature == "ef":
+                terms = -per_example_log_prob(node["fn"], node["value"], data_dim)
+                curvature = curvature + scale * empirical_fisher_matrix(terms, z)
+            elif self.curvature == "ggn":
+                curvature = curvature + scale * ggn_matrix(node["fn"], z, data_dim)
+            else:
+                curvature = curvature + scale * mc_ggn_matrix(node["fn"], z, data_dim, self.mc_samples)
+        return curvature
+
+
+def _gaussian_cross_entropy(loc, factor, prior_loc, prior_precision, blocks) -> torch.Tensor:
+    """:math:`-E_q[\\log p_0(u_c)]` summed over the conjugate blocks ``c``:
+    :math:`\\tfrac12[\\mathrm{tr}(S_0 \\Sigma_{cc}) + (\\mu_c - m_0)^\\top S_0 (\\mu_c - m_0)
+    - \\log\\det S_0 + d_c \\log 2\\pi]`."""
+    covariance = factor @ factor.T
+    total = loc.new_zeros(())
+    for block in blocks:
+        precision = prior_precision[block, block]
+        offset = loc[block] - prior_loc[block]
+        total = total + 0.5 * ((precision * covariance[block, block]).sum() + offset @ precision @ offset
+                               - torch.logdet(precision) + offset.numel() * math.log(2 * math.pi))
+    return total
 
 
 def _add(a, b):

@@ -15,8 +15,9 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 import pyro
 from pyro.optim.optim import PyroOptim
 
+from . import full_covariance
 from .distributed import all_reduce_stats
-from .family import GaussianSite, SiteCurvature, calling_svi, pop_curvature, split_params
+from .family import FullCovarianceSite, GaussianSite, SiteCurvature, calling_svi, pop_curvature, split_params
 
 Schedule = Union[float, Callable[[int], float]]
 
@@ -212,12 +213,14 @@ class NGVI(PyroOptim):
         states = [self._state(site) for site in sites]  # may refuse: before any write
         stats = {site.key: self._site_curvature(site) for site in sites}
         stats = all_reduce_stats(stats, others)  # no-op without torch.distributed
-        groups = self._groups(sites, stats)
+        full_sites = [site for site in sites if isinstance(site, FullCovarianceSite)]
+        groups = self._groups([site for site in sites if not isinstance(site, FullCovarianceSite)], stats)
         group_stats = [[stats[site.key] for site in group.sites] for group in groups]
         flats = [(_flat([s.grad for s in st]), _flat([s.curvature for s in st])) for st in group_stats]
         others_with_grad = [p for p in others if p.grad is not None]
         finite = [_finite(grad, curvature, mask=st[0].mask) for (grad, curvature), st in zip(flats, group_stats)]
         finite += [_finite(p.grad) for p in others_with_grad]
+        finite += [_finite(stats[site.key].grad, stats[site.key].curvature) for site in full_sites]
         finite = torch.stack(finite).tolist()  # one device sync for the whole step
         if not all(finite):
             bad = [site.name for site, ok in zip(sites, self._sites_finite(stats)) if not ok]
@@ -235,9 +238,31 @@ class NGVI(PyroOptim):
         beta = self._hyper("beta", 0.0, 1.0)
         tau = self._hyper("tau", 0.0, math.inf)
         state_of = {site.key: state for site, state in zip(sites, states)}
+        # full-covariance steps are computed before anything is written: one whose
+        # new precision is not positive definite skips the whole step
+        full_steps = []
+        for site in full_sites:
+            step = self._full_step(site, stats[site.key], lr, beta, tau, state_of[site.key])
+            if step is None:
+                self.num_skipped_steps += 1
+                warnings.warn(
+                    f"NGVI skipped step {self.num_steps}: the new precision of {site.name!r} is "
+                    "not numerically positive definite; the guide is unchanged "
+                    f"({self.num_skipped_steps} skipped so far). Lower beta or add damping.",
+                    NGVIWarning,
+                    stacklevel=2,
+                )
+                return
+            full_steps.append(step)
         for group, st, (grad, curvature) in zip(groups, group_stats, flats):
             self._update_group(group, st, grad, curvature, lr, beta, tau,
                                [state_of[site.key] for site in group.sites])
+        for site, (step, momentum) in zip(full_sites, full_steps):
+            site.write(step.mean, step.factor)
+            state = state_of[site.key]
+            state.started = True
+            if self.momentum:
+                state.momentum = momentum
         if others:
             super().__call__(others, *args, **kwargs)
         self.num_steps += 1
@@ -251,7 +276,10 @@ class NGVI(PyroOptim):
         if self._split_cache is not None and self._split_cache[0] == key:
             sites, others = self._split_cache[1:]
             store = pyro.get_param_store()._params
-            if all(store.get(site.scale_name) is site.raw_scale for site in sites):
+            if all(store.get(site.scale_name) is site.raw_scale for site in sites) and all(
+                store.get(site.scale_tril_name) is site.raw_scale_tril
+                for site in sites if isinstance(site, FullCovarianceSite)
+            ):
                 return sites, others
         sites, others = split_params(guide, params)
         self._split_cache = (key, sites, others)
@@ -318,6 +346,8 @@ class NGVI(PyroOptim):
                 "backpropagates through the guide (Trace_ELBO, JitTrace_ELBO) or "
                 "pyro_ngvi.CurvatureELBO."
             )
+        if isinstance(site, FullCovarianceSite):
+            return _full_reparam_curvature(site)
         raw = site.raw_scale.detach()
         scale = site._scale_transform(raw)
         dscale_draw = site._scale_transform.log_abs_det_jacobian(raw, scale).exp()
@@ -404,6 +434,27 @@ class NGVI(PyroOptim):
         for state in states:
             state.started = True
 
+    def _full_step(self, site: FullCovarianceSite, stats: SiteCurvature, lr, beta, tau,
+                   state: "_SiteState"):
+        """
+        The step of :func:`~pyro_ngvi.full_covariance.natural_step` for a
+        full-covariance site, not yet written: ``(step, momentum)``, or ``None``
+        when the new precision is not positive definite. Same ``lr``, ``beta``,
+        ``tau``, momentum, damping, trust region (sampled curvature) and first-step
+        warm start as the mean-field update.
+        """
+        grad = stats.grad / tau if tau != 1 else stats.grad
+        momentum = grad
+        if self.momentum and state.momentum is not None:
+            momentum = torch.lerp(grad, state.momentum, self.momentum)
+        step = full_covariance.natural_step(
+            site.mean, site.factor, momentum, stats.curvature, lr, beta, tau, self.damping,
+            stats.prior_loc, stats.prior_precision,
+            max_step=self.max_step if stats.sampled else None,
+            warm=self.warm_start and not state.started,
+        )
+        return None if step is None else (step, momentum)
+
     def _momentum(self, group: "_Group", states: List["_SiteState"], grad: torch.Tensor, mask) -> torch.Tensor:
         """
         :math:`\\bar g \\leftarrow \\rho \\bar g + (1 - \\rho) g` (a site's first step
@@ -479,6 +530,33 @@ class _SiteState:
         self.loc = loc  # a weak reference: a cleared param store frees the site
         self.started = False  # the first-step warm start has happened
         self.momentum: Optional[torch.Tensor] = None
+
+
+@torch.no_grad()
+def _full_reparam_curvature(site: FullCovarianceSite) -> SiteCurvature:
+    """
+    :math:`g` and the Price curvature :math:`H` of a full-covariance site from the
+    reparameterised gradients ``SVI`` left on its ``loc``, ``scale`` and
+    ``scale_tril``: the gradient w.r.t. :math:`C` is
+    :math:`\\mathrm{tril}(E[g\\epsilon^\\top]) - \\mathrm{diag}(1/s)` (the entropy
+    gives the second term), so
+    :func:`~pyro_ngvi.full_covariance.price_curvature` of it plus
+    :math:`\\mathrm{diag}(1/s)` is :math:`H` (the mean-field
+    :math:`(\\nabla_\\sigma + 1/\\sigma)/\\sigma` on a diagonal).
+    """
+    raw = site.raw_scale.detach().double()
+    transform = site._scale_transform
+    scale = transform(raw)
+    scale_grad = site.raw_scale.grad.double() / transform.log_abs_det_jacobian(raw, scale).exp()
+    unit_tril = site.unit_tril.double()
+    tril_grad = site.raw_scale_tril.grad
+    tril_grad = torch.zeros_like(unit_tril) if tril_grad is None else tril_grad.double()
+    # UnitLowerCholeskyTransform is the identity on the strictly lower triangle
+    factor_grad = full_covariance.factor_gradient(scale, unit_tril, scale_grad, tril_grad)
+    factor_grad = factor_grad + torch.diag_embed(scale.reciprocal())
+    curvature = full_covariance.price_curvature(full_covariance.covariance_factor(scale, unit_tril),
+                                                factor_grad)
+    return SiteCurvature(site.loc.grad.detach(), curvature.to(site.loc.dtype), sampled=True)
 
 
 def _finite(*tensors: torch.Tensor, mask=None) -> torch.Tensor:

@@ -41,7 +41,7 @@ from torch.distributions.transforms import ComposeTransform, Transform
 import pyro.distributions as dist
 from pyro.distributions.torch_distribution import ExpandedDistribution
 
-__all__ = ["conjugate_normal"]
+__all__ = ["conjugate_gaussian", "conjugate_multivariate_normal", "conjugate_normal"]
 
 # Two transforms "do the same" when they agree to this tolerance on the probes.
 _RTOL = 1e-5
@@ -246,6 +246,71 @@ def conjugate_normal(
     ):
         return None
     return loc.expand(u_shape), scale.pow(-2).expand(u_shape)
+
+
+def _multivariate_normal_and_transforms(fn):
+    """
+    As :func:`_normal_and_transforms`, for a
+    :class:`~torch.distributions.MultivariateNormal` at the bottom (behind
+    ``TransformedDistribution`` layers only; ``Independent`` / ``expand`` would
+    give it a batch shape, which a single vector site does not have).
+    """
+    transforms: list = []
+    while True:
+        cls = type(fn)
+        if isinstance(fn, torch.distributions.MultivariateNormal):
+            if cls.log_prob is torch.distributions.MultivariateNormal.log_prob:
+                return fn, transforms
+            return None, []
+        if not isinstance(fn, torch.distributions.TransformedDistribution) or (
+            cls.log_prob is not torch.distributions.TransformedDistribution.log_prob
+        ):
+            return None, []
+        transforms = list(fn.transforms) + transforms
+        fn = fn.base_dist
+
+
+def conjugate_multivariate_normal(
+    fn: torch.distributions.Distribution, support=None
+) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """
+    The correlated Gaussian a prior is in a vector site's unconstrained
+    coordinates, if it is one: ``(prior_loc, prior_precision)`` of shapes
+    ``(d,)`` and ``(d, d)`` when ``fn`` is a
+    :class:`~torch.distributions.MultivariateNormal` without batch shape on a
+    real vector site of ``d`` coordinates, or a ``TransformedDistribution`` of
+    one whose transforms do what ``biject_to(support)`` does (see
+    :func:`conjugate_normal`); else ``None``. This is the prior
+    :func:`~pyro_ngvi.posterior_as_prior` makes of a full-covariance guide.
+    """
+    support = fn.support if support is None else support
+    normal, transforms = _multivariate_normal_and_transforms(fn)
+    if normal is None or normal.batch_shape != ():
+        return None
+    bijection, u_shape = _bijection_and_u_shape(support, fn.batch_shape + fn.event_shape)
+    if bijection is None or u_shape != normal.event_shape:
+        return None
+    if (transforms or not _is_real(support)) and not _same_map(
+        ComposeTransform(transforms), bijection, u_shape, normal.loc.device
+    ):
+        return None
+    return normal.loc, normal.precision_matrix
+
+
+def conjugate_gaussian(
+    fn: torch.distributions.Distribution, support=None
+) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """
+    :func:`conjugate_normal` or :func:`conjugate_multivariate_normal` in one
+    form for a full-covariance guide: ``(prior_loc, prior_precision)`` of shapes
+    ``(d,)`` and ``(d, d)`` over the site's ``d`` unconstrained coordinates
+    (flattened in the order ``AutoContinuous`` packs them), or ``None``.
+    """
+    prior = conjugate_normal(fn, support)
+    if prior is not None:
+        loc, precision = prior
+        return loc.reshape(-1), torch.diag_embed(precision.reshape(-1))
+    return conjugate_multivariate_normal(fn, support)
 
 
 def _broadcasts_to(shape, target) -> bool:
