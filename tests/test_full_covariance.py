@@ -1,0 +1,485 @@
+"""NGVI on AutoMultivariateNormal: the full-covariance natural-gradient step."""
+
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pyro
+import pyro.distributions as dist
+import pyro.poutine as poutine
+from pyro.infer import SVI, Trace_ELBO
+from pyro.infer.autoguide import (
+    AutoGuideList,
+    AutoLowRankMultivariateNormal,
+    AutoMultivariateNormal,
+    AutoNormal,
+)
+
+from pyro_ngvi import NGVI, CurvatureELBO, NGVIWarning
+from pyro_ngvi import full_covariance as fc
+from pyro_ngvi.family import FullCovarianceSite, gaussian_sites, pop_curvature
+from pyro_ngvi.optim import _full_reparam_curvature
+
+D, N = 4, 30
+
+
+def correlated_regression(seed=0, num_features=D, num_data=N, noise=0.5, correlation=0.8):
+    """A linear-Gaussian model with correlated features (weights ``w`` and a
+    bias ``b``, Normal priors of different scales) and its exact posterior."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(num_data, num_features, generator=g, dtype=torch.float64)
+    x = base + correlation * base[:, :1]
+    y = x @ torch.randn(num_features, generator=g, dtype=torch.float64) + 1.0
+    y = y + noise * torch.randn(num_data, generator=g, dtype=torch.float64)
+
+    def model(x, y):
+        w = pyro.sample("w", dist.Normal(torch.zeros(num_features, dtype=x.dtype), 1.0).to_event(1))
+        b = pyro.sample("b", dist.Normal(torch.tensor(0.0, dtype=x.dtype), 2.0))
+        with pyro.plate("data", len(y)):
+            pyro.sample("obs", dist.Normal((x * w).sum(-1) + b, noise), obs=y)
+
+    design = torch.cat([x, torch.ones(num_data, 1, dtype=x.dtype)], 1)
+    prior_precision = torch.diag(torch.tensor([1.0] * num_features + [0.25], dtype=x.dtype))
+    precision = prior_precision + design.T @ design / noise**2
+    covariance = torch.linalg.inv(precision)
+    mean = covariance @ (design.T @ y) / noise**2
+    return model, (x, y), mean, covariance
+
+
+def site_of(guide) -> FullCovarianceSite:
+    (site,) = [s for s in gaussian_sites(guide) if isinstance(s, FullCovarianceSite)]
+    return site
+
+
+def covariance_of(site):
+    factor = site.factor
+    return factor @ factor.T
+
+
+# --------------------------------------------------------------------------- #
+# The algebra
+# --------------------------------------------------------------------------- #
+
+
+def random_factor(size, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    factor = torch.randn(size, size, generator=g, dtype=torch.float64).tril()
+    factor.diagonal().abs_().add_(0.3)
+    return factor
+
+
+def test_precision_and_its_cholesky_round_trip():
+    factor = random_factor(6)
+    precision = fc.precision(factor)
+    torch.testing.assert_close(precision, torch.linalg.inv(factor @ factor.T), rtol=1e-10, atol=1e-10)
+    # the reversal-permuted Cholesky factor of S gives back C exactly (a unique factor)
+    torch.testing.assert_close(fc.precision_cholesky(precision), factor, rtol=1e-10, atol=1e-12)
+    scale, unit_tril = fc.split_factor(factor)
+    assert torch.equal(unit_tril.diagonal(), torch.ones(6, dtype=torch.float64))
+    torch.testing.assert_close(fc.covariance_factor(scale, unit_tril), factor)
+    assert fc.precision_cholesky(-precision) is None
+
+
+def test_price_curvature_is_twice_the_gradient_in_sigma():
+    """H from tril(dl/dC) equals 2 dl/dSigma, differentiated through torch's Cholesky."""
+    factor, size = random_factor(5, seed=1), 5
+    g = torch.Generator().manual_seed(2)
+    mean = torch.randn(size, generator=g, dtype=torch.float64)
+    noise = torch.randn(size, generator=g, dtype=torch.float64)
+    a = torch.randn(size, size, generator=g, dtype=torch.float64)
+
+    def loss(u):
+        return 0.5 * u @ (a @ a.T) @ u + torch.sin(3 * u).sum() + u.prod()
+
+    leaf = factor.clone().requires_grad_()
+    (factor_grad,) = torch.autograd.grad(loss(mean + leaf @ noise), leaf)
+    curvature = fc.price_curvature(factor, factor_grad.tril())
+    covariance = (factor @ factor.T).requires_grad_()
+    symmetric = 0.5 * (covariance + covariance.T)
+    (sigma_grad,) = torch.autograd.grad(loss(mean + torch.linalg.cholesky(symmetric) @ noise), covariance)
+    torch.testing.assert_close(curvature, 2 * sigma_grad, rtol=1e-10, atol=1e-10)
+    # on a diagonal factor it is the mean-field g * eps / sigma
+    diagonal = torch.diag(factor.diagonal())
+    grad = torch.func.grad(loss)(mean + diagonal @ noise)
+    curvature = fc.price_curvature(diagonal, torch.diag(grad * noise))
+    torch.testing.assert_close(curvature.diagonal(), grad * noise / factor.diagonal())
+
+
+@settings(max_examples=60, deadline=None)
+@given(size=st.integers(1, 6), beta=st.floats(0.01, 1.0), seed=st.integers(0, 10_000),
+       spread=st.floats(0.1, 1e4), warm=st.booleans())
+def test_new_precision_is_positive_definite_for_any_symmetric_target(size, beta, seed, spread, warm):
+    g = torch.Generator().manual_seed(seed)
+    factor = random_factor(size, seed)
+    target = spread * torch.randn(size, size, generator=g, dtype=torch.float64)
+    target = target + target.T  # indefinite in general
+    step = fc.natural_step(torch.zeros(size, dtype=torch.float64), factor,
+                           torch.randn(size, generator=g, dtype=torch.float64), target,
+                           lr=0.1, beta=beta, warm=warm)
+    assert step is not None
+    precision = fc.precision(step.factor)
+    assert torch.linalg.eigvalsh(0.5 * (precision + precision.T)).min() > 0
+    is_pd = int(torch.linalg.cholesky_ex(target)[1]) == 0
+    assert step.corrected == (not is_pd)
+
+
+def test_step_without_correction_is_the_plain_moving_average():
+    factor = random_factor(4, seed=3)
+    target = torch.linalg.inv(fc.precision(random_factor(4, seed=4)))  # positive definite
+    step = fc.natural_step(torch.zeros(4, dtype=torch.float64), factor, torch.zeros(4, dtype=torch.float64),
+                           target, lr=1.0, beta=0.3)
+    expected = 0.7 * fc.precision(factor) + 0.3 * target
+    torch.testing.assert_close(fc.precision(step.factor), expected, rtol=1e-9, atol=1e-9)
+    assert not step.corrected
+
+
+def test_warm_start_takes_the_target_where_it_exceeds_the_precision():
+    """Generalised eigen-directions: lambda > 1 taken at once, the others by the beta step."""
+    factor = torch.eye(2, dtype=torch.float64)
+    target = torch.diag(torch.tensor([9.0, 0.5], dtype=torch.float64))
+    step = fc.natural_step(torch.zeros(2, dtype=torch.float64), factor, torch.zeros(2, dtype=torch.float64),
+                           target, lr=1.0, beta=0.1, warm=True)
+    torch.testing.assert_close(fc.precision(step.factor).diagonal(),
+                               torch.tensor([9.0, 0.9 + 0.05], dtype=torch.float64))
+
+
+# --------------------------------------------------------------------------- #
+# Curvature from what SVI hands the optimizer
+# --------------------------------------------------------------------------- #
+
+
+def nonlinear_model():
+    u = pyro.sample("u", dist.Normal(torch.zeros(3, dtype=torch.float64), 1.0).to_event(1))
+    v = pyro.sample("v", dist.LogNormal(torch.tensor(0.0, dtype=torch.float64), 0.5))
+    pyro.sample("obs", dist.Normal((torch.sin(u) * v).sum(-1) + u.prod(-1), 0.3),
+                obs=torch.tensor(0.7, dtype=torch.float64))
+
+
+def set_random_gaussian(guide, *args):
+    guide(*args)
+    site = site_of(guide)
+    size = site.loc.numel()
+    site.write(0.3 * torch.randn(size, dtype=torch.float64), 0.4 * random_factor(size, seed=5))
+    return site
+
+
+def test_reparam_curvature_recovered_from_trace_elbo_gradients_matches_autograd():
+    """g and H = 2 dl/dSigma of one particle, from loc/scale/scale_tril grads, against
+    autograd of the negative log joint at the same draw (float64)."""
+    guide = AutoMultivariateNormal(nonlinear_model)
+    site = set_random_gaussian(guide)
+    pyro.set_rng_seed(11)
+    Trace_ELBO().loss_and_grads(nonlinear_model, guide)
+    stats = _full_reparam_curvature(site)
+
+    pyro.set_rng_seed(11)
+    z = poutine.trace(guide).get_trace().nodes["_AutoMultivariateNormal_latent"]["value"].detach()
+    factor, mean = site.factor, site.mean
+    noise = torch.linalg.solve_triangular(factor, (z - mean).unsqueeze(-1), upper=False).squeeze(-1)
+
+    def negative_log_joint(latent):
+        values, log_det = {}, 0.0
+        for prototype, u in guide._unpack_latent(latent):
+            transform = torch.distributions.biject_to(prototype["fn"].support)
+            values[prototype["name"]] = transform(u)
+            log_det = log_det + transform.log_abs_det_jacobian(u, values[prototype["name"]]).sum()
+        trace = poutine.trace(poutine.condition(nonlinear_model, data=values)).get_trace()
+        return -(trace.log_prob_sum() + log_det)
+
+    grad = torch.func.grad(negative_log_joint)(z)
+    covariance = (factor @ factor.T).requires_grad_()
+    draw = mean + torch.linalg.cholesky(0.5 * (covariance + covariance.T)) @ noise
+    (sigma_grad,) = torch.autograd.grad(negative_log_joint(draw), covariance)
+    torch.testing.assert_close(stats.grad, grad, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(stats.curvature, 2 * sigma_grad, rtol=1e-9, atol=1e-9)
+    assert stats.sampled
+
+
+def test_reparam_curvature_is_unbiased_for_the_expected_hessian():
+    model, data, mean, covariance = correlated_regression()
+    guide = AutoMultivariateNormal(model)
+    site = set_random_gaussian(guide, *data)
+    # at the posterior mean, with a covariance of the posterior's size but another
+    # shape (the Price estimate's noise grows with |E g| and the whitened curvature)
+    skew = torch.eye(D + 1, dtype=torch.float64) + 0.3 * random_factor(D + 1, seed=6).tril(-1)
+    site.write(mean, torch.linalg.cholesky(covariance) @ skew)
+    elbo = Trace_ELBO(num_particles=4000, vectorize_particles=True, max_plate_nesting=1)
+    elbo.loss_and_grads(model, guide, *data)
+    estimate = _full_reparam_curvature(site).curvature
+    exact = torch.linalg.inv(covariance)  # the Hessian of this quadratic negative log joint
+    # a 4000-particle average: relative error ~ 1/sqrt(4000) per entry
+    assert ((estimate - exact).abs() / exact.diagonal().max()).max() < 0.1
+
+
+def test_curvature_elbo_reparam_hands_what_ngvi_recovers_from_trace_elbo():
+    """Same draw: CurvatureELBO("reparam") hands the prior of the log-normal site over
+    (Normal(0, 1) for u, Normal in u with precision 4 for the log-normal v) and the
+    rest as Trace_ELBO's recovery has it."""
+    guide = AutoMultivariateNormal(nonlinear_model)
+    site = set_random_gaussian(guide)
+    pyro.set_rng_seed(3)
+    Trace_ELBO().loss_and_grads(nonlinear_model, guide)
+    recovered = _full_reparam_curvature(site)
+    pyro.set_rng_seed(3)
+    z = poutine.trace(guide).get_trace().nodes["_AutoMultivariateNormal_latent"]["value"].detach()
+    pyro.set_rng_seed(3)
+    CurvatureELBO("reparam").loss_and_grads(nonlinear_model, guide)
+    handed = pop_curvature(site.loc)
+    expected_prior = torch.diag(torch.tensor([1.0, 1.0, 1.0, 4.0], dtype=torch.float64))
+    torch.testing.assert_close(handed.prior_precision, expected_prior)
+    torch.testing.assert_close(handed.prior_loc, torch.zeros(4, dtype=torch.float64))
+    prior_grad = expected_prior @ z  # the conjugate prior's gradient, inside Trace_ELBO's g
+    torch.testing.assert_close(handed.grad + prior_grad, recovered.grad, rtol=1e-10, atol=1e-12)
+    factor = site.factor
+    noise = torch.linalg.solve_triangular(factor, (z - site.mean).unsqueeze(-1), upper=False).squeeze(-1)
+    prior_curvature = fc.price_curvature(factor, torch.outer(prior_grad, noise).tril())
+    torch.testing.assert_close(handed.curvature + prior_curvature, recovered.curvature,
+                               rtol=1e-9, atol=1e-9)
+    assert handed.sampled
+
+
+# --------------------------------------------------------------------------- #
+# Exactness
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("curvature", ["hessian", "ggn"])
+def test_one_newton_step_lands_on_the_exact_correlated_posterior(curvature):
+    model, data, mean, covariance = correlated_regression()
+    guide = AutoMultivariateNormal(model)
+    svi = SVI(model, guide, NGVI(lr=1.0, beta=1.0), CurvatureELBO(curvature, deterministic=True))
+    svi.step(*data)
+    site = site_of(guide)
+    torch.testing.assert_close(site.mean, mean, rtol=0, atol=1e-6)
+    torch.testing.assert_close(covariance_of(site), covariance, rtol=0, atol=1e-6 * covariance.abs().max())
+    # what Predictive and SVI sample from is that Gaussian
+    torch.testing.assert_close(guide.get_posterior().covariance_matrix.detach(), covariance,
+                               rtol=1e-6, atol=0)
+    assert abs(covariance[0, 1]) > 0.2 * covariance.diagonal().max()  # really correlated
+
+
+def test_tempered_step_targets_the_tempered_posterior():
+    """tau divides the likelihood's gradient and curvature, not the conjugate prior."""
+    model, data, _, _ = correlated_regression()
+    x, y = data
+    design = torch.cat([x, torch.ones(N, 1, dtype=x.dtype)], 1)
+    prior_precision = torch.diag(torch.tensor([1.0] * D + [0.25], dtype=x.dtype))
+    precision = prior_precision + design.T @ design / 0.25 / 3.0
+    mean = torch.linalg.solve(precision, design.T @ y / 0.25 / 3.0)
+    guide = AutoMultivariateNormal(model)
+    svi = SVI(model, guide, NGVI(lr=1.0, beta=1.0, tau=3.0), CurvatureELBO("hessian", deterministic=True))
+    svi.step(*data)
+    site = site_of(guide)
+    torch.testing.assert_close(site.mean, mean, rtol=0, atol=1e-6)
+    torch.testing.assert_close(site.precision, precision, rtol=1e-8, atol=1e-6)
+
+
+def test_sampled_path_reaches_the_exact_correlated_posterior():
+    """Trace_ELBO + NGVI with decaying lr and beta: mean and covariance within MC tolerance."""
+    model, data, mean, covariance = correlated_regression(num_features=3, num_data=20, noise=1.0,
+                                                          correlation=1.0)
+    pyro.set_rng_seed(0)
+    guide = AutoMultivariateNormal(model)
+
+    def decaying(t):
+        return max(0.5 / (1 + t / 20), 0.01)
+
+    elbo = Trace_ELBO(num_particles=32, vectorize_particles=True, max_plate_nesting=1)
+    svi = SVI(model, guide, NGVI(lr=decaying, beta=decaying), elbo)
+    for _ in range(200):
+        svi.step(*data)
+    site = site_of(guide)
+    std = covariance.diagonal().sqrt()
+    # over seeds 0-9 the largest errors are 0.06 (mean) and 0.10 (covariance)
+    assert ((site.mean - mean) / std).abs().max() < 0.1
+    correlation_error = (covariance_of(site) - covariance) / (std[:, None] * std[None, :])
+    assert correlation_error.abs().max() < 0.15
+    assert covariance[0, 1] / (std[0] * std[1]) < -0.3  # the posterior is strongly correlated
+
+
+def test_positive_definite_under_indefinite_hessians_of_a_nonconvex_model():
+    """The exact Hessian of a non-convex log joint is indefinite away from the mode:
+    the correction engages and every precision stays positive definite."""
+    def model():
+        u = pyro.sample("u", dist.Normal(torch.zeros(2, dtype=torch.float64), 3.0).to_event(1))
+        pyro.sample("obs", dist.Normal(u[..., 0] * u[..., 1], 0.1), obs=torch.tensor(1.0, dtype=torch.float64))
+
+    guide = AutoMultivariateNormal(model, init_loc_fn=lambda site: torch.tensor([0.1, -0.1], dtype=torch.float64))
+    optim = NGVI(lr=0.2, beta=0.5, warm_start=False)
+    svi = SVI(model, guide, optim, CurvatureELBO("hessian", num_particles=4))
+    corrected = 0
+    original = fc.natural_step
+
+    def counting(*args, **kwargs):
+        nonlocal corrected
+        step = original(*args, **kwargs)
+        corrected += step.corrected
+        return step
+
+    fc.natural_step = counting
+    try:
+        for _ in range(30):
+            svi.step()
+            assert torch.linalg.eigvalsh(site_of(guide).precision).min() > 0
+    finally:
+        fc.natural_step = original
+    assert corrected > 0
+    assert optim.num_skipped_steps == 0
+
+
+# --------------------------------------------------------------------------- #
+# Inside Pyro's machinery
+# --------------------------------------------------------------------------- #
+
+
+def test_full_covariance_part_beside_a_mean_field_part_of_an_autoguidelist():
+    """Each part gets its own update; independent blocks reach their exact posteriors."""
+    x = torch.tensor([[1.0, 0.9], [0.8, 1.1], [1.2, 1.0], [0.1, -0.2]], dtype=torch.float64)
+
+    def model():
+        w = pyro.sample("w", dist.Normal(torch.zeros(2, dtype=torch.float64), 1.0).to_event(1))
+        c = pyro.sample("c", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0))
+        with pyro.plate("data", 4):
+            pyro.sample("y", dist.Normal((x * w).sum(-1), 0.5), obs=torch.tensor([1.0, 0.5, 1.2, 0.0], dtype=torch.float64))
+            pyro.sample("z", dist.Normal(c, 1.0), obs=torch.tensor([0.3, 0.1, -0.2, 0.4], dtype=torch.float64))
+
+    guide = AutoGuideList(model)
+    guide.append(AutoMultivariateNormal(poutine.block(model, expose=["w"])))
+    guide.append(AutoNormal(poutine.block(model, hide=["w"])))
+    pyro.set_rng_seed(1)
+
+    def decaying(t):
+        return max(0.5 / (1 + t / 20), 0.01)
+
+    svi = SVI(model, guide, NGVI(lr=decaying, beta=decaying),
+              Trace_ELBO(num_particles=32, vectorize_particles=True, max_plate_nesting=1))
+    for _ in range(200):
+        svi.step()
+    kinds = sorted(type(s).__name__ for s in gaussian_sites(guide))
+    assert kinds == ["FullCovarianceSite", "GaussianSite"]
+    precision = torch.eye(2, dtype=torch.float64) + x.T @ x / 0.25
+    covariance = torch.linalg.inv(precision)
+    mean = covariance @ x.T @ torch.tensor([1.0, 0.5, 1.2, 0.0], dtype=torch.float64) / 0.25
+    site = site_of(guide)
+    std = covariance.diagonal().sqrt()
+    assert ((site.mean - mean) / std).abs().max() < 0.1
+    assert ((covariance_of(site) - covariance) / (std[:, None] * std[None, :])).abs().max() < 0.15
+    assert abs(pyro.param("AutoGuideList.1.locs.c").item() - 0.6 / 5) < 0.1 * 5**-0.5
+    assert abs(pyro.param("AutoGuideList.1.scales.c").item() * 5**0.5 - 1) < 0.15
+
+
+@pytest.mark.parametrize("wrap", [False, True])
+def test_low_rank_guide_is_refused_naming_what_to_use(wrap):
+    model, data, _, _ = correlated_regression()
+    if wrap:
+        guide = AutoGuideList(model)
+        guide.append(AutoLowRankMultivariateNormal(poutine.block(model, expose=["w"])))
+        guide.append(AutoNormal(poutine.block(model, hide=["w"])))
+    else:
+        guide = AutoLowRankMultivariateNormal(model)
+    svi = SVI(model, guide, NGVI(), Trace_ELBO())
+    before = None
+    with pytest.raises(NotImplementedError, match="AutoMultivariateNormal.*AutoNormal") as error:
+        guide(*data)
+        before = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+        svi.step(*data)
+    assert "truncate" in str(error.value)
+    for name, value in pyro.get_param_store().items():  # nothing was written
+        assert torch.equal(value, before[name])
+
+
+def test_non_finite_gradient_skips_the_step_and_leaves_the_guide_unchanged():
+    def model():
+        u = pyro.sample("u", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+        pyro.sample("obs", dist.Normal(torch.sqrt(u[..., 0]), 1.0), obs=torch.tensor(1.0))
+
+    guide = AutoMultivariateNormal(model, init_loc_fn=lambda site: torch.tensor([-5.0, 0.0]))
+    optim = NGVI()
+    svi = SVI(model, guide, optim, Trace_ELBO())
+    with pyro.validation_enabled(False):
+        guide()
+    before = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+    with pytest.warns(NGVIWarning, match="AutoMultivariateNormal"), pyro.validation_enabled(False):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Encountered NaN")
+            svi.step()
+    assert optim.num_skipped_steps == 1
+    for name, value in pyro.get_param_store().items():
+        assert torch.equal(value, before[name])
+
+
+def test_resumed_run_follows_the_same_trajectory():
+    model, data, _, _ = correlated_regression()
+    elbo = Trace_ELBO(num_particles=4, vectorize_particles=True, max_plate_nesting=1)
+
+    def optim():
+        return NGVI(lr=0.2, beta=0.2, momentum=0.5)
+
+    pyro.set_rng_seed(4)
+    guide = AutoMultivariateNormal(model)
+    svi = SVI(model, guide, optim(), elbo)
+    for _ in range(6):
+        svi.step(*data)
+    straight = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(4)
+    guide = AutoMultivariateNormal(model)
+    first = optim()
+    svi = SVI(model, guide, first, elbo)
+    for _ in range(3):
+        svi.step(*data)
+    state = first.get_state()
+    assert state["ngvi"]["sites"]["AutoMultivariateNormal.loc"]["momentum"].shape == (D + 1,)
+    resumed = optim()
+    resumed.set_state(state)
+    svi = SVI(model, guide, resumed, elbo)
+    for _ in range(3):
+        svi.step(*data)
+    for name, value in pyro.get_param_store().items():
+        torch.testing.assert_close(value, straight[name], rtol=1e-12, atol=1e-12)
+
+
+def test_ngvi_step_matches_the_update_equation_with_momentum_and_damping():
+    """One sampled step against the update written out with dense inverses."""
+    model, data, _, _ = correlated_regression()
+    guide = AutoMultivariateNormal(model)
+    site = set_random_gaussian(guide, *data)
+    mean, precision = site.mean.clone(), site.precision.clone()
+    pyro.set_rng_seed(8)
+    elbo = Trace_ELBO(num_particles=3, vectorize_particles=True, max_plate_nesting=1)
+    elbo.loss_and_grads(model, guide, *data)
+    stats = _full_reparam_curvature(site)
+    for p in pyro.get_param_store().values():
+        p.unconstrained().grad = None
+    pyro.set_rng_seed(8)
+    optim = NGVI(lr=0.3, beta=0.2, momentum=0.9, damping=2.0, max_step=None, warm_start=False)
+    SVI(model, guide, optim, elbo).step(*data)
+    target = stats.curvature
+    new_precision = 0.8 * precision + 0.2 * target
+    if int(torch.linalg.cholesky_ex(target)[1]) != 0:
+        gap = precision - target
+        new_precision = new_precision + 0.02 * gap @ torch.linalg.inv(precision) @ gap
+    new_mean = mean - 0.3 * torch.linalg.solve(new_precision + 2.0 * torch.eye(D + 1, dtype=torch.float64),
+                                               stats.grad)
+    torch.testing.assert_close(site.precision, new_precision, rtol=1e-8, atol=1e-6)
+    torch.testing.assert_close(site.mean, new_mean, rtol=1e-9, atol=1e-10)
+
+
+def test_float32_guide_stays_float32():
+    def model():
+        u = pyro.sample("u", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+        pyro.sample("obs", dist.Normal(u.sum(-1), 1.0), obs=torch.tensor(1.0))
+
+    guide = AutoMultivariateNormal(model)
+    svi = SVI(model, guide, NGVI(lr=1.0, beta=1.0), CurvatureELBO("hessian", deterministic=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        svi.step()
+    site = site_of(guide)
+    assert site.loc.dtype == site.raw_scale.dtype == site.raw_scale_tril.dtype == torch.float32
+    expected = torch.eye(3) + torch.ones(3, 3)
+    torch.testing.assert_close(site.precision, expected, rtol=1e-5, atol=1e-5)
