@@ -24,10 +24,17 @@ from torch.distributions import biject_to
 import pyro
 import pyro.distributions as dist
 from pyro import poutine
-from pyro.infer.autoguide import AutoNormal
+from pyro.infer.autoguide import AutoMultivariateNormal, AutoNormal
 
+from .family import _full_covariance_site, _is_automultivariatenormal
 from .handlers import PriorMessenger
-from .priors import _SiteTransformedDistribution, _is_real, _normal_and_transforms, conjugate_normal
+from .priors import (
+    _SiteTransformedDistribution,
+    _is_real,
+    _normal_and_transforms,
+    conjugate_gaussian,
+    conjugate_normal,
+)
 
 __all__ = ["posterior_as_prior", "start_task", "with_priors"]
 
@@ -56,12 +63,26 @@ def posterior_as_prior(guide, sites=None) -> Dict[str, torch.distributions.Distr
     prior has the plate's full size, like the guide; :func:`with_priors` picks
     the rows of each minibatch.
 
-    :param guide: a fitted :class:`~pyro.infer.autoguide.AutoNormal`.
+    **Full covariance.** For a fitted
+    :class:`~pyro.infer.autoguide.AutoMultivariateNormal` over one latent site
+    with ``d`` unconstrained coordinates, :math:`q(u) = \\mathcal{N}(\\mu, C C^\\top)`
+    becomes ``MultivariateNormal(mu, scale_tril=C)`` (``Normal`` for a scalar
+    site), through the site's bijection as above: a correlated prior that
+    :class:`~pyro_ngvi.CurvatureELBO` hands to NGVI as its precision matrix
+    (:func:`~pyro_ngvi.priors.conjugate_multivariate_normal`), so it enters exactly.
+    A guide over several sites is refused: per-site priors cannot carry the
+    correlations between sites.
+
+    :param guide: a fitted :class:`~pyro.infer.autoguide.AutoNormal` or
+        :class:`~pyro.infer.autoguide.AutoMultivariateNormal` (of one site).
     :param sites: names of the sites to return (default: all latent sites).
     :returns: ``{site name: prior distribution}``.
-    :raises NotImplementedError: for any other guide.
+    :raises NotImplementedError: for any other guide, a full-covariance guide
+        over several sites or over a site that is not a vector or a scalar.
     :raises ValueError: if the guide has not been run yet, or for an unknown site.
     """
+    if isinstance(guide, AutoMultivariateNormal):
+        return _full_posterior_as_prior(guide, sites)
     if not isinstance(guide, AutoNormal):
         raise NotImplementedError(
             f"posterior_as_prior supports AutoNormal guides; got {type(guide).__name__}."
@@ -93,6 +114,45 @@ def posterior_as_prior(guide, sites=None) -> Dict[str, torch.distributions.Distr
         else:
             priors[name] = _SiteTransformedDistribution(base, biject_to(support), support)
     return priors
+
+
+def _full_posterior_as_prior(guide, sites) -> Dict[str, torch.distributions.Distribution]:
+    """:func:`posterior_as_prior` of an AutoMultivariateNormal over one site."""
+    if not _is_automultivariatenormal(guide):
+        raise NotImplementedError(
+            f"posterior_as_prior cannot read the Gaussian of {type(guide).__name__}"
+        )
+    if guide.prototype_trace is None:
+        raise ValueError(
+            "posterior_as_prior: the guide has not been initialised; run the guide "
+            "once (guide(*args)) or take an SVI step first."
+        )
+    known = _guide_sites(guide)
+    if len(known) != 1:
+        raise NotImplementedError(
+            f"posterior_as_prior: this AutoMultivariateNormal covers the sites {known} jointly; "
+            "per-site priors cannot carry the correlations between them. Put the correlated "
+            "latents into one vector site, or give each site its own AutoMultivariateNormal "
+            "inside an AutoGuideList."
+        )
+    (name,) = known
+    if sites is not None and list([sites] if isinstance(sites, str) else sites) != [name]:
+        raise ValueError(f"posterior_as_prior: the guide's only latent site is '{name}', got {sites!r}")
+    site = _full_covariance_site(guide, pyro.get_param_store())
+    support = guide.prototype_trace.nodes[name]["fn"].support
+    u_shape = guide._unconstrained_shapes[name]
+    mean, factor = site.mean.clone(), site.factor.clone()
+    if len(u_shape) == 0:
+        base = dist.Normal(mean[0], factor[0, 0])
+    elif len(u_shape) == 1:
+        base = dist.MultivariateNormal(mean, scale_tril=factor)
+    else:
+        raise NotImplementedError(
+            f"posterior_as_prior: site '{name}' has unconstrained shape {tuple(u_shape)}; a "
+            "full-covariance prior is made for vector (or scalar) sites"
+        )
+    prior = base if _is_real(support) else _SiteTransformedDistribution(base, biject_to(support), support)
+    return {name: prior}
 
 
 def with_priors(
@@ -167,7 +227,14 @@ def start_task(guide, priors, *args, carry: bool, **kwargs):
             priors = posterior_as_prior(guide)
             model = with_priors(model, priors)
 
-    :param guide: a new :class:`~pyro.infer.autoguide.AutoNormal`, not run yet.
+    For an :class:`~pyro.infer.autoguide.AutoMultivariateNormal` the guide's
+    ``loc``, ``scale`` and ``scale_tril`` are removed instead, and ``carry=True``
+    sets each named site's block of the mean and covariance to its prior's
+    (Gaussian in ``u``: :func:`~pyro_ngvi.priors.conjugate_gaussian`), with no
+    correlation to the other sites.
+
+    :param guide: a new :class:`~pyro.infer.autoguide.AutoNormal` or
+        :class:`~pyro.infer.autoguide.AutoMultivariateNormal`, not run yet.
     :param priors: ``{site name: prior}`` (or ``None`` for none), usually
         :func:`posterior_as_prior` of the previous guide; every name must be a
         latent site of the guide.
@@ -181,9 +248,10 @@ def start_task(guide, priors, *args, carry: bool, **kwargs):
         Normal in the site's unconstrained coordinates or whose shape does not
         broadcast to the site's (the site is named).
     """
-    if not isinstance(guide, AutoNormal):
+    full = _is_automultivariatenormal(guide)
+    if not (isinstance(guide, AutoNormal) or full):
         raise NotImplementedError(
-            f"start_task supports AutoNormal guides; got {type(guide).__name__}."
+            f"start_task supports AutoNormal and AutoMultivariateNormal guides; got {type(guide).__name__}."
         )
     if not isinstance(carry, bool):
         raise TypeError(f"carry must be True or False, got {carry!r}")
@@ -197,7 +265,8 @@ def start_task(guide, priors, *args, carry: bool, **kwargs):
         raise TypeError(f"priors must be a dict of distributions or None, got {type(priors)}")
     store = pyro.get_param_store()
     prefixes = (f"{guide._pyro_name}.locs.", f"{guide._pyro_name}.scales.")
-    for param_name in [n for n in store.keys() if n.startswith(prefixes)]:
+    full_names = {f"{guide._pyro_name}.{part}" for part in ("loc", "scale", "scale_tril")}
+    for param_name in [n for n in store.keys() if (n in full_names if full else n.startswith(prefixes))]:
         del store[param_name]
     with poutine.block():
         guide(*args, **kwargs)
@@ -208,10 +277,41 @@ def start_task(guide, priors, *args, carry: bool, **kwargs):
                 f"start_task: site '{name}' is not a latent site of the guide; "
                 f"its sites are {known}."
             )
-    if carry:
+    if carry and full:
+        _start_full_at(guide, priors)
+    elif carry:
         for name, prior in priors.items():
             _start_at(guide, name, prior)
     return guide
+
+
+@torch.no_grad()
+def _start_full_at(guide, priors) -> None:
+    """Start an AutoMultivariateNormal at Gaussian priors: each named site's block of
+    the mean and covariance is the prior's (in ``u``), uncorrelated with the rest."""
+    site = _full_covariance_site(guide, pyro.get_param_store())
+    mean, factor = site.mean.clone(), site.factor
+    covariance = factor @ factor.T
+    position = 0
+    for name, _ in guide.prototype_trace.iter_stochastic_nodes():
+        size = int(torch.Size(guide._unconstrained_shapes[name]).numel())
+        block = slice(position, position + size)
+        position += size
+        if name not in priors:
+            continue
+        support = guide.prototype_trace.nodes[name]["fn"].support
+        prior = conjugate_gaussian(priors[name], support)
+        if prior is None or prior[0].numel() != size:
+            raise ValueError(
+                f"start_task(carry=True): prior for site '{name}' is not Gaussian over the "
+                f"site's {size} unconstrained coordinates (support {support}), so the guide "
+                "cannot start at it; posterior_as_prior gives such priors. Use carry=False."
+            )
+        mean[block] = prior[0]
+        covariance[block, :] = 0.0
+        covariance[:, block] = 0.0
+        covariance[block, block] = torch.cholesky_inverse(torch.linalg.cholesky(prior[1]))
+    site.write(mean, torch.linalg.cholesky(covariance))
 
 
 @torch.no_grad()

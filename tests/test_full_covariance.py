@@ -483,3 +483,85 @@ def test_float32_guide_stays_float32():
     assert site.loc.dtype == site.raw_scale.dtype == site.raw_scale_tril.dtype == torch.float32
     expected = torch.eye(3) + torch.ones(3, 3)
     torch.testing.assert_close(site.precision, expected, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- #
+# Continual learning
+# --------------------------------------------------------------------------- #
+
+
+def vector_regression(positive):
+    """One vector site (real, or positive through exp) and a likelihood linear in u:
+    the posterior in u is Gaussian and correlated."""
+    def model(x, y):
+        zeros = torch.zeros(3, dtype=torch.float64)
+        if positive:
+            rate = pyro.sample("w", dist.LogNormal(zeros, 1.0).to_event(1))
+            u = rate.log()
+        else:
+            u = pyro.sample("w", dist.Normal(zeros, 1.0).to_event(1))
+        with pyro.plate("data", len(y)):
+            pyro.sample("obs", dist.Normal((x * u.unsqueeze(-2)).sum(-1), 0.5), obs=y)
+    return model
+
+
+@pytest.mark.parametrize("positive", [False, True])
+def test_sequential_tasks_end_on_the_batch_posterior_with_correlations(positive):
+    from pyro_ngvi import posterior_as_prior, start_task, with_priors
+
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn(24, 3, generator=g, dtype=torch.float64)
+    x = base + 0.9 * base[:, :1]
+    y = x @ torch.tensor([0.5, -1.0, 0.3], dtype=torch.float64) + 0.5 * torch.randn(24, generator=g, dtype=torch.float64)
+    tasks = [(x[:12], y[:12]), (x[12:], y[12:])]
+    precision = torch.eye(3, dtype=torch.float64) + x.T @ x / 0.25
+    covariance = torch.linalg.inv(precision)
+    mean = covariance @ x.T @ y / 0.25
+
+    model, priors = vector_regression(positive), None
+    for data in tasks:
+        task_model = model if priors is None else with_priors(model, priors)
+        guide = start_task(AutoMultivariateNormal(task_model), priors, *data, carry=True)
+        svi = SVI(task_model, guide, NGVI(lr=1.0, beta=1.0), CurvatureELBO("hessian", deterministic=True))
+        svi.step(*data)
+        priors = posterior_as_prior(guide)
+    site = site_of(guide)
+    torch.testing.assert_close(site.mean, mean, rtol=0, atol=1e-6)
+    torch.testing.assert_close(covariance_of(site), covariance, rtol=0, atol=1e-6 * covariance.abs().max())
+    prior = priors["w"]
+    normal = prior.base_dist if positive else prior
+    assert isinstance(normal, dist.MultivariateNormal)
+    assert prior.support == guide.prototype_trace.nodes["w"]["fn"].support
+    torch.testing.assert_close(normal.covariance_matrix, covariance, rtol=1e-6, atol=0)
+
+
+def test_start_task_carry_starts_a_full_guide_at_the_previous_posterior():
+    from pyro_ngvi import posterior_as_prior, start_task, with_priors
+
+    model, data, _, _ = correlated_regression()
+    single = vector_regression(positive=True)
+    x, y = data[0][:, :3], data[1]
+    guide = AutoMultivariateNormal(single)
+    SVI(single, guide, NGVI(lr=1.0, beta=1.0), CurvatureELBO("hessian", deterministic=True)).step(x, y)
+    priors = posterior_as_prior(guide)
+    previous = site_of(guide)
+    mean, covariance = previous.mean.clone(), covariance_of(previous)
+    new_model = with_priors(single, priors)
+    new_guide = start_task(AutoMultivariateNormal(new_model), priors, x, y, carry=True)
+    torch.testing.assert_close(site_of(new_guide).mean, mean)
+    torch.testing.assert_close(covariance_of(site_of(new_guide)), covariance)
+    # the transformed MultivariateNormal prior is recognised as Gaussian in u: handed over
+    CurvatureELBO("hessian", deterministic=True).loss_and_grads(new_model, new_guide, x, y)
+    stats = pop_curvature(site_of(new_guide).loc)
+    torch.testing.assert_close(stats.prior_loc, mean)
+    torch.testing.assert_close(stats.prior_precision, torch.linalg.inv(covariance), rtol=1e-8, atol=1e-6)
+
+
+def test_posterior_as_prior_of_a_full_guide_over_several_sites_is_refused():
+    from pyro_ngvi import posterior_as_prior
+
+    model, data, _, _ = correlated_regression()
+    guide = AutoMultivariateNormal(model)
+    guide(*data)
+    with pytest.raises(NotImplementedError, match="correlations between them"):
+        posterior_as_prior(guide)
