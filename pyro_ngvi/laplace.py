@@ -42,6 +42,19 @@ correlated quadratic it is a Jacobi iteration, convergent only for
 ``lr < 2 / lambda_max(D^-1 A)``, which is why :func:`laplace` halves ``lr``
 whenever a step does not decrease :math:`F`.
 
+**Full covariance.** With ``covariance="full"`` (or an
+:class:`~pyro.infer.autoguide.AutoMultivariateNormal` as ``guide``) the same
+search runs on the whole latent vector: :math:`\\Lambda = S_0 + H(u^*)` is the
+dense precision (the exact Hessian, GGN or empirical-Fisher matrix of
+:mod:`pyro_ngvi.curvature.dense`, plus the precision of priors Gaussian in
+``u``), an NGVI step with ``lr = beta = 1`` is a full Newton step (exact in one
+step on a quadratic), and
+
+.. math:: \\log p(\\mathcal{D}) \\approx -F(u^*) + \\tfrac{D}{2}\\log 2\\pi
+          - \\tfrac12 \\log\\det \\Lambda,
+
+exact for a linear-Gaussian model with correlated features.
+
 **Diagonal evidence and the mean-field ELBO.** For a linear-Gaussian model
 with posterior precision :math:`A` the full Laplace evidence is exact, and the
 diagonal one is below it by
@@ -76,12 +89,13 @@ from torch.distributions import biject_to
 import pyro
 import pyro.poutine as poutine
 from pyro.infer import SVI
-from pyro.infer.autoguide import AutoNormal
+from pyro.infer.autoguide import AutoMultivariateNormal, AutoNormal
 from pyro.infer.autoguide.initialization import init_to_feasible
 
 from .curvature import check_source
 from .elbo import CurvatureELBO
-from .family import GaussianSite, pop_curvature
+from .family import FullCovarianceSite, GaussianSite, _full_covariance_site, _is_automultivariatenormal
+from .family import pop_curvature
 from .optim import NGVI
 
 __all__ = ["LaplaceResult", "LaplaceWarning", "PriorPrecisionSearch", "laplace", "optimize_prior_precision"]
@@ -107,21 +121,26 @@ class LaplaceResult:
 
     :ivar guide: the :class:`~pyro.infer.autoguide.AutoNormal` holding
         ``loc = map`` and ``scale = precision ** -0.5`` (usable with
-        :class:`~pyro.infer.Predictive`; ``guide.median()`` gives :math:`T(u^*)`).
+        :class:`~pyro.infer.Predictive`; ``guide.median()`` gives :math:`T(u^*)`),
+        or the :class:`~pyro.infer.autoguide.AutoMultivariateNormal` holding the
+        mode and the covariance :math:`\\Lambda^{-1}`.
     :ivar float log_evidence: :math:`-F(u^*) + \\frac12\\sum_i \\log(2\\pi/\\lambda_i)`.
     :ivar float log_joint: :math:`-F(u^*) = \\log p(\\mathcal{D}, T(u^*)) +
         \\log|\\det J_T(u^*)|` (plate scales applied).
     :ivar dict map: site name -> :math:`u^*` (the mode of :math:`F`, unconstrained).
-    :ivar dict precision: site name -> :math:`\\lambda = \\lambda_0 + h(u^*)`.
+    :ivar dict precision: site name -> :math:`\\lambda = \\lambda_0 + h(u^*)`; for
+        a full covariance one entry, the guide's name -> the ``(D, D)`` matrix
+        :math:`\\Lambda` (and ``map`` the guide's name -> the latent vector).
     :ivar str curvature: the curvature source used.
     :ivar int num_steps: NGVI steps taken (rejected ones included).
     :ivar float newton_step: the largest element of the next diagonal Newton
         step at :math:`u^*`, in posterior standard deviations:
         :math:`\\max_i |\\partial_i F(u^*)| / \\sqrt{\\lambda_i}`.
     :ivar bool converged: ``newton_step <= tol``.
+    :ivar bool full_covariance: the precision is one dense matrix.
     """
 
-    guide: AutoNormal
+    guide: Union[AutoNormal, AutoMultivariateNormal]
     log_evidence: float
     log_joint: float
     map: Dict[str, torch.Tensor]
@@ -130,15 +149,22 @@ class LaplaceResult:
     num_steps: int
     newton_step: float
     converged: bool
+    full_covariance: bool = False
 
     @property
     def scale(self) -> Dict[str, torch.Tensor]:
-        """Site name -> posterior standard deviation :math:`\\lambda^{-1/2}` in ``u``."""
+        """Site name -> posterior standard deviation in ``u``: :math:`\\lambda^{-1/2}`,
+        or :math:`\\sqrt{\\mathrm{diag}\\,\\Lambda^{-1}}` for a full covariance."""
+        if self.full_covariance:
+            return {name: torch.cholesky_inverse(torch.linalg.cholesky(p)).diagonal().sqrt()
+                    for name, p in self.precision.items()}
         return {name: p.rsqrt() for name, p in self.precision.items()}
 
     @property
     def num_latents(self) -> int:
         """Number of scalar latent coordinates."""
+        if self.full_covariance:
+            return sum(p.shape[-1] for p in self.precision.values())
         return sum(p.numel() for p in self.precision.values())
 
 
@@ -146,12 +172,13 @@ def laplace(
     model: Callable,
     *args,
     curvature: str = "hessian",
-    guide: Optional[AutoNormal] = None,
+    guide: Optional[Union[AutoNormal, AutoMultivariateNormal]] = None,
     num_steps: int = 500,
     lr: float = 1.0,
     tol: float = 1e-6,
     line_search: bool = True,
     momentum: float = 0.0,
+    covariance: str = "diagonal",
     **kwargs,
 ) -> LaplaceResult:
     """
@@ -204,6 +231,9 @@ def laplace(
         (default: True).
     :param float momentum: NGVI's momentum :math:`\\rho` on the mean gradient
         (default: 0).
+    :param str covariance: ``"diagonal"`` or ``"full"`` (a dense precision over
+        all latents, in an :class:`~pyro.infer.autoguide.AutoMultivariateNormal`);
+        a given ``guide`` decides it by its type (default: ``"diagonal"``).
     :param kwargs: the model's keyword arguments.
     :returns: a :class:`LaplaceResult`.
     :raises ValueError: for ``curvature="reparam"`` (a sampling estimate), or a
@@ -221,12 +251,16 @@ def laplace(
         raise ValueError(f"lr must be positive, got {lr!r}")
     if not tol > 0:
         raise ValueError(f"tol must be positive, got {tol!r}")
+    if covariance not in ("diagonal", "full"):
+        raise ValueError(f"covariance must be 'diagonal' or 'full', got {covariance!r}")
     if guide is None:
         # a model may say where its guide should start (BayesianNet: at its network's weights)
-        guide = AutoNormal(model, init_loc_fn=getattr(model, "init_loc_fn", init_to_feasible))
-    elif not isinstance(guide, AutoNormal):
+        guide_class = AutoMultivariateNormal if covariance == "full" else AutoNormal
+        guide = guide_class(model, init_loc_fn=getattr(model, "init_loc_fn", init_to_feasible))
+    elif not (isinstance(guide, AutoNormal) or _is_automultivariatenormal(guide)):
         raise NotImplementedError(
-            f"laplace writes its result into an AutoNormal guide, got {type(guide).__name__}"
+            "laplace writes its result into an AutoNormal or AutoMultivariateNormal guide, "
+            f"got {type(guide).__name__}"
         )
     sites = _guide_sites(guide, args, kwargs)
     elbo = CurvatureELBO(curvature, deterministic=True)
@@ -239,7 +273,7 @@ def laplace(
     steps, halvings = 0, 0
     while steps < num_steps:
         steps += 1
-        saved = [(site.mean.clone(), site.raw_scale.detach().clone()) for site in sites]
+        saved = [[t.detach().clone() for t in site.tensors] for site in sites]
         skipped = optim.num_skipped_steps
         svi.step(*args, **kwargs)
         if optim.num_skipped_steps > skipped:
@@ -253,9 +287,9 @@ def laplace(
             slack = 16 * torch.finfo(sites[0].loc.dtype).eps * max(1.0, abs(reference))
             if not objective <= reference + slack:  # also when not finite
                 with torch.no_grad():
-                    for site, (loc, raw_scale) in zip(sites, saved):
-                        site.loc.copy_(loc)
-                        site.raw_scale.copy_(raw_scale)
+                    for site, tensors in zip(sites, saved):
+                        for tensor, value in zip(site.tensors, tensors):
+                            tensor.copy_(value)
                 step_size["lr"] /= 2
                 optim._restart_momentum()  # restart the heavy ball
                 halvings += 1
@@ -266,20 +300,24 @@ def laplace(
             recent = (recent + [objective])[-window:]
         # the step moved the mean by lr times the Newton step at the old mean
         # (with momentum, by lr times the averaged one)
-        movement = max(
-            float(((site.mean - loc).abs() * site.precision.sqrt()).max()) for site, (loc, _) in zip(sites, saved)
-        )
+        movement = max(_in_standard_deviations(site, site.mean - tensors[0])
+                       for site, tensors in zip(sites, saved))
         if movement <= step_size["lr"] * tol:
             if momentum == 0 or _precision_at_mean(model, guide, elbo, sites, args, kwargs)[1] <= tol:
                 break
 
     precision, newton_step = _precision_at_mean(model, guide, elbo, sites, args, kwargs)
+    full = isinstance(sites[0], FullCovarianceSite)
     with torch.no_grad():
         for site in sites:
-            site.write(site.mean, precision[site.name])
+            (site.write_precision if full else site.write)(site.mean, precision[site.name])
     log_joint = -negative_log_joint(model, guide, *args, **kwargs)
-    log_det = sum(float(p.log().sum()) for p in precision.values())
-    num_latents = sum(p.numel() for p in precision.values())
+    if full:
+        log_det = sum(float(torch.logdet(p)) for p in precision.values())
+        num_latents = sum(p.shape[-1] for p in precision.values())
+    else:
+        log_det = sum(float(p.log().sum()) for p in precision.values())
+        num_latents = sum(p.numel() for p in precision.values())
     log_evidence = log_joint + num_latents * _HALF_LOG_TWO_PI - 0.5 * log_det
     converged = newton_step <= tol
     if num_steps > 0 and not converged:
@@ -300,6 +338,7 @@ def laplace(
         num_steps=steps,
         newton_step=newton_step,
         converged=converged,
+        full_covariance=full,
     )
 
 
@@ -308,11 +347,9 @@ def negative_log_joint(model: Callable, guide: AutoNormal, *args, **kwargs) -> f
     :math:`F(\\mu) = -\\log p(\\mathcal{D}, T(\\mu)) - \\log|\\det J_T(\\mu)|` at the
     guide's mean :math:`\\mu` (plate scales applied, as in an ELBO).
     """
-    store = pyro.get_param_store()
     values, jacobians = {}, {}
     with torch.no_grad():
-        for name, site in guide.prototype_trace.iter_stochastic_nodes():
-            loc = store._params[f"{guide._pyro_name}.locs.{name}"].detach()
+        for name, (site, loc) in _unconstrained_means(guide).items():
             transform = biject_to(site["fn"].support)
             values[name] = transform(loc)
             jacobians[name] = transform.log_abs_det_jacobian(loc, values[name]).sum()
@@ -331,8 +368,28 @@ def negative_log_joint(model: Callable, guide: AutoNormal, *args, **kwargs) -> f
 
 
 # ------------------------------------------------------------------ helpers
-def _guide_sites(guide: AutoNormal, args, kwargs) -> List[GaussianSite]:
-    """The guide's (loc, scale) pairs from the param store; sets the guide up if needed."""
+def _unconstrained_means(guide) -> Dict[str, tuple]:
+    """Site name -> (prototype site, its unconstrained mean), for either guide kind."""
+    store = pyro.get_param_store()
+    if isinstance(guide, AutoNormal):
+        return {name: (site, store._params[f"{guide._pyro_name}.locs.{name}"].detach())
+                for name, site in guide.prototype_trace.iter_stochastic_nodes()}
+    loc = store._params[f"{guide._pyro_name}.loc"].detach()
+    return {site["name"]: (site, u) for site, u in guide._unpack_latent(loc)}
+
+
+def _in_standard_deviations(site, step: torch.Tensor) -> float:
+    """The largest element of ``step`` in units of the site's marginal standard
+    deviations: :math:`\\max_i |\\delta_i| \\sqrt{\\lambda_i}`, or
+    :math:`\\max_i |\\delta_i| / \\sqrt{(\\Lambda^{-1})_{ii}}` for a full covariance."""
+    if isinstance(site, FullCovarianceSite):
+        factor = site.factor
+        return float((step.abs() / factor.square().sum(-1).sqrt()).max())
+    return float((step.abs() * site.precision.sqrt()).max())
+
+
+def _guide_sites(guide, args, kwargs) -> List[Union[GaussianSite, FullCovarianceSite]]:
+    """The guide's Gaussian sites from the param store; sets the guide up if needed."""
     if guide.prototype_trace is None:
         with poutine.block():
             guide(*args, **kwargs)
@@ -346,8 +403,12 @@ def _guide_sites(guide: AutoNormal, args, kwargs) -> List[GaussianSite]:
                     f"laplace: latent site '{name}' lies in the subsampled plate '{frame.name}'; "
                     "pass the full data (no subsample) for a Laplace approximation"
                 )
-        scale_name = f"{prefix}.scales.{name}"
-        sites.append(GaussianSite(name, store._params[f"{prefix}.locs.{name}"], store._params[scale_name], scale_name))
+        if isinstance(guide, AutoNormal):
+            scale_name = f"{prefix}.scales.{name}"
+            sites.append(GaussianSite(name, store._params[f"{prefix}.locs.{name}"],
+                                      store._params[scale_name], scale_name))
+    if not isinstance(guide, AutoNormal) and guide.prototype_trace is not None:
+        sites = [_full_covariance_site(guide, store)]
     if not sites:
         raise ValueError("laplace: the model has no latent sample site")
     return sites
@@ -366,6 +427,23 @@ def _precision_at_mean(model, guide, elbo, sites, args, kwargs):
             raise RuntimeError(f"laplace: CurvatureELBO gave no full curvature for site '{site.name}'")
         lam = stats.curvature.detach().clone()
         grad = stats.grad.detach()
+        if isinstance(site, FullCovarianceSite):
+            if stats.prior_precision is not None:
+                lam = lam + stats.prior_precision
+                grad = grad + stats.prior_precision @ (site.mean - stats.prior_loc)
+            factor, info = torch.linalg.cholesky_ex(lam)
+            if int(info) != 0 or not bool(torch.isfinite(lam).all()):
+                raise ValueError(
+                    f"laplace: the precision matrix of '{site.name}' is not positive definite and "
+                    f"finite (smallest eigenvalue {float(torch.linalg.eigvalsh(lam).min()):.3g}): "
+                    "the mean is not a minimum of the negative log joint under curvature "
+                    f"'{elbo.curvature}', or the latents are not identified by prior and data"
+                )
+            covariance = torch.cholesky_inverse(factor)
+            step = covariance @ grad  # the next full Newton step, in marginal standard deviations
+            precision[site.name] = lam
+            newton_step = max(newton_step, float((step.abs() / covariance.diagonal().sqrt()).max()))
+            continue
         if stats.prior_precision is not None:
             lam = lam + stats.prior_precision
             grad = grad + stats.prior_precision * (site.mean - stats.prior_loc)
@@ -495,6 +573,9 @@ def optimize_prior_precision(
     prefix = result.guide._pyro_name
     with torch.no_grad():
         for name, mean in result.map.items():
+            if result.full_covariance:
+                _full_covariance_site(result.guide, store).write_precision(mean, result.precision[name])
+                continue
             scale_name = f"{prefix}.scales.{name}"
             site = GaussianSite(name, store._params[f"{prefix}.locs.{name}"], store._params[scale_name], scale_name)
             site.write(mean, result.precision[name])
@@ -502,8 +583,11 @@ def optimize_prior_precision(
     return PriorPrecisionSearch(best, evidence, result, make_model(best))
 
 
-def _write_mean(guide: AutoNormal, means: Dict[str, torch.Tensor]) -> None:
+def _write_mean(guide, means: Dict[str, torch.Tensor]) -> None:
     store = pyro.get_param_store()
     with torch.no_grad():
         for name, mean in means.items():
-            store._params[f"{guide._pyro_name}.locs.{name}"].copy_(mean)
+            if isinstance(guide, AutoNormal):
+                store._params[f"{guide._pyro_name}.locs.{name}"].copy_(mean)
+            else:
+                store._params[f"{guide._pyro_name}.loc"].copy_(mean)

@@ -565,3 +565,62 @@ def test_posterior_as_prior_of_a_full_guide_over_several_sites_is_refused():
     guide(*data)
     with pytest.raises(NotImplementedError, match="correlations between them"):
         posterior_as_prior(guide)
+
+
+# --------------------------------------------------------------------------- #
+# Laplace
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("curvature", ["hessian", "ggn"])
+def test_full_laplace_and_its_evidence_are_exact_for_a_correlated_linear_gaussian_model(curvature):
+    from pyro_ngvi import laplace
+
+    model, data, mean, covariance = correlated_regression()
+    x, y = data
+    marginal = 0.25 * torch.eye(N, dtype=x.dtype) + x @ x.T + 4.0
+    evidence = float(dist.MultivariateNormal(torch.zeros(N, dtype=x.dtype), marginal).log_prob(y))
+    result = laplace(model, x, y, curvature=curvature, covariance="full")
+    assert result.full_covariance and result.converged and result.num_latents == D + 1
+    assert result.num_steps <= 2  # one Newton step, and one that confirms it
+    (name,) = result.map
+    torch.testing.assert_close(result.map[name], mean, rtol=0, atol=1e-8)
+    torch.testing.assert_close(result.precision[name], torch.linalg.inv(covariance), rtol=1e-9, atol=1e-8)
+    torch.testing.assert_close(result.scale[name], covariance.diagonal().sqrt())
+    assert abs(result.log_evidence - evidence) < 1e-8
+    torch.testing.assert_close(covariance_of(site_of(result.guide)), covariance, rtol=1e-8, atol=1e-12)
+    # the diagonal Laplace evidence is below by (sum log A_ii - log det A) / 2 (Hadamard)
+    pyro.clear_param_store()
+    diagonal = laplace(model, x, y, curvature=curvature, num_steps=2000, momentum=0.9, lr=0.5)
+    precision = torch.linalg.inv(covariance)
+    gap = 0.5 * float(precision.diagonal().log().sum() - torch.logdet(precision))
+    assert abs(evidence - diagonal.log_evidence - gap) < 1e-6
+
+
+def test_full_laplace_prior_precision_search_writes_the_best_approximation():
+    from pyro_ngvi import optimize_prior_precision
+
+    _, data, _, _ = correlated_regression()
+    x, y = data
+
+    def make_model(alpha):
+        def model(x, y):
+            w = pyro.sample("w", dist.Normal(torch.zeros(D, dtype=x.dtype), alpha**-0.5).to_event(1))
+            with pyro.plate("data", len(y)):
+                pyro.sample("obs", dist.Normal((x * w).sum(-1), 0.5), obs=y)
+        return model
+
+    def exact_evidence(alpha):
+        marginal = 0.25 * torch.eye(N, dtype=x.dtype) + x @ x.T / alpha
+        return float(dist.MultivariateNormal(torch.zeros(N, dtype=x.dtype), marginal).log_prob(y))
+
+    candidates = [0.01, 0.1, 1.0, 10.0]
+    best, evidence, result, _ = optimize_prior_precision(make_model, candidates, x, y,
+                                                         curvature="hessian", covariance="full")
+    for alpha in candidates:
+        assert abs(evidence[alpha] - exact_evidence(alpha)) < 1e-8
+    assert best == max(candidates, key=exact_evidence)
+    site = site_of(result.guide)
+    (name,) = result.map
+    torch.testing.assert_close(site.mean, result.map[name])
+    torch.testing.assert_close(site.precision, result.precision[name], rtol=1e-8, atol=1e-8)
