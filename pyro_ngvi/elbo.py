@@ -20,7 +20,7 @@ from .curvature.autograd import diag_hessian, empirical_fisher_diag, ggn_diag, m
 from .curvature.dense import empirical_fisher_matrix, ggn_matrix, hessian_matrix, mc_ggn_matrix
 from .family import SiteCurvature, _full_covariance_site, _is_automultivariatenormal, attach_curvature
 from .family import begin_handover, calling_svi
-from .full_covariance import price_curvature
+from .full_covariance import whitened_price_curvature
 from .priors import conjugate_gaussian, conjugate_normal
 
 
@@ -300,7 +300,7 @@ class CurvatureELBO(ELBO):
         ``(D, D)`` curvature (:mod:`pyro_ngvi.curvature.dense`; ``"reparam"``: the
         Price estimate :func:`~pyro_ngvi.full_covariance.price_curvature` of
         :math:`\\mathrm{tril}(g\\epsilon^\\top)`, the one NGVI recovers from
-        Trace_ELBO's gradients). Priors that are Gaussian in ``u``
+        Trace_ELBO's gradients, handed over whitened). Priors that are Gaussian in ``u``
         (:func:`~pyro_ngvi.priors.conjugate_gaussian`) are handed over as the
         blocks of :math:`(m_0, S_0)`; the other sites' blocks of :math:`S_0` are zero.
         """
@@ -324,7 +324,7 @@ class CurvatureELBO(ELBO):
             curvature = particle_curvature if curvature is None else curvature + particle_curvature
         attach_curvature(site.loc, SiteCurvature(
             grad / self.num_particles, curvature / self.num_particles, *prior,
-            sampled=self.curvature == "reparam",
+            sampled=self.curvature == "reparam", whitened=self.curvature == "reparam",
         ))
         return loss
 
@@ -411,7 +411,7 @@ class CurvatureELBO(ELBO):
         if self.curvature == "reparam":
             noise = torch.linalg.solve_triangular(factor, (z.detach() - loc).unsqueeze(-1),
                                                   upper=False).squeeze(-1)
-            return price_curvature(factor, torch.outer(grad.detach(), noise).tril())
+            return whitened_price_curvature(factor, torch.outer(grad.detach(), noise).tril())
         if objective is None:
             return z.new_zeros(size, size)
         if self.curvature == "hessian":

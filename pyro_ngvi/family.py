@@ -81,6 +81,10 @@ class SiteCurvature:
         then positive and the optimizer skips its positivity correction.
     :param scale: the guide's :math:`\\sigma` the ELBO read this step, or ``None``
         (the optimizer then reads it from the param store itself).
+    :param bool whitened: (full-covariance sites) ``curvature`` is
+        :math:`C^\\top H C`, in the coordinates that whiten the guide's Gaussian
+        (:func:`~pyro_ngvi.full_covariance.whiten`): what the Price estimate gives
+        without an inverse.
     :param int handover: the ELBO evaluation that made these statistics
         (set by :func:`attach_curvature`).
     """
@@ -94,6 +98,7 @@ class SiteCurvature:
     nonnegative: bool = False
     scale: Optional[torch.Tensor] = None
     handover: int = 0
+    whitened: bool = False
 
 
 def begin_handover() -> int:

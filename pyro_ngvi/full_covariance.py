@@ -50,6 +50,9 @@ __all__ = [
     "precision_cholesky",
     "price_curvature",
     "split_factor",
+    "unwhiten",
+    "whiten",
+    "whitened_price_curvature",
 ]
 
 _WORK_DTYPE = torch.float64
@@ -129,6 +132,16 @@ def factor_gradient(scale: torch.Tensor, unit_tril: torch.Tensor, scale_grad: to
     return strict + torch.diag_embed(diagonal)
 
 
+def whitened_price_curvature(factor: torch.Tensor, factor_grad: torch.Tensor) -> torch.Tensor:
+    """
+    :func:`price_curvature` in the coordinates that whiten :math:`q`,
+    :math:`C^\\top H C = \\Phi(M) + \\Phi(M)^\\top` (no inverse, one product).
+    """
+    inner = (factor.transpose(-1, -2) @ factor_grad).tril()
+    inner.diagonal(dim1=-2, dim2=-1).mul_(0.5)
+    return inner + inner.transpose(-1, -2)
+
+
 def price_curvature(factor: torch.Tensor, factor_grad: torch.Tensor) -> torch.Tensor:
     """
     The symmetric :math:`H` whose :math:`\\tfrac12 H` is the gradient w.r.t.
@@ -149,13 +162,22 @@ def price_curvature(factor: torch.Tensor, factor_grad: torch.Tensor) -> torch.Te
     :math:`E[g\\epsilon^\\top] C^{-1}` (symmetrised) and exactly the mean-field
     :math:`g\\epsilon/\\sigma` on a diagonal :math:`C`. It needs only the lower
     triangle of :math:`E[g\\epsilon^\\top]`, which is all the gradients w.r.t.
-    ``scale`` and ``scale_tril`` carry.
+    ``scale`` and ``scale_tril`` carry. The update uses its whitened form
+    (:func:`whitened_price_curvature`).
     """
-    inner = (factor.transpose(-1, -2) @ factor_grad).tril()
-    inner.diagonal(dim1=-2, dim2=-1).mul_(0.5)
-    inner = inner + inner.transpose(-1, -2)
+    return unwhiten(factor, whitened_price_curvature(factor, factor_grad))
+
+
+def whiten(factor: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    """:math:`C^\\top A C`: a precision-like matrix in the coordinates
+    :math:`z = C^{-1}(u - \\mu)` in which :math:`q` is standard normal."""
+    return factor.transpose(-1, -2) @ matrix @ factor
+
+
+def unwhiten(factor: torch.Tensor, whitened: torch.Tensor) -> torch.Tensor:
+    """:math:`C^{-\\top} W C^{-1}`, the inverse of :func:`whiten`."""
     inverse = _inverse_lower(factor)
-    return inverse.transpose(-1, -2) @ inner @ inverse
+    return inverse.transpose(-1, -2) @ whitened @ inverse
 
 
 # --------------------------------------------------------------------------- #
@@ -169,6 +191,13 @@ class FullStep(NamedTuple):
     mean: torch.Tensor
     factor: torch.Tensor  # lower Cholesky factor C' of the new covariance
     corrected: bool  # the positivity correction was added
+
+
+def _upper_cholesky(matrix: torch.Tensor) -> Optional[torch.Tensor]:
+    """:math:`U` upper triangular with ``matrix`` :math:`= U U^\\top` (by the reversal
+    permutation), or ``None`` when it is not numerically positive definite."""
+    reversed_factor, info = torch.linalg.cholesky_ex(matrix.flip(-1, -2))
+    return None if int(info) != 0 else reversed_factor.flip(-1, -2)
 
 
 @torch.no_grad()
@@ -185,6 +214,7 @@ def natural_step(
     prior_precision: Optional[torch.Tensor] = None,
     max_step: Optional[float] = None,
     warm: bool = False,
+    whitened: bool = False,
 ) -> Optional[FullStep]:
     """
     One step of the Bayesian learning rule on :math:`q = \\mathcal{N}(\\mu, S^{-1})`
@@ -202,16 +232,29 @@ def natural_step(
     The bracket is Lin et al.'s correction [2]: it keeps :math:`S'` positive
     definite for any symmetric target and is added only when :math:`\\hat H` is
     not positive definite (a Cholesky attempt), so that ``lr = beta = 1`` with
-    positive-definite exact curvature is a Newton step. It is computed as
-    :math:`K K^\\top`, :math:`K = (S - \\hat H) C`, since :math:`S^{-1} = C C^\\top`.
+    positive-definite exact curvature is a Newton step.
+
+    **In whitened coordinates.** The step is computed in the coordinates
+    :math:`z = C^{-1}(u - \\mu)` where :math:`S` is the identity: with
+    :math:`W = C^\\top \\hat H C`,
+
+    .. math:: S'_w = (1 - \\beta) I + \\beta W
+              \\;\\big[+\\, \\tfrac{\\beta^2}{2} (I - W)^2\\big], \\qquad
+              S' = C^{-\\top} S'_w C^{-1},
+
+    and with :math:`S'_w = U_w U_w^\\top` (:math:`U_w` upper triangular, by the
+    reversal permutation) the new factor is :math:`C' = C\\,U_w^{-\\top}`, lower
+    triangular: :math:`C' C'^\\top = C S_w'^{-1} C^\\top = S'^{-1}`. One Cholesky
+    factorisation, one triangular inverse and a few products; no inverse of
+    :math:`S`, and the Price curvature of :func:`whitened_price_curvature` needs no
+    inverse either.
 
     **Warm start** (``warm``, a site's first step): the matrix form of the
-    mean-field rule "take the target where it exceeds the current precision".
-    In the basis that whitens :math:`S` (:math:`W = C^\\top \\hat H C =
-    V \\Lambda V^\\top`) both matrices are diagonal; generalised eigen-directions
-    with :math:`\\lambda_k > 1` take :math:`\\lambda_k` (``beta = 1``), the others the
+    mean-field rule "take the target where it exceeds the current precision". With
+    :math:`W = V \\Lambda V^\\top`, generalised eigen-directions with
+    :math:`\\lambda_k > 1` take :math:`\\lambda_k` (``beta = 1``), the others the
     step above, :math:`(1-\\beta) + \\beta\\lambda_k [+ \\tfrac{\\beta^2}{2}(1 -
-    \\lambda_k)^2]`, and :math:`S' = C^{-\\top} V \\mathrm{diag}(\\cdot) V^\\top C^{-1}`.
+    \\lambda_k)^2]`.
 
     **Trust region** (``max_step``, for sampled curvature): the likelihood part
     of the mean step is clipped in the coordinates that whiten the current
@@ -223,7 +266,8 @@ def natural_step(
     :param factor: :math:`C`, shape ``(D, D)``, lower triangular.
     :param direction: :math:`\\bar g`, the (momentum-averaged, tempered) gradient
         of the non-conjugate part, shape ``(D,)``.
-    :param curvature: :math:`H`, symmetric ``(D, D)`` (symmetrised here).
+    :param curvature: :math:`H`, symmetric ``(D, D)`` (symmetrised here), or
+        :math:`C^\\top H C` with ``whitened``.
     :param float lr: :math:`\\alpha`.
     :param float beta: :math:`\\beta`.
     :param float tau: :math:`\\tau`, divides ``curvature`` (``direction`` is
@@ -233,6 +277,7 @@ def natural_step(
     :param prior_precision: :math:`S_0` ``(D, D)``, or None.
     :param max_step: trust radius in whitened coordinates, or None (default).
     :param bool warm: the warm start above (default: False).
+    :param bool whitened: ``curvature`` is :math:`C^\\top H C` (default: False).
     :returns: a :class:`FullStep`, or ``None`` when the new precision is not
         numerically positive definite (the caller skips the step).
     """
@@ -241,34 +286,33 @@ def natural_step(
         t.to(_WORK_DTYPE) for t in (mean, factor, direction, curvature)
     )
     size = mean.shape[-1]
-    inverse = _inverse_lower(factor)
-    current = inverse.T @ inverse  # S
-    target = _sym(curvature) / tau
+    identity = _eye(size, mean)
+    target = _sym(curvature if whitened else whiten(factor, curvature)) / tau  # W
     if prior_precision is not None:
         prior_precision = prior_precision.to(_WORK_DTYPE)
-        target = target + _sym(prior_precision)
+        target = target + _sym(whiten(factor, prior_precision))
     corrected = int(torch.linalg.cholesky_ex(target)[1]) != 0  # the target is not PD
     if warm:
-        eigenvalues, vectors = torch.linalg.eigh(_sym(factor.T @ target @ factor))
+        eigenvalues, vectors = torch.linalg.eigh(target)
         moved = (1 - beta) + beta * eigenvalues
         if corrected:
             moved = moved + 0.5 * beta**2 * (1 - eigenvalues).square()
-        whitened = torch.where(eigenvalues > 1, eigenvalues, moved)
-        basis = inverse.T @ vectors
-        new_precision = (basis * whitened) @ basis.T
+        new_whitened = (vectors * torch.where(eigenvalues > 1, eigenvalues, moved)) @ vectors.T
     else:
-        new_precision = (1 - beta) * current + beta * target
+        new_whitened = torch.lerp(identity, target, beta)
         if corrected:
-            gap = (current - target) @ factor
-            new_precision = new_precision + 0.5 * beta**2 * (gap @ gap.T)
-    new_precision = _sym(new_precision)
-    new_factor = precision_cholesky(new_precision)
-    if new_factor is None:
+            gap = identity - target
+            new_whitened = new_whitened + 0.5 * beta**2 * (gap @ gap)
+    new_whitened = _sym(new_whitened)
+    upper = _upper_cholesky(new_whitened)
+    if upper is None:
         return None
+    new_factor = factor @ _inverse_lower(upper.T)  # C U_w^{-T}
     if damping:
-        damped = precision_cholesky(new_precision + damping * _eye(size, new_precision))
-        if damped is None:
+        upper = _upper_cholesky(new_whitened + damping * (factor.T @ factor))
+        if upper is None:
             return None
+        damped = factor @ _inverse_lower(upper.T)
     else:
         damped = new_factor
 
@@ -277,8 +321,8 @@ def natural_step(
 
     step = lr * solve(direction)
     if max_step is not None:
-        whitened_step = (inverse @ step).clamp_(-max_step, max_step)
-        step = factor @ whitened_step
+        whitened_step = torch.linalg.solve_triangular(factor, step.unsqueeze(-1), upper=False)
+        step = factor @ whitened_step.squeeze(-1).clamp_(-max_step, max_step)
     new_mean = mean - step
     if prior_precision is not None:
         new_mean = new_mean - lr * solve(prior_precision @ (mean - prior_loc.to(_WORK_DTYPE)))

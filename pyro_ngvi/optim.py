@@ -451,7 +451,7 @@ class NGVI(PyroOptim):
             site.mean, site.factor, momentum, stats.curvature, lr, beta, tau, self.damping,
             stats.prior_loc, stats.prior_precision,
             max_step=self.max_step if stats.sampled else None,
-            warm=self.warm_start and not state.started,
+            warm=self.warm_start and not state.started, whitened=stats.whitened,
         )
         return None if step is None else (step, momentum)
 
@@ -542,7 +542,8 @@ def _full_reparam_curvature(site: FullCovarianceSite) -> SiteCurvature:
     gives the second term), so
     :func:`~pyro_ngvi.full_covariance.price_curvature` of it plus
     :math:`\\mathrm{diag}(1/s)` is :math:`H` (the mean-field
-    :math:`(\\nabla_\\sigma + 1/\\sigma)/\\sigma` on a diagonal).
+    :math:`(\\nabla_\\sigma + 1/\\sigma)/\\sigma` on a diagonal). Handed on whitened,
+    :math:`C^\\top H C`, which needs no inverse.
     """
     raw = site.raw_scale.detach().double()
     transform = site._scale_transform
@@ -554,9 +555,10 @@ def _full_reparam_curvature(site: FullCovarianceSite) -> SiteCurvature:
     # UnitLowerCholeskyTransform is the identity on the strictly lower triangle
     factor_grad = full_covariance.factor_gradient(scale, unit_tril, scale_grad, tril_grad)
     factor_grad = factor_grad + torch.diag_embed(scale.reciprocal())
-    curvature = full_covariance.price_curvature(full_covariance.covariance_factor(scale, unit_tril),
-                                                factor_grad)
-    return SiteCurvature(site.loc.grad.detach(), curvature.to(site.loc.dtype), sampled=True)
+    curvature = full_covariance.whitened_price_curvature(
+        full_covariance.covariance_factor(scale, unit_tril), factor_grad)
+    return SiteCurvature(site.loc.grad.detach(), curvature.to(site.loc.dtype), sampled=True,
+                         whitened=True)
 
 
 def _finite(*tensors: torch.Tensor, mask=None) -> torch.Tensor:

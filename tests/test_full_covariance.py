@@ -194,8 +194,8 @@ def test_reparam_curvature_recovered_from_trace_elbo_gradients_matches_autograd(
     draw = mean + torch.linalg.cholesky(0.5 * (covariance + covariance.T)) @ noise
     (sigma_grad,) = torch.autograd.grad(negative_log_joint(draw), covariance)
     torch.testing.assert_close(stats.grad, grad, rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(stats.curvature, 2 * sigma_grad, rtol=1e-9, atol=1e-9)
-    assert stats.sampled
+    assert stats.sampled and stats.whitened
+    torch.testing.assert_close(fc.unwhiten(factor, stats.curvature), 2 * sigma_grad, rtol=1e-9, atol=1e-9)
 
 
 def test_reparam_curvature_is_unbiased_for_the_expected_hessian():
@@ -208,7 +208,7 @@ def test_reparam_curvature_is_unbiased_for_the_expected_hessian():
     site.write(mean, torch.linalg.cholesky(covariance) @ skew)
     elbo = Trace_ELBO(num_particles=4000, vectorize_particles=True, max_plate_nesting=1)
     elbo.loss_and_grads(model, guide, *data)
-    estimate = _full_reparam_curvature(site).curvature
+    estimate = fc.unwhiten(site.factor, _full_reparam_curvature(site).curvature)
     exact = torch.linalg.inv(covariance)  # the Hessian of this quadratic negative log joint
     # a 4000-particle average: relative error ~ 1/sqrt(4000) per entry
     assert ((estimate - exact).abs() / exact.diagonal().max()).max() < 0.1
@@ -236,9 +236,9 @@ def test_curvature_elbo_reparam_hands_what_ngvi_recovers_from_trace_elbo():
     factor = site.factor
     noise = torch.linalg.solve_triangular(factor, (z - site.mean).unsqueeze(-1), upper=False).squeeze(-1)
     prior_curvature = fc.price_curvature(factor, torch.outer(prior_grad, noise).tril())
-    torch.testing.assert_close(handed.curvature + prior_curvature, recovered.curvature,
-                               rtol=1e-9, atol=1e-9)
-    assert handed.sampled
+    assert handed.sampled and handed.whitened and recovered.whitened
+    torch.testing.assert_close(fc.unwhiten(factor, handed.curvature) + prior_curvature,
+                               fc.unwhiten(factor, recovered.curvature), rtol=1e-9, atol=1e-9)
 
 
 # --------------------------------------------------------------------------- #
@@ -453,12 +453,12 @@ def test_ngvi_step_matches_the_update_equation_with_momentum_and_damping():
     elbo = Trace_ELBO(num_particles=3, vectorize_particles=True, max_plate_nesting=1)
     elbo.loss_and_grads(model, guide, *data)
     stats = _full_reparam_curvature(site)
+    target = fc.unwhiten(site.factor, stats.curvature)
     for p in pyro.get_param_store().values():
         p.unconstrained().grad = None
     pyro.set_rng_seed(8)
     optim = NGVI(lr=0.3, beta=0.2, momentum=0.9, damping=2.0, max_step=None, warm_start=False)
     SVI(model, guide, optim, elbo).step(*data)
-    target = stats.curvature
     new_precision = 0.8 * precision + 0.2 * target
     if int(torch.linalg.cholesky_ex(target)[1]) != 0:
         gap = precision - target
@@ -624,3 +624,15 @@ def test_full_laplace_prior_precision_search_writes_the_best_approximation():
     (name,) = result.map
     torch.testing.assert_close(site.mean, result.map[name])
     torch.testing.assert_close(site.precision, result.precision[name], rtol=1e-8, atol=1e-8)
+
+
+def test_trust_region_bounds_the_sampled_mean_step_in_whitened_coordinates():
+    factor = random_factor(4, seed=9)
+    direction = torch.tensor([1e6, -1e6, 3.0, 0.0], dtype=torch.float64)
+    mean = torch.zeros(4, dtype=torch.float64)
+    step = fc.natural_step(mean, factor, direction, fc.precision(factor), lr=1.0, beta=0.5, max_step=2.0)
+    whitened = torch.linalg.solve_triangular(factor, (mean - step.mean).unsqueeze(-1), upper=False).squeeze(-1)
+    assert whitened.abs().max() <= 2.0 + 1e-12
+    assert whitened.abs().max() == pytest.approx(2.0)  # it engaged
+    free = fc.natural_step(mean, factor, direction, fc.precision(factor), lr=1.0, beta=0.5)
+    torch.testing.assert_close(free.mean, -torch.linalg.solve(fc.precision(free.factor), direction))
