@@ -31,7 +31,7 @@ import argparse
 import math
 import statistics
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
