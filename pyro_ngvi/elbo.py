@@ -56,6 +56,19 @@ class CurvatureELBO(ELBO):
     - ``"ggn"``: the exact generalised Gauss-Newton diagonal for Categorical,
       Bernoulli and Normal likelihoods.
 
+    **Full covariance.** For an
+    :class:`~pyro.infer.autoguide.AutoMultivariateNormal` the same sources are
+    dense ``(D, D)`` matrices over the guide's whole latent vector
+    (:mod:`pyro_ngvi.curvature.dense`: the exact Hessian, :math:`\\sum_i J_i^\\top
+    F_i J_i`, :math:`\\frac{N}{B}\\sum_i g_i g_i^\\top`, its Monte-Carlo GGN, and
+    for ``"reparam"`` the Price estimate of
+    :func:`~pyro_ngvi.full_covariance.price_curvature`), and a prior that is
+    Gaussian in ``u`` (a Normal, or the ``MultivariateNormal`` that
+    :func:`~pyro_ngvi.posterior_as_prior` makes of a full-covariance guide) is
+    handed over as its block of :math:`(m_0, S_0)`. Deterministic, the loss is
+    :math:`\\ell(\\mu) - \\mathcal{H}(q) - E_q[\\log p_0]` (the Gaussian parts in
+    expectation, in closed form).
+
     **A model's own fast path.** A model that can compute these statistics
     faster than tracing says so (the protocol; the ELBO knows no model class):
 
@@ -510,8 +523,9 @@ def _other_params(model_trace, guide_trace, guide) -> List[torch.Tensor]:
 def _check_guide(guide, model, args, kwargs):
     if not isinstance(guide, AutoNormal):
         raise NotImplementedError(
-            f"CurvatureELBO supports AutoNormal guides, got {type(guide).__name__}. "
-            "For AutoDiagonalNormal use Trace_ELBO with NGVI (reparam curvature)."
+            f"CurvatureELBO supports AutoNormal and AutoMultivariateNormal guides, got "
+            f"{type(guide).__name__}. For AutoDiagonalNormal or an AutoGuideList use Trace_ELBO "
+            "with NGVI (reparam curvature)."
         )
     if guide.prototype_trace is None:
         with poutine.block():

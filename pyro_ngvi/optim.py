@@ -1,5 +1,5 @@
 """
-:class:`NGVI`: the Bayesian learning rule for mean-field Gaussian guides, as a
+:class:`NGVI`: the Bayesian learning rule for mean-field and full-covariance Gaussian guides, as a
 :class:`pyro.optim.PyroOptim` that ``pyro.infer.SVI`` can drive.
 """
 
@@ -49,7 +49,8 @@ class NGVI(PyroOptim):
     Natural-gradient variational inference: the variational online-Newton
     (VON / VOGN) form of the Bayesian learning rule [1, 2] for the guide sites of
     :class:`~pyro.infer.autoguide.AutoNormal` and
-    :class:`~pyro.infer.autoguide.AutoDiagonalNormal`.
+    :class:`~pyro.infer.autoguide.AutoDiagonalNormal` (mean-field) and of
+    :class:`~pyro.infer.autoguide.AutoMultivariateNormal` (full covariance).
 
     Each site is a Gaussian :math:`q(u) = \\mathcal{N}(\\mu, \\lambda^{-1})` in the
     site's unconstrained coordinates. With :math:`g, h` the gradient and diagonal
@@ -98,6 +99,21 @@ class NGVI(PyroOptim):
     the current precision take it at once (``beta = 1`` there; VOGN initialises
     its precision from the first minibatch [2]). This stops a small
     ``init_scale`` from turning the first mean steps into overshoots.
+
+    **Full covariance.** An :class:`~pyro.infer.autoguide.AutoMultivariateNormal`
+    is one site :math:`q(u) = \\mathcal{N}(\\mu, S^{-1})` over its whole latent
+    vector, updated by the matrix form of the same rule,
+    :math:`S' = (1-\\beta) S + \\beta (S_0 + H/\\tau)` [with Lin et al.'s correction
+    :math:`\\tfrac{\\beta^2}{2}(S - \\hat H)S^{-1}(S - \\hat H)` where the target
+    :math:`\\hat H` is not positive definite], :math:`\\mu' = \\mu - \\alpha (S' +
+    \\gamma I)^{-1}(\\bar g + S_0(\\mu - m_0))`, with the same ``lr``, ``beta``,
+    ``tau``, momentum, damping, trust region and warm start
+    (:func:`~pyro_ngvi.full_covariance.natural_step`). With Trace_ELBO the
+    curvature is the Price estimate recovered from the gradients w.r.t. ``scale``
+    and ``scale_tril`` (:func:`~pyro_ngvi.full_covariance.price_curvature`); the
+    new precision is written back through its Cholesky factor. :math:`O(D^3)` per
+    step. ``AutoLowRankMultivariateNormal`` is refused (its family is not closed
+    under the step; see :mod:`pyro_ngvi.family`).
 
     **Which tensors are Gaussian sites** is read off the guide, never off
     parameter names (:func:`~pyro_ngvi.family.gaussian_sites`): NGVI takes the
