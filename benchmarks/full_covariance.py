@@ -63,8 +63,9 @@ class Regression:
 
     def model(self, x, y):
         w = pyro.sample("w", dist.Normal(torch.zeros(self.dim, dtype=DTYPE), 1.0).to_event(1))
+        mean = w @ x.T  # (..., 1, N) under vectorized particles: one matmul
         with pyro.plate("data", len(y)):
-            pyro.sample("y", dist.Normal((x * w).sum(-1), self.noise), obs=y)
+            pyro.sample("y", dist.Normal(mean.squeeze(-2) if w.dim() > 1 else mean, self.noise), obs=y)
 
     @property
     def args(self):

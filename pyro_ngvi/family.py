@@ -44,12 +44,13 @@ from pyro.infer.autoguide import (
 )
 
 from . import full_covariance
+from .kronecker import KroneckerNormal, KroneckerSite
 
 _CURVATURE_ATTR = "_pyro_ngvi_curvature"
 _SUPPORTED = (
-    "AutoNormal and AutoDiagonalNormal (mean-field) and AutoMultivariateNormal (full "
-    "covariance) guides, alone or as parts of an AutoGuideList (where AutoDelta parts "
-    "are point-estimated beside them)"
+    "AutoNormal and AutoDiagonalNormal (mean-field), AutoMultivariateNormal (full "
+    "covariance) and pyro_ngvi's KroneckerNormal (per-layer Kronecker factors) guides, alone "
+    "or as parts of an AutoGuideList (where AutoDelta parts are point-estimated beside them)"
 )
 #: How far up the call stack :func:`calling_svi` looks for ``SVI.step``.
 _STACK_DEPTH = 6
@@ -346,6 +347,27 @@ def _is_automultivariatenormal(part) -> bool:
     )
 
 
+def _is_kronecker_normal(part) -> bool:
+    return isinstance(part, KroneckerNormal) and all(
+        getattr(type(part), method) is getattr(KroneckerNormal, method)
+        for method in ("forward", "get_layer", "_setup_prototype", "_split")
+    )
+
+
+def _kronecker_sites(part, store) -> List[KroneckerSite]:
+    """One :class:`~pyro_ngvi.kronecker.KroneckerSite` per layer of a set-up
+    :class:`~pyro_ngvi.kronecker.KroneckerNormal` (none before it is set up)."""
+    if part.prototype_trace is None:
+        return []
+    prefix, sites = part._pyro_name, []
+    for layer in part.layers:
+        names = [f"{prefix}.{kind}.{layer.name}" for kind in ("locs", "row_scale_tril", "col_scale_tril")]
+        if all(name in store._params for name in names):
+            sites.append(KroneckerSite(layer.name, store._params[names[0]], store._params[names[1]], names[1],
+                                       store._params[names[2]], names[2]))
+    return sites
+
+
 def guide_parts(guide) -> List[object]:
     """The leaf guides of ``guide`` (the parts of nested ``AutoGuideList`` s, or ``guide``)."""
     if isinstance(guide, AutoGuideList):
@@ -361,7 +383,7 @@ def _unsupported(part, why: str) -> NotImplementedError:
     )
 
 
-def gaussian_sites(guide) -> List[Union[GaussianSite, FullCovarianceSite]]:
+def gaussian_sites(guide) -> List[Union[GaussianSite, FullCovarianceSite, KroneckerSite]]:
     """
     The Gaussian sites of ``guide``, found from its structure: each part that is
     an :class:`~pyro.infer.autoguide.AutoNormal` (one site per latent site of its
@@ -376,7 +398,7 @@ def gaussian_sites(guide) -> List[Union[GaussianSite, FullCovarianceSite]]:
         beside a Gaussian part (NGVI would have nothing to be Bayesian about).
     """
     store = pyro.get_param_store()
-    sites: List[Union[GaussianSite, FullCovarianceSite]] = []
+    sites: List[Union[GaussianSite, FullCovarianceSite, KroneckerSite]] = []
     parts = guide_parts(guide)
     for part in parts:
         if _is_autonormal(part):
@@ -394,6 +416,8 @@ def gaussian_sites(guide) -> List[Union[GaussianSite, FullCovarianceSite]]:
                 continue
             sites.append(GaussianSite(prefix, store._params[f"{prefix}.loc"],
                                       store._params[f"{prefix}.scale"], f"{prefix}.scale"))
+        elif _is_kronecker_normal(part):
+            sites.extend(_kronecker_sites(part, store))
         elif _is_automultivariatenormal(part):
             site = _full_covariance_site(part, store)
             if site is not None:

@@ -16,8 +16,9 @@ import pyro
 from pyro.optim.optim import PyroOptim
 
 from . import full_covariance
-from .distributed import all_reduce_stats
+from .distributed import all_reduce_stats, is_distributed
 from .family import FullCovarianceSite, GaussianSite, SiteCurvature, calling_svi, pop_curvature, split_params
+from .kronecker import KroneckerCurvature, KroneckerSite, kronecker_step
 
 Schedule = Union[float, Callable[[int], float]]
 
@@ -228,15 +229,18 @@ class NGVI(PyroOptim):
         sites, others = self._split(params)
         states = [self._state(site) for site in sites]  # may refuse: before any write
         stats = {site.key: self._site_curvature(site) for site in sites}
+        kronecker_sites = [site for site in sites if isinstance(site, KroneckerSite)]
+        if kronecker_sites and is_distributed():
+            raise NotImplementedError("NGVI does not average Kronecker factors across processes yet")
         stats = all_reduce_stats(stats, others)  # no-op without torch.distributed
-        full_sites = [site for site in sites if isinstance(site, FullCovarianceSite)]
-        groups = self._groups([site for site in sites if not isinstance(site, FullCovarianceSite)], stats)
+        full_sites = [site for site in sites if isinstance(site, (FullCovarianceSite, KroneckerSite))]
+        groups = self._groups([site for site in sites if isinstance(site, GaussianSite)], stats)
         group_stats = [[stats[site.key] for site in group.sites] for group in groups]
         flats = [(_flat([s.grad for s in st]), _flat([s.curvature for s in st])) for st in group_stats]
         others_with_grad = [p for p in others if p.grad is not None]
         finite = [_finite(grad, curvature, mask=st[0].mask) for (grad, curvature), st in zip(flats, group_stats)]
         finite += [_finite(p.grad) for p in others_with_grad]
-        finite += [_finite(stats[site.key].grad, stats[site.key].curvature) for site in full_sites]
+        finite += [_finite(*_statistics(stats[site.key])) for site in full_sites]
         finite = torch.stack(finite).tolist()  # one device sync for the whole step
         if not all(finite):
             bad = [site.name for site, ok in zip(sites, self._sites_finite(stats)) if not ok]
@@ -274,7 +278,7 @@ class NGVI(PyroOptim):
             self._update_group(group, st, grad, curvature, lr, beta, tau,
                                [state_of[site.key] for site in group.sites])
         for site, (step, momentum) in zip(full_sites, full_steps):
-            site.write(step.mean, step.factor)
+            site.write(*step)
             state = state_of[site.key]
             state.started = True
             if self.momentum:
@@ -292,10 +296,7 @@ class NGVI(PyroOptim):
         if self._split_cache is not None and self._split_cache[0] == key:
             sites, others = self._split_cache[1:]
             store = pyro.get_param_store()._params
-            if all(store.get(site.scale_name) is site.raw_scale for site in sites) and all(
-                store.get(site.scale_tril_name) is site.raw_scale_tril
-                for site in sites if isinstance(site, FullCovarianceSite)
-            ):
+            if all(_still_stored(site, store) for site in sites):
                 return sites, others
         sites, others = split_params(guide, params)
         self._split_cache = (key, sites, others)
@@ -348,7 +349,7 @@ class NGVI(PyroOptim):
     @staticmethod
     def _sites_finite(stats: Dict[str, SiteCurvature]) -> List[bool]:
         """Per site, whether its touched rows are finite (to name the bad ones)."""
-        return [bool(_finite(s.grad, s.curvature, mask=s.mask)) for s in stats.values()]
+        return [bool(_finite(*_statistics(s), mask=getattr(s, "mask", None))) for s in stats.values()]
 
     @torch.no_grad()
     def _site_curvature(self, site: GaussianSite) -> SiteCurvature:
@@ -356,6 +357,12 @@ class NGVI(PyroOptim):
         stats = pop_curvature(site.loc)
         if stats is not None:
             return stats
+        if isinstance(site, KroneckerSite):
+            raise ValueError(
+                f"NGVI found no Kronecker factors for layer '{site.name}' of a KroneckerNormal guide: "
+                "train it with pyro_ngvi.CurvatureELBO('ggn') (BackPACK KFLR) or 'ggn_mc' (KFAC) on "
+                "a model that serves them (a BayesianNet)."
+            )
         if site.loc.grad is None or site.raw_scale.grad is None:
             raise ValueError(
                 f"NGVI found no gradient for guide site '{site.name}': use a loss that "
@@ -450,26 +457,31 @@ class NGVI(PyroOptim):
         for state in states:
             state.started = True
 
-    def _full_step(self, site: FullCovarianceSite, stats: SiteCurvature, lr, beta, tau,
-                   state: "_SiteState"):
+    def _full_step(self, site, stats, lr, beta, tau, state: "_SiteState"):
         """
         The step of :func:`~pyro_ngvi.full_covariance.natural_step` for a
-        full-covariance site, not yet written: ``(step, momentum)``, or ``None``
-        when the new precision is not positive definite. Same ``lr``, ``beta``,
-        ``tau``, momentum, damping, trust region (sampled curvature) and first-step
-        warm start as the mean-field update.
+        full-covariance site (of :func:`~pyro_ngvi.kronecker.kronecker_step` for a
+        Kronecker-factored layer), not yet written: ``(values to write, momentum)``,
+        or ``None`` when a new precision is not positive definite. Same ``lr``,
+        ``beta``, ``tau``, momentum, damping, trust region (sampled curvature) and
+        first-step warm start as the mean-field update (a Kronecker layer's first
+        step takes its factors from the data, as noisy K-FAC initialises them).
         """
         grad = stats.grad / tau if tau != 1 else stats.grad
         momentum = grad
         if self.momentum and state.momentum is not None:
             momentum = torch.lerp(grad, state.momentum, self.momentum)
+        if isinstance(site, KroneckerSite):
+            step = kronecker_step(site.mean, site.row_factor, site.col_factor, momentum, stats, lr, beta,
+                                  tau, self.damping, first=not state.started)
+            return None if step is None else (tuple(step), momentum)
         step = full_covariance.natural_step(
             site.mean, site.factor, momentum, stats.curvature, lr, beta, tau, self.damping,
             stats.prior_loc, stats.prior_precision,
             max_step=self.max_step if stats.sampled else None,
             warm=self.warm_start and not state.started, whitened=stats.whitened,
         )
-        return None if step is None else (step, momentum)
+        return None if step is None else ((step.mean, step.factor), momentum)
 
     def _momentum(self, group: "_Group", states: List["_SiteState"], grad: torch.Tensor, mask) -> torch.Tensor:
         """
@@ -546,6 +558,22 @@ class _SiteState:
         self.loc = loc  # a weak reference: a cleared param store frees the site
         self.started = False  # the first-step warm start has happened
         self.momentum: Optional[torch.Tensor] = None
+
+
+def _statistics(stats) -> tuple:
+    """The tensors of a site's statistics that must be finite."""
+    if isinstance(stats, KroneckerCurvature):
+        return stats.tensors
+    return stats.grad, stats.curvature
+
+
+def _still_stored(site, store) -> bool:
+    """Whether the param store still holds the site's tensors under their names."""
+    if isinstance(site, KroneckerSite):
+        return store.get(site.row_name) is site.raw_row_scale_tril and store.get(site.col_name) is site.raw_col_scale_tril
+    if isinstance(site, FullCovarianceSite) and store.get(site.scale_tril_name) is not site.raw_scale_tril:
+        return False
+    return store.get(site.scale_name) is site.raw_scale
 
 
 @torch.no_grad()

@@ -22,6 +22,11 @@ source      curvature                                               BackPACK ext
             :math:`\\frac1M\\sum_{m} \\nabla_f \\ell(f_i, \\tilde y_m)
             \\nabla_f \\ell(f_i, \\tilde y_m)^\\top`,
             :math:`\\tilde y_m \\sim p(y \\mid f_i)`
+``kflr``    Kronecker factors of the ``ggn`` block of a ``Linear``        ``KFLR``
+            weight: :math:`[c \\sum_i G_i, \\tfrac1B\\sum_i a_i a_i^\\top]`
+            (:math:`G_i` the GGN w.r.t. the layer's output,
+            :math:`a_i` its input)
+``kfac``    the same with :math:`G_i` from sampled targets               ``KFAC``
 ``reparam`` none (plain backward; the caller forms the Price/Stein   --
             estimate :math:`g\\,\\epsilon/\\sigma` itself)
 ``none``    none (plain backward)                                   --
@@ -63,7 +68,7 @@ import torch
 from torch import nn
 
 from backpack import backpack, extend
-from backpack.extensions import DiagGGNExact, DiagGGNMC, SumGradSquared
+from backpack.extensions import KFAC, KFLR, DiagGGNExact, DiagGGNMC, SumGradSquared
 from backpack.extensions.backprop_extension import BackpropExtension
 from backpack.extensions.firstorder.sum_grad_squared.batchnorm_nd import (
     SGSBatchNormNd,
@@ -107,12 +112,16 @@ CURVATURE_EXTENSIONS: Dict[str, Optional[Callable[[int], BackpropExtension]]] = 
     "ef": _empirical_fisher,
     "ggn": lambda mc_samples: DiagGGNExact(),
     "ggn_mc": lambda mc_samples: DiagGGNMC(mc_samples=mc_samples),
+    # Kronecker factors [G, A] of a Linear weight ([G] of its bias): exact GGN, sampled
+    "kflr": lambda mc_samples: KFLR(),
+    "kfac": lambda mc_samples: KFAC(mc_samples=mc_samples),
     "reparam": None,
     "none": None,
 }
 
-#: Per-source power of the per-example weight ``loss_scale`` in the curvature.
-_LOSS_SCALE_POWER = {"ef": 2, "ggn": 1, "ggn_mc": 1}
+#: Per-source power of the per-example weight ``loss_scale`` in the curvature
+#: (of the output factor G for Kronecker factors).
+_LOSS_SCALE_POWER = {"ef": 2, "ggn": 1, "ggn_mc": 1, "kflr": 1, "kfac": 1}
 
 #: Loss modules BackPACK has output Hessians for -> the likelihood they are.
 LOSS_MODULES = {
@@ -129,7 +138,10 @@ class NetworkCurvature(NamedTuple):
 
     :param torch.Tensor loss: the scaled summed loss :math:`L(w)` (detached).
     :param list grads: :math:`\\nabla_w L` per parameter.
-    :param list curvatures: the curvature diagonal per parameter, ``None`` for a
+    :param list curvatures: the curvature diagonal per parameter (for ``kflr`` /
+        ``kfac`` the list of Kronecker factors ``[G, A]`` of a ``Linear`` weight,
+        ``[G]`` of its bias, :math:`G` summed and :math:`A` averaged over the
+        batch), ``None`` for a
         parameter the source gives none (every parameter under ``reparam`` and
         ``none``; a train-mode ``BatchNorm`` under ``ef``).
     """
@@ -238,7 +250,8 @@ def network_curvature(
         loss = loss * loss_scale
         grads = [g * loss_scale for g in grads]
         factor = loss_scale ** _LOSS_SCALE_POWER.get(source, 0)
-        curvatures = [h if h is None else h * factor for h in curvatures]
+        curvatures = [h if h is None else [h[0] * factor, *h[1:]] if isinstance(h, list) else h * factor
+                      for h in curvatures]
     return NetworkCurvature(loss, grads, curvatures)
 
 

@@ -27,6 +27,7 @@ from backpack import extend
 
 from ..curvature.backpack import network_curvature
 from ..family import SiteCurvature, attach_curvature, scale_transform
+from ..kronecker import KroneckerCurvature, KroneckerNormal
 
 _HALF_LOG_TWO_PI = 0.5 * math.log(2 * math.pi)
 
@@ -59,6 +60,8 @@ class BackpackStep:
         self.twin = extend(twin)
         self.loss_module = extend(LOSS_MODULES[likelihood](reduction="sum"))
         self.module_pairs = list(zip(twin.modules(), net.modules()))
+        self._layer_inputs = {}  # id(net's Linear) -> [its latest input], for Kronecker factors
+        self._kronecker_cache = None
         self.refresh()
 
     def refresh(self) -> None:
@@ -86,25 +89,12 @@ class BackpackStep:
     ) -> torch.Tensor:
         """:meth:`pyro_ngvi.nn.BayesianNet.curvature_step` of ``model`` (see there for the
         estimates and the value returned)."""
+        if isinstance(guide, KroneckerNormal):
+            return self._kronecker_step(model, guide, x, y, curvature, num_particles, deterministic, mc_samples)
         self._check_step(guide, y, curvature, deterministic)
         locs, scale = self._read_guide(model, guide, x, y)
-        points = [model._point_estimate(w) for w in model._point_estimates]
-        noise_scale = model._noise_scale() if model.likelihood == "gaussian" else None
-        twin, loss_module, module_pairs = self.twin, self.loss_module, self.module_pairs
-        for twin_module, module in module_pairs:
-            if twin_module.training != module.training:
-                twin_module.training = module.training
-        with torch.no_grad():
-            for weight, value in zip(model._point_estimates, points):
-                weight.param.copy_(value)
-
-        # per-example weight c of the loss module: -log p = c * MSE + const
-        if noise_scale is None:
-            loss_scale = 1.0
-        elif isinstance(noise_scale, torch.Tensor):  # no .item(): no device sync
-            loss_scale = 0.5 / noise_scale.detach() ** 2
-        else:
-            loss_scale = 0.5 / noise_scale**2
+        points, noise_scale, loss_scale = self._begin(model)
+        twin, loss_module = self.twin, self.loss_module
         # all sites as one flat vector: mu, sigma, eps, w (views split it per site)
         with torch.no_grad():
             mean = _flatten_dense_tensors(locs)
@@ -165,6 +155,149 @@ class BackpackStep:
         # the particle average of sum [lambda_0 (w - m_0)^2 - eps^2] / 2 - log sigma + log s_0
         log_ratio = log_ratio / num_particles - scale.log().sum() + model._prior_log_scale_total
         return (nll + log_ratio).detach()
+
+    def _begin(self, model):
+        """
+        What every step needs first: the point estimates (read through
+        ``pyro.param`` and copied into the net), the Gaussian noise scale, the
+        per-example weight :math:`c` of the loss module (:math:`-\\log p = c\\,`MSE +
+        const), and the twin's train/eval modes matched to the network's.
+        """
+        points = [model._point_estimate(w) for w in model._point_estimates]
+        noise_scale = model._noise_scale() if model.likelihood == "gaussian" else None
+        for twin_module, module in self.module_pairs:
+            if twin_module.training != module.training:
+                twin_module.training = module.training
+        with torch.no_grad():
+            for weight, value in zip(model._point_estimates, points):
+                weight.param.copy_(value)
+        if noise_scale is None:
+            loss_scale = 1.0
+        elif isinstance(noise_scale, torch.Tensor):  # no .item(): no device sync
+            loss_scale = 0.5 / noise_scale.detach() ** 2
+        else:
+            loss_scale = 0.5 / noise_scale**2
+        return points, noise_scale, loss_scale
+
+    # ------------------------------------------------------------ Kronecker factors
+    def _kronecker_step(self, model, guide, x, y, curvature, num_particles, deterministic, mc_samples):
+        """
+        :meth:`__call__` for a :class:`~pyro_ngvi.kronecker.KroneckerNormal` guide:
+        per layer :math:`\\bar W = M + L_U Z L_V^\\top` (:math:`M` when
+        ``deterministic``), written into the net as its weight and bias; one
+        backward pass under BackPACK's ``KFLR`` (``curvature="ggn"``) or ``KFAC``
+        (``"ggn_mc"``) gives :math:`\\nabla_{\\bar W}\\ell` and the output factor
+        :math:`G`; the input factor :math:`\\hat A = \\frac1B \\sum_i \\bar a_i \\bar
+        a_i^\\top` comes from the layer's inputs (with a column of ones for the
+        bias). Both are scaled to the full data (:math:`N/B` on :math:`G` and the
+        gradient), averaged over particles and attached to each layer's ``loc`` as
+        a :class:`~pyro_ngvi.kronecker.KroneckerCurvature` with the layer's
+        element-wise Normal prior. Returns the negative ELBO estimate (particle
+        average of :math:`\\ell + \\log q - \\log p_0`; ``deterministic``:
+        :math:`\\ell(M) + \\mathrm{KL}(q \\| p_0)`).
+        """
+        if curvature not in _KRONECKER_SOURCES:
+            raise ValueError(
+                f"A KroneckerNormal guide takes Kronecker factors: curvature 'ggn' (BackPACK KFLR) or "
+                f"'ggn_mc' (KFAC), got {curvature!r}"
+            )
+        if y is None:
+            raise ValueError("curvature_step needs the targets y")
+        layers = self._kronecker_layers(model, guide, x, y)
+        locs = [pyro.param(f"{guide._pyro_name}.locs.{layer.name}") for layer, _ in layers]
+        points, noise_scale, loss_scale = self._begin(model)
+        target = self._loss_target(model, y)
+        source = _KRONECKER_SOURCES[curvature]
+        sums = None
+        nll, log_ratio = 0.0, 0.0
+        for _ in range(num_particles):
+            values = []
+            with torch.no_grad():
+                for (layer, (weight, bias, _, _)), loc in zip(layers, locs):
+                    posterior = guide.get_layer(layer.name)
+                    value = loc.detach() if deterministic else posterior.sample()
+                    weight.param.copy_(value[:, : layer.in_features])
+                    if bias is not None:
+                        bias.param.copy_(value[:, layer.in_features])
+                    values.append(value)
+            result = network_curvature(self.twin, self.loss_module, x, target, source,
+                                       mc_samples=mc_samples, loss_scale=loss_scale, params=self.params)
+            particle = []
+            for layer, (weight, bias, inputs, _) in layers:
+                grad = result.grads[weight.index]
+                activations = inputs[0]
+                if bias is not None:
+                    grad = torch.cat([grad, result.grads[bias.index].unsqueeze(-1)], -1)
+                    activations = torch.cat([activations, torch.ones_like(activations[:, :1])], -1)
+                particle.append([grad, result.curvatures[weight.index][0],
+                                 activations.T @ activations / len(x)])
+            particle.append([result.grads[w.index] for w in model._point_estimates])
+            sums = particle if sums is None else [[a + b for a, b in zip(s, p)] for s, p in zip(sums, particle)]
+            nll = nll + result.loss
+            if not deterministic:
+                with torch.no_grad():
+                    log_ratio = log_ratio + sum(
+                        float(guide.get_layer(layer.name).log_prob(value)) - float(prior.log_prob(value).sum())
+                        for (layer, (_, _, _, prior)), value in zip(layers, values))
+
+        factor = model.num_data / len(x) / num_particles
+        for loc, (layer, (_, _, _, prior)), (grad, output_factor, input_factor) in zip(locs, layers, sums):
+            attach_curvature(loc.unconstrained(), KroneckerCurvature(
+                grad * factor, input_factor / num_particles, output_factor * factor,
+                prior.loc.expand(grad.shape), prior.scale[0].pow(-2),
+            ))
+        for value, grad in zip(points, sums[-1]):
+            _accumulate_grad(value.unconstrained(), grad.mul_(factor))
+        nll = self._full_nll(model, nll / num_particles, loss_scale, noise_scale, target, len(x))
+        if deterministic:
+            with torch.no_grad():
+                kl = sum(_matrix_normal_kl(guide.get_layer(layer.name), prior) for layer, (_, _, _, prior) in layers)
+            return (nll + kl).detach()
+        return (nll + log_ratio / num_particles).detach()
+
+    def _kronecker_layers(self, model, guide, x, y):
+        """``[(layer, (weight, bias, inputs, prior))]``: the model's :class:`_Weight` s of
+        each layer of the guide, a list the twin's layer writes its input into (one
+        forward pre-hook per layer, registered once) and the layer's prior as an
+        element-wise ``Normal`` over :math:`\\bar W`, columns ``[W, b]``."""
+        if guide.prototype_trace is None:
+            guide(x, y)
+        store = pyro.get_param_store()
+        names = [f"{guide._pyro_name}.locs.{layer.name}" for layer in guide.layers]
+        if not all(name in store for name in names):
+            with guide._pyro_context:  # (re-)registers the guide's own tensors
+                for layer in guide.layers:
+                    guide.get_layer(layer.name)
+        key = (id(model), id(guide))
+        if self._kronecker_cache is not None and self._kronecker_cache[0] == key:
+            return self._kronecker_cache[1]
+        by_site = {w.site: (j, w) for j, w in enumerate(model._latents)}
+        twin_of = {id(module): twin_module for twin_module, module in self.module_pairs}
+        layers = []
+        for layer in guide.layers:
+            (j, weight), bias = by_site[layer.weight_site], by_site.get(layer.bias_site)
+            inputs = self._layer_inputs.get(id(weight.module))
+            if inputs is None:
+                inputs = self._layer_inputs[id(weight.module)] = []
+                twin_of[id(weight.module)].register_forward_pre_hook(_keep_input(inputs))
+            locs, scales = [], []
+            for index, width in ((j, layer.in_features), (None if bias is None else bias[0], 1)):
+                if index is None:
+                    continue
+                loc, scale, _, _ = model._prior_buffers(index)
+                if scale.numel() > 1 and not bool((scale == scale.reshape(-1)[0]).all()):
+                    raise NotImplementedError(
+                        f"KroneckerNormal folds the prior of layer '{layer.name}' into its Kronecker "
+                        "factors, which needs one prior scale per weight site; "
+                        f"'{model._latents[index].site}' has several. Use AutoNormal."
+                    )
+                shape = (layer.out_features, width)
+                locs.append(loc.expand(model._latents[index].param.shape).reshape(shape))
+                scales.append(scale.reshape(-1)[0].expand(shape))
+            prior = torch.distributions.Normal(torch.cat(locs, -1), torch.cat(scales, -1))
+            layers.append((layer, (weight, None if bias is None else bias[1], inputs, prior)))
+        self._kronecker_cache = (key, layers)
+        return layers
 
     def _read_guide(self, model, guide, x, y) -> Tuple[List[torch.Tensor], torch.Tensor]:
         """
@@ -273,6 +406,31 @@ class BackpackStep:
         return (model._prior_log_scale_total - scale.log().sum()
                 + 0.5 * (prior_precision.dot(second_moment) - mean.numel()))
 
+
+
+#: Curvature source of a Kronecker guide -> BackPACK source.
+_KRONECKER_SOURCES = {"ggn": "kflr", "ggn_mc": "kfac"}
+
+
+def _keep_input(inputs: list):
+    """A forward pre-hook that keeps the layer's (detached) input in ``inputs[0]``."""
+    def hook(module, args):
+        inputs[:] = [args[0].detach()]
+    return hook
+
+
+def _matrix_normal_kl(posterior, prior) -> torch.Tensor:
+    """:math:`\\mathrm{KL}(\\mathcal{MN}(M, U, V) \\| \\prod \\mathcal{N}(m_{0}, s_0^2))
+    = \\tfrac12 \\sum [\\lambda_0 (U_{ii} V_{jj} + (M - m_0)^2) - 1 + \\log(s_0^2)]
+    - \\tfrac12 (p \\log\\det U + n \\log\\det V)`."""
+    n, p = posterior.event_shape
+    row_var = posterior.row_scale_tril.square().sum(-1)
+    col_var = posterior.col_scale_tril.square().sum(-1)
+    precision = prior.scale.pow(-2)
+    second = torch.outer(row_var, col_var) + (posterior.loc - prior.loc).square()
+    log_det = (2 * p * posterior.row_scale_tril.diagonal().log().sum()
+               + 2 * n * posterior.col_scale_tril.diagonal().log().sum())
+    return 0.5 * ((precision * second).sum() - n * p + 2 * prior.scale.log().sum() - log_det)
 
 
 def _accumulate_grad(tensor: torch.Tensor, grad: torch.Tensor) -> None:

@@ -20,6 +20,7 @@ import pyro.distributions as dist
 from pyro.distributions import constraints
 from pyro.infer.autoguide.initialization import init_to_feasible
 
+from ..kronecker import KroneckerLayer
 from ..priors import _weight_prior_loc_scale
 from .fast_path import LOSS_MODULES, BackpackStep
 
@@ -271,6 +272,33 @@ class BayesianNet(nn.Module):
         )
         new.training = self.training  # not .train(): that would also set the shared net
         return new
+
+    def kronecker_layers(self) -> List[KroneckerLayer]:
+        """
+        The network's fully-connected layers, for a
+        :class:`~pyro_ngvi.kronecker.KroneckerNormal` guide (the protocol it reads):
+        one :class:`~pyro_ngvi.kronecker.KroneckerLayer` per ``Linear`` module with
+        its weight and bias sites.
+
+        :raises NotImplementedError: when a latent weight belongs to a module
+            other than ``nn.Linear`` (K-FAC factors are served for those only).
+        """
+        layers, seen = [], set()
+        for weight in self._latents:
+            module = weight.module
+            if type(module) is not nn.Linear:
+                raise NotImplementedError(
+                    f"KroneckerNormal puts a matrix normal on nn.Linear layers only; site "
+                    f"'{weight.site}' belongs to a {type(module).__name__}. Use AutoNormal."
+                )
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            sites = {w.param_name: w.site for w in self._latents if w.module is module}
+            name = sites["weight"][: -len(".weight")]
+            layers.append(KroneckerLayer(name, sites["weight"], sites.get("bias"),
+                                         module.out_features, module.in_features))
+        return layers
 
     def init_loc_fn(self, site) -> torch.Tensor:
         """
