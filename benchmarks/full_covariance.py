@@ -31,7 +31,7 @@ import argparse
 import math
 import statistics
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -141,23 +141,30 @@ def make_svi(problem, method):
 
 
 # ------------------------------------------------------------------ measuring
-def steps_to_kl(problem, method, seed, max_steps) -> Optional[int]:
-    pyro.clear_param_store()
-    pyro.set_rng_seed(seed)
-    svi = make_svi(problem, method)
+def steps_until(step: Callable[[], None], converged: Callable[[], bool], max_steps: int) -> Optional[int]:
+    """The first step after which ``converged()`` holds for ``CONFIRM`` more steps
+    (``None`` if none by ``max_steps``)."""
     entry = None
-    for step in range(1, max_steps + CONFIRM + 1):
-        svi.step(*problem.args)
-        if problem.kl(*guide_gaussian(svi.guide)) <= TOL * problem.dim:
+    for count in range(1, max_steps + CONFIRM + 1):
+        step()
+        if converged():
             if entry is None:
-                if step > max_steps:
+                if count > max_steps:
                     break
-                entry = step
-            elif step - entry >= CONFIRM:
+                entry = count
+            elif count - entry >= CONFIRM:
                 return entry
         else:
             entry = None
     return None
+
+
+def steps_to_kl(problem, method, seed, max_steps) -> Optional[int]:
+    pyro.clear_param_store()
+    pyro.set_rng_seed(seed)
+    svi = make_svi(problem, method)
+    return steps_until(lambda: svi.step(*problem.args),
+                       lambda: problem.kl(*guide_gaussian(svi.guide)) <= TOL * problem.dim, max_steps)
 
 
 def ms_per_step(problem, methods, warmup, rounds, block) -> Dict[str, float]:
@@ -217,23 +224,14 @@ def steps_to_pyro_tolerance(name, model, make_optim, seed, max_steps) -> Optiona
     mean, variance = pyro_test_posterior(name, data)
     guide = AutoMultivariateNormal(model)
     svi = SVI(model, guide, make_optim(), Trace_ELBO(num_particles=100, vectorize_particles=True))
-    entry = None
-    for step in range(1, max_steps + CONFIRM + 1):
-        svi.step(data)
-        with torch.no_grad():
-            posterior = guide.get_posterior()
-            ok = ((posterior.loc - mean).abs().max() < 0.05
-                  and (posterior.variance.sqrt() / variance.sqrt() - 1).abs().max() < 0.05)
-        if ok:
-            if entry is None:
-                if step > max_steps:
-                    break
-                entry = step
-            elif step - entry >= CONFIRM:
-                return entry
-        else:
-            entry = None
-    return None
+
+    @torch.no_grad()
+    def within_pyro_tolerance():
+        posterior = guide.get_posterior()
+        return bool((posterior.loc - mean).abs().max() < 0.05
+                    and (posterior.variance.sqrt() / variance.sqrt() - 1).abs().max() < 0.05)
+
+    return steps_until(lambda: svi.step(data), within_pyro_tolerance, max_steps)
 
 
 # ------------------------------------------------------------------ report

@@ -131,11 +131,9 @@ def pop_curvature(loc: torch.Tensor) -> Optional[SiteCurvature]:
 
 
 @dataclass
-class GaussianSite:
-    """
-    One mean-field Gaussian block of a guide: the unconstrained ``loc`` tensor and
-    the unconstrained (raw) ``scale`` tensor as stored in Pyro's param store.
-    """
+class _StoredGaussian:
+    """The tensors every Gaussian site of a guide has in Pyro's param store: the
+    unconstrained ``loc`` and a raw (unconstrained) positive ``scale``."""
 
     name: str
     loc: torch.Tensor
@@ -145,11 +143,6 @@ class GaussianSite:
     def __post_init__(self):
         # the param-store name of ``loc``: unique, unlike a site name two guides may share
         self.key = pyro.get_param_store().param_name(self.loc) or self.name
-
-    @property
-    def tensors(self) -> Tuple[torch.Tensor, ...]:
-        """The param-store tensors the site is made of."""
-        return self.loc, self.raw_scale
 
     @property
     def _scale_transform(self) -> Transform:
@@ -162,6 +155,19 @@ class GaussianSite:
     @property
     def scale(self) -> torch.Tensor:
         return self._scale_transform(self.raw_scale.detach())
+
+
+@dataclass
+class GaussianSite(_StoredGaussian):
+    """
+    One mean-field Gaussian block of a guide: the unconstrained ``loc`` tensor and
+    the unconstrained (raw) ``scale`` tensor as stored in Pyro's param store.
+    """
+
+    @property
+    def tensors(self) -> Tuple[torch.Tensor, ...]:
+        """The param-store tensors the site is made of."""
+        return self.loc, self.raw_scale
 
     @property
     def precision(self) -> torch.Tensor:
@@ -185,25 +191,19 @@ class GaussianSite:
 
 
 @dataclass
-class FullCovarianceSite:
+class FullCovarianceSite(_StoredGaussian):
     """
     The full-covariance Gaussian :math:`q(u) = \\mathcal{N}(\\mu, \\Sigma)` of an
     :class:`~pyro.infer.autoguide.AutoMultivariateNormal` over its whole latent
     vector ``u`` (shape ``(D,)``), as stored in Pyro's param store: ``loc``, the
-    raw (unconstrained) ``scale`` :math:`s` and the raw unit lower-triangular
+    raw (unconstrained) ``scale`` :math:`s` (the diagonal of :math:`C`, not the
+    marginal standard deviations) and the raw unit lower-triangular
     ``scale_tril`` :math:`L`, with :math:`\\Sigma = C C^\\top`,
     :math:`C = \\mathrm{diag}(s) L` (see :mod:`pyro_ngvi.full_covariance`).
     """
 
-    name: str
-    loc: torch.Tensor
-    raw_scale: torch.Tensor
-    scale_name: str
-    raw_scale_tril: torch.Tensor
-    scale_tril_name: str
-
-    def __post_init__(self):
-        self.key = pyro.get_param_store().param_name(self.loc) or self.name
+    raw_scale_tril: torch.Tensor = None
+    scale_tril_name: str = ""
 
     @property
     def tensors(self) -> Tuple[torch.Tensor, ...]:
@@ -211,21 +211,8 @@ class FullCovarianceSite:
         return self.loc, self.raw_scale, self.raw_scale_tril
 
     @property
-    def _scale_transform(self) -> Transform:
-        return scale_transform(pyro.get_param_store()._constraints[self.scale_name])
-
-    @property
     def _tril_transform(self) -> Transform:
         return transform_to(pyro.get_param_store()._constraints[self.scale_tril_name])
-
-    @property
-    def mean(self) -> torch.Tensor:
-        return self.loc.detach()
-
-    @property
-    def scale(self) -> torch.Tensor:
-        """:math:`s`, the diagonal of :math:`C` (not the marginal standard deviations)."""
-        return self._scale_transform(self.raw_scale.detach())
 
     @property
     def unit_tril(self) -> torch.Tensor:

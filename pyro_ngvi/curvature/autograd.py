@@ -57,6 +57,7 @@ __all__ = [
     "diag_hessian",
     "empirical_fisher_diag",
     "ggn_diag",
+    "ggn_terms",
     "mc_ggn_diag",
     "per_example_grads",
     "per_example_log_prob",
@@ -471,33 +472,47 @@ def ggn_diag(
     :raises NotImplementedError: for any other likelihood.
     """
     inputs = list(inputs)
+    dtype = inputs[0].dtype if inputs else torch.get_default_dtype()
+    device = inputs[0].device if inputs else None
+    terms, masked = ggn_terms(fn, data_dim, dtype, device, "ggn_diag")
+    result = [torch.zeros_like(x) for x in inputs]
+    for output, output_weight in terms:
+        parts = _weighted_squared_jacobian(
+            output, output_weight, inputs, chunk_size, skip_zero_weights=masked
+        )
+        result = [total + part for total, part in zip(result, parts)]
+    return result
+
+
+def ggn_terms(fn: Distribution, data_dim: int, dtype, device, caller: str) -> Tuple[List[Tuple[Tensor, Tensor]], bool]:
+    """
+    The weighted outputs ``(z, w)`` of the likelihood's :data:`GGN_RULES` rule, with
+    :math:`\\sum_e w_e j_e j_e^\\top` over them the GGN (its diagonal in
+    :func:`ggn_diag`, all of it in :func:`~pyro_ngvi.curvature.dense.ggn_matrix`),
+    and whether a mask weights them (masked-out elements are then skipped).
+    Pyro's wrappers are unwrapped; a ``mask=False`` gives no terms.
+
+    :raises NotImplementedError: for a likelihood without a rule (``caller`` named).
+    """
     _example_dim(fn, data_dim)
     base, mask, all_masked = _unwrap(fn)
     rule = _ggn_rule(base)
     if rule is None:
         raise NotImplementedError(
-            "ggn_diag supports {} likelihoods (after Independent/Expanded/Masked "
+            "{} supports {} likelihoods (after Independent/Expanded/Masked "
             "wrappers), got {}. Use curvature 'ggn_mc' (Monte-Carlo GGN), 'ef' "
-            "(empirical Fisher) or 'hessian' (exact Hessian diagonal) instead.".format(
-                ", ".join(cls.__name__ for cls in GGN_RULES), type(base).__name__
+            "(empirical Fisher) or 'hessian' (exact Hessian) instead.".format(
+                caller, ", ".join(cls.__name__ for cls in GGN_RULES), type(base).__name__
             )
         )
     if all_masked:
-        return [torch.zeros_like(x) for x in inputs]
+        return [], False
     value_shape = fn.batch_shape + fn.event_shape
-    dtype = inputs[0].dtype if inputs else torch.get_default_dtype()
-    device = inputs[0].device if inputs else None
     if mask is None:
         weight = torch.ones(value_shape, dtype=dtype, device=device)
     else:
         weight = torch.broadcast_to(mask, value_shape).to(dtype)
-    result = [torch.zeros_like(x) for x in inputs]
-    for output, output_weight in rule(base, value_shape, weight):
-        parts = _weighted_squared_jacobian(
-            output, output_weight, inputs, chunk_size, skip_zero_weights=mask is not None
-        )
-        result = [total + part for total, part in zip(result, parts)]
-    return result
+    return rule(base, value_shape, weight), mask is not None
 
 
 # ---------------------------------------------------------------------------

@@ -22,8 +22,7 @@ from typing import Optional
 import torch
 from torch.distributions import Distribution
 
-from .autograd import _ggn_rule, _jacobian_rows, _sample_targets, _unwrap, per_example_log_prob
-from .autograd import GGN_RULES, _example_dim
+from .autograd import _jacobian_rows, _sample_targets, ggn_terms, per_example_log_prob
 
 Tensor = torch.Tensor
 
@@ -98,25 +97,10 @@ def ggn_matrix(fn: Distribution, z: Tensor, data_dim: int, chunk_size: int = 256
     :raises NotImplementedError: for any other likelihood.
     """
     _check_latent(z)
-    _example_dim(fn, data_dim)
-    base, mask, all_masked = _unwrap(fn)
-    rule = _ggn_rule(base)
-    if rule is None:
-        raise NotImplementedError(
-            "ggn_matrix supports {} likelihoods, got {}. Use curvature 'ggn_mc', 'ef' or "
-            "'hessian' instead.".format(", ".join(c.__name__ for c in GGN_RULES), type(base).__name__)
-        )
+    terms, masked = ggn_terms(fn, data_dim, z.dtype, z.device, "ggn_matrix")
     gram = z.new_zeros(z.numel(), z.numel())
-    if all_masked:
-        return gram
-    value_shape = fn.batch_shape + fn.event_shape
-    if mask is None:
-        weight = torch.ones(value_shape, dtype=z.dtype, device=z.device)
-    else:
-        weight = torch.broadcast_to(mask, value_shape).to(z.dtype)
-    for output, output_weight in rule(base, value_shape, weight):
-        gram = gram + _weighted_gram(output, output_weight, z, chunk_size,
-                                     skip_zero_weights=mask is not None)
+    for output, output_weight in terms:
+        gram = gram + _weighted_gram(output, output_weight, z, chunk_size, skip_zero_weights=masked)
     return gram
 
 
