@@ -1,6 +1,7 @@
 """
 pyro_ngvi: natural-gradient variational inference (the Bayesian learning rule,
-VON / VOGN) for Pyro's AutoNormal guides, driven by Pyro's own ``SVI``.
+VON / VOGN) for Pyro's AutoNormal and AutoMultivariateNormal guides (and a
+Kronecker-factored guide for network layers), driven by Pyro's own ``SVI``.
 """
 
 from .elbo import CurvatureELBO
@@ -9,11 +10,13 @@ from .nn import BayesianNet
 from .optim import NGVI, NGVIWarning
 from .continual import posterior_as_prior, start_task, with_priors
 from .handlers import PriorMessenger
+from .kronecker import KroneckerNormal
 from .priors import conjugate_normal
 
 __all__ = [
     "BayesianNet",
     "CurvatureELBO",
+    "KroneckerNormal",
     "LaplaceResult",
     "LaplaceWarning",
     "NGVI",

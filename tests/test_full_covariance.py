@@ -636,3 +636,59 @@ def test_trust_region_bounds_the_sampled_mean_step_in_whitened_coordinates():
     assert whitened.abs().max() == pytest.approx(2.0)  # it engaged
     free = fc.natural_step(mean, factor, direction, fc.precision(factor), lr=1.0, beta=0.5)
     torch.testing.assert_close(free.mean, -torch.linalg.solve(fc.precision(free.factor), direction))
+
+
+# --------------------------------------------------------------------------- #
+# Dense curvature
+# --------------------------------------------------------------------------- #
+
+
+def logistic_pieces(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(7, 3, generator=g, dtype=torch.float64)
+    y = (torch.rand(7, generator=g, dtype=torch.float64) < 0.5).double()
+    z = torch.randn(3, generator=g, dtype=torch.float64).requires_grad_()
+    return x, y, z
+
+
+def test_dense_curvature_matrices_against_brute_force():
+    from pyro_ngvi.curvature.dense import empirical_fisher_matrix, ggn_matrix, hessian_matrix, mc_ggn_matrix
+    x, y, z = logistic_pieces()
+
+    def negative_log_likelihood(w):
+        return -dist.Bernoulli(logits=x @ w).log_prob(y).sum()
+
+    fn = dist.Bernoulli(logits=x @ z)
+    torch.testing.assert_close(hessian_matrix(negative_log_likelihood(z), z),
+                               torch.func.jacrev(torch.func.jacrev(negative_log_likelihood))(z.detach()))
+    probs = torch.sigmoid(x @ z.detach())
+    exact_ggn = x.T @ (x * (probs * (1 - probs)).unsqueeze(-1))  # = the Hessian here
+    torch.testing.assert_close(ggn_matrix(fn, z, data_dim=-1), exact_ggn)
+    per_example = torch.func.jacrev(lambda w: -dist.Bernoulli(logits=x @ w).log_prob(y))(z.detach())
+    terms = -fn.log_prob(y)
+    torch.testing.assert_close(empirical_fisher_matrix(terms, z), per_example.T @ per_example)
+    torch.manual_seed(0)
+    estimate = mc_ggn_matrix(fn, z, data_dim=-1, num_samples=4000)
+    assert (estimate - exact_ggn).abs().max() < 0.05 * exact_ggn.abs().max()
+
+
+def test_curvature_elbo_scales_the_empirical_fisher_of_a_minibatch_to_the_data():
+    """Under a subsampled data plate the dense EF is N/B sum_i g_i g_i^T."""
+    x, y, _ = logistic_pieces()
+
+    def model(x, y, index):
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=torch.float64), 1.0).to_event(1))
+        with pyro.plate("data", 70, subsample=index):
+            pyro.sample("y", dist.Bernoulli(logits=(x[index] * w).sum(-1)), obs=y[index])
+
+    index = torch.tensor([0, 2, 5])
+    guide = AutoMultivariateNormal(model)
+    guide(x, y, index)
+    CurvatureELBO("ef", deterministic=True).loss_and_grads(model, guide, x, y, index)
+    stats = pop_curvature(site_of(guide).loc)
+    mean = site_of(guide).mean
+    per_example = torch.func.jacrev(
+        lambda w: -dist.Bernoulli(logits=x[index] @ w).log_prob(y[index]))(mean)
+    torch.testing.assert_close(stats.curvature, 70 / 3 * per_example.T @ per_example)
+    torch.testing.assert_close(stats.prior_precision, torch.eye(3, dtype=torch.float64))
+    torch.testing.assert_close(stats.grad, 70 / 3 * per_example.sum(0))
