@@ -306,7 +306,7 @@ def main():
               "|---|---|---|---|---|"]
     optims = {"ngvi": lambda: NGVI(),
               "adam": lambda: pyro.optim.ClippedAdam({"lr": 0.05, "lrd": 0.1 ** (1 / 500)})}
-    for name, model in (("exact", exact_model), ("batch", batch_model), ("tree", tree_model)):
+    for name, model in (("exact", exact_model), ("batch", batch_model), ("tree", tree_model)) if args.pyro_seeds else ():
         steps = {key: [steps_to_pyro_tolerance(name, model, make, seed, 1000) for seed in range(args.pyro_seeds)]
                  for key, make in optims.items()}
         lines.append(f"| {name} | {fmt(median_steps(steps['ngvi']), 1000)} | {fmt(median_steps(steps['adam']), 1000)} | "

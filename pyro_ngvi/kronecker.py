@@ -114,19 +114,26 @@ class MatrixNormal(TorchDistribution):
         return new
 
     def rsample(self, sample_shape=torch.Size()):
-        noise = torch.randn(self._extended_shape(sample_shape), dtype=self.loc.dtype, device=self.loc.device)
+        return self.transform(torch.randn(self._extended_shape(sample_shape), dtype=self.loc.dtype,
+                                          device=self.loc.device))
+
+    def transform(self, noise: torch.Tensor) -> torch.Tensor:
+        """:math:`M + L_U Z L_V^\\top` for standard-normal ``noise`` :math:`Z`."""
         return self.loc + self.row_scale_tril @ noise @ self.col_scale_tril.transpose(-1, -2)
 
-    def log_prob(self, value):
+    def noise_log_prob(self, noise: torch.Tensor) -> torch.Tensor:
+        """:math:`\\log q` at :meth:`transform` ``(noise)``, without solving for the noise."""
         n, p = self.event_shape
-        offset = value - self.loc
-        # Z = L_U^{-1} (X - M) L_V^{-T}
-        whitened = torch.linalg.solve_triangular(self.row_scale_tril, offset, upper=False)
-        whitened = torch.linalg.solve_triangular(self.col_scale_tril, whitened.transpose(-1, -2),
-                                                 upper=False).transpose(-1, -2)
         log_det = (p * self.row_scale_tril.diagonal(dim1=-2, dim2=-1).log().sum(-1)
                    + n * self.col_scale_tril.diagonal(dim1=-2, dim2=-1).log().sum(-1))
-        return -0.5 * whitened.square().sum((-1, -2)) - log_det - 0.5 * n * p * math.log(2 * math.pi)
+        return -0.5 * noise.square().sum((-1, -2)) - log_det - 0.5 * n * p * math.log(2 * math.pi)
+
+    def log_prob(self, value):
+        # Z = L_U^{-1} (X - M) L_V^{-T}
+        noise = torch.linalg.solve_triangular(self.row_scale_tril, value - self.loc, upper=False)
+        noise = torch.linalg.solve_triangular(self.col_scale_tril, noise.transpose(-1, -2),
+                                              upper=False).transpose(-1, -2)
+        return self.noise_log_prob(noise)
 
     @property
     def mean(self):

@@ -208,14 +208,20 @@ class BackpackStep:
         points, noise_scale, loss_scale = self._begin(model)
         target = self._loss_target(model, y)
         source = _KRONECKER_SOURCES[curvature]
+        with torch.no_grad():
+            posteriors = [guide.get_layer(layer.name) for layer, _ in layers]
         sums = None
         nll, log_ratio = 0.0, 0.0
         for _ in range(num_particles):
-            values = []
+            values, log_q = [], 0.0
             with torch.no_grad():
-                for (layer, (weight, bias, _, _)), loc in zip(layers, locs):
-                    posterior = guide.get_layer(layer.name)
-                    value = loc.detach() if deterministic else posterior.sample()
+                for (layer, (weight, bias, _, _)), loc, posterior in zip(layers, locs, posteriors):
+                    if deterministic:
+                        value = loc.detach()
+                    else:  # as MatrixNormal.rsample draws it
+                        noise = torch.randn(loc.shape, dtype=loc.dtype, device=loc.device)
+                        value = posterior.transform(noise)
+                        log_q = log_q + posterior.noise_log_prob(noise)
                     weight.param.copy_(value[:, : layer.in_features])
                     if bias is not None:
                         bias.param.copy_(value[:, layer.in_features])
@@ -236,9 +242,8 @@ class BackpackStep:
             nll = nll + result.loss
             if not deterministic:
                 with torch.no_grad():
-                    log_ratio = log_ratio + sum(
-                        float(guide.get_layer(layer.name).log_prob(value)) - float(prior.log_prob(value).sum())
-                        for (layer, (_, _, _, prior)), value in zip(layers, values))
+                    log_ratio = log_ratio + log_q - sum(prior.log_prob(value).sum()
+                                                        for (_, (_, _, _, prior)), value in zip(layers, values))
 
         factor = model.num_data / len(x) / num_particles
         for loc, (layer, (_, _, _, prior)), (grad, output_factor, input_factor) in zip(locs, layers, sums):
@@ -251,7 +256,8 @@ class BackpackStep:
         nll = self._full_nll(model, nll / num_particles, loss_scale, noise_scale, target, len(x))
         if deterministic:
             with torch.no_grad():
-                kl = sum(_matrix_normal_kl(guide.get_layer(layer.name), prior) for layer, (_, _, _, prior) in layers)
+                kl = sum(_matrix_normal_kl(posterior, prior) for posterior, (_, (_, _, _, prior))
+                         in zip(posteriors, layers))
             return (nll + kl).detach()
         return (nll + log_ratio / num_particles).detach()
 
