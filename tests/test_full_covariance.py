@@ -166,17 +166,23 @@ def set_random_gaussian(guide, *args):
     return site
 
 
+def recovered_from_one_draw(seed):
+    """A guide at a random Gaussian, NGVI's (g, H) recovered from one Trace_ELBO particle
+    drawn with ``seed``, and that particle's latent z."""
+    guide = AutoMultivariateNormal(nonlinear_model)
+    site = set_random_gaussian(guide)
+    pyro.set_rng_seed(seed)
+    Trace_ELBO().loss_and_grads(nonlinear_model, guide)
+    stats = _full_reparam_curvature(site)
+    pyro.set_rng_seed(seed)
+    z = poutine.trace(guide).get_trace().nodes["_AutoMultivariateNormal_latent"]["value"].detach()
+    return guide, site, stats, z
+
+
 def test_reparam_curvature_recovered_from_trace_elbo_gradients_matches_autograd():
     """g and H = 2 dl/dSigma of one particle, from loc/scale/scale_tril grads, against
     autograd of the negative log joint at the same draw (float64)."""
-    guide = AutoMultivariateNormal(nonlinear_model)
-    site = set_random_gaussian(guide)
-    pyro.set_rng_seed(11)
-    Trace_ELBO().loss_and_grads(nonlinear_model, guide)
-    stats = _full_reparam_curvature(site)
-
-    pyro.set_rng_seed(11)
-    z = poutine.trace(guide).get_trace().nodes["_AutoMultivariateNormal_latent"]["value"].detach()
+    guide, site, stats, z = recovered_from_one_draw(seed=11)
     factor, mean = site.factor, site.mean
     noise = torch.linalg.solve_triangular(factor, (z - mean).unsqueeze(-1), upper=False).squeeze(-1)
 
@@ -218,13 +224,7 @@ def test_curvature_elbo_reparam_hands_what_ngvi_recovers_from_trace_elbo():
     """Same draw: CurvatureELBO("reparam") hands the prior of the log-normal site over
     (Normal(0, 1) for u, Normal in u with precision 4 for the log-normal v) and the
     rest as Trace_ELBO's recovery has it."""
-    guide = AutoMultivariateNormal(nonlinear_model)
-    site = set_random_gaussian(guide)
-    pyro.set_rng_seed(3)
-    Trace_ELBO().loss_and_grads(nonlinear_model, guide)
-    recovered = _full_reparam_curvature(site)
-    pyro.set_rng_seed(3)
-    z = poutine.trace(guide).get_trace().nodes["_AutoMultivariateNormal_latent"]["value"].detach()
+    guide, site, recovered, z = recovered_from_one_draw(seed=3)
     pyro.set_rng_seed(3)
     CurvatureELBO("reparam").loss_and_grads(nonlinear_model, guide)
     handed = pop_curvature(site.loc)
