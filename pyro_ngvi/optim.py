@@ -114,7 +114,10 @@ class NGVI(PyroOptim):
     and ``scale_tril`` (:func:`~pyro_ngvi.full_covariance.price_curvature`); the
     new precision is written back through its Cholesky factor. :math:`O(D^3)` per
     step. ``AutoLowRankMultivariateNormal`` is refused (its family is not closed
-    under the step; see :mod:`pyro_ngvi.family`).
+    under the step; see :mod:`pyro_ngvi.family`). A
+    :class:`~pyro_ngvi.kronecker.KroneckerNormal` layer takes the noisy K-FAC step
+    of :func:`~pyro_ngvi.kronecker.kronecker_step` on the Kronecker factors a
+    model's fast path hands over (``CurvatureELBO("ggn")`` / ``"ggn_mc"``).
 
     **Which tensors are Gaussian sites** is read off the guide, never off
     parameter names (:func:`~pyro_ngvi.family.gaussian_sites`): NGVI takes the
