@@ -3,6 +3,7 @@ pyro_ngvi: natural-gradient variational inference (the Bayesian learning rule,
 VON / VOGN) for Pyro's AutoNormal guides, driven by Pyro's own ``SVI``.
 """
 
+from .checkpoint import load_param_store
 from .elbo import CurvatureELBO
 from .laplace import LaplaceResult, LaplaceWarning, laplace, optimize_prior_precision
 from .nn import BayesianNet
@@ -21,6 +22,7 @@ __all__ = [
     "PriorMessenger",
     "conjugate_normal",
     "laplace",
+    "load_param_store",
     "optimize_prior_precision",
     "posterior_as_prior",
     "start_task",

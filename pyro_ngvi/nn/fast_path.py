@@ -14,6 +14,7 @@ The model itself stays free of BackPACK's hooks, so its traced path (and
 
 import math
 from copy import deepcopy
+from functools import partial
 from itertools import chain
 from typing import List, Optional, Tuple
 
@@ -87,7 +88,9 @@ class BackpackStep:
         """:meth:`pyro_ngvi.nn.BayesianNet.curvature_step` of ``model`` (see there for the
         estimates and the value returned)."""
         self._check_step(guide, y, curvature, deterministic)
+        model._check_batch(x, y)
         locs, scale = self._read_guide(model, guide, x, y)
+        model._keep_running_stats_until_accepted()
         points = [model._point_estimate(w) for w in model._point_estimates]
         noise_scale = model._noise_scale() if model.likelihood == "gaussian" else None
         twin, loss_module, module_pairs = self.twin, self.loss_module, self.module_pairs
@@ -120,6 +123,7 @@ class BackpackStep:
             result = network_curvature(
                 twin, loss_module, x, target, source, mc_samples=mc_samples, loss_scale=loss_scale,
                 params=self.params,
+                check_output=partial(model._check_targets, y) if particle == 0 else None,
             )
             site_grads = [result.grads[w.index] for w in model._latents]
             if curvature == "reparam":
