@@ -28,8 +28,9 @@ Schedule = Union[float, Callable[[int], float]]
 _FLAT_MAX = 1 << 16
 #: A site whose mean gradient exceeds ``_FAR`` of its guide's standard deviations
 #: (:math:`|g|\sigma`, about :math:`|\mathcal{N}(0, 1)|` at the optimum of a
-#: Gaussian posterior) on most elements for ``_STALL_STEPS`` consecutive sampled
-#: steps is reported as stalling.
+#: Gaussian posterior, larger by minibatch noise) with the sign it had at the last
+#: step (noise flips it) on most elements, for ``_STALL_STEPS`` consecutive
+#: sampled steps, is reported as stalling.
 _FAR = 4.0
 _STALL_STEPS = 100
 
@@ -135,14 +136,15 @@ class NGVI(PyroOptim):
     written stays finite and positive; and under sampled curvature a site whose
     mean gradient exceeds 4 of its guide's standard deviations,
     :math:`|g|\\sigma > 4` (at the optimum :math:`|g|\\sigma` is about
-    :math:`|\\mathcal{N}(0, 1)|`), on most elements for 100 consecutive steps is
-    reported as stalling: far from the optimum the trust region and the noisy
-    curvature keep its mean steps within a few, shrinking, standard deviations.
-    Either warns :class:`NGVIWarning`, at the next step (the check rides on that
-    step's one device sync). Both signal a problem badly scaled
-    for the guide's initialisation (data of size 1e6 or 1e-6 for an
-    ``init_scale`` of 0.1): rescale it, start the guide nearer (``init_loc_fn``),
-    or use exact curvature (``CurvatureELBO("hessian")``).
+    :math:`|\\mathcal{N}(0, 1)|`, more with minibatch noise, which however flips
+    its sign), with the sign it had at the last step, on most elements for 100
+    consecutive steps is reported as stalling: far from the optimum the trust
+    region and the noisy curvature keep its mean steps within a few, shrinking,
+    standard deviations. Either warns :class:`NGVIWarning`, at the next step
+    (the check rides on that step's one device sync). Both signal a problem
+    badly scaled for the guide's initialisation (data of size 1e6 or 1e-6 for
+    an ``init_scale`` of 0.1): rescale it, start the guide nearer
+    (``init_loc_fn``), or use exact curvature (``CurvatureELBO("hessian")``).
 
     **Start-up.** On a site's first step, elements whose curvature target exceeds
     the current precision take it at once (``beta = 1`` there; VOGN initialises
@@ -246,6 +248,7 @@ class NGVI(PyroOptim):
         self._pending_states: Dict[str, Dict] = {}  # from set_state, by param name
         self._split_cache = None
         self._group_cache: Dict[tuple, List[_Group]] = {}
+        self._signs: Dict[int, tuple] = {}  # id(group) -> (group, g > 0 at its last sampled step)
         self._safeguards: List[_Safeguards] = []  # last step's, read at the next sync
 
     #: :class:`~pyro_ngvi.CurvatureELBO` hands its statistics to an optimizer that says so.
@@ -349,11 +352,12 @@ class NGVI(PyroOptim):
             if far and any(state.far_steps == _STALL_STEPS for state in record.states):
                 warnings.warn(
                     f"NGVI: the mean of {names} stalls. Its gradient has exceeded {_FAR:g} of its "
-                    f"guide's standard deviations on most elements for {_STALL_STEPS} consecutive "
-                    "steps: the mean is far from where the data put it, and under sampled "
-                    "curvature its steps stay within a few standard deviations while the scale "
-                    "shrinks. Rescale the data or the model, start the guide nearer (init_loc_fn) "
-                    "or wider (init_scale), or use exact curvature (CurvatureELBO('hessian')).",
+                    "guide's standard deviations, with the same sign, on most elements for "
+                    f"{_STALL_STEPS} consecutive steps: the mean is far from where the data put "
+                    "it, and under sampled curvature its steps stay within a few standard "
+                    "deviations while the scale shrinks. Rescale the data or the model, start the "
+                    "guide nearer (init_loc_fn) or wider (init_scale), or use exact curvature "
+                    "(CurvatureELBO('hessian')).",
                     NGVIWarning,
                     stacklevel=4,
                 )
@@ -402,6 +406,7 @@ class NGVI(PyroOptim):
         sites, others = split_params(guide, params)
         self._split_cache = (key, sites, others)
         self._group_cache = {}
+        self._signs = {}
         return sites, others
 
     def _guide(self, svi=None):
@@ -492,7 +497,8 @@ class NGVI(PyroOptim):
 
         :returns: 0-d bool tensors (no device sync): whether the precision was
             clamped, and, for sampled curvature (else ``None``), whether most
-            elements' gradient exceeds ``_FAR`` standard deviations.
+            elements' gradient exceeds ``_FAR`` standard deviations with the
+            sign it had at the group's last step.
         """
         # In-place wherever a value is not needed again (``grad`` and ``curvature``
         # are this step's, the optimizer's to overwrite): besides the flat copies of
@@ -525,8 +531,15 @@ class NGVI(PyroOptim):
 
         direction = self._momentum(group, states, grad.div_(tau) if tau != 1 else grad, mask)
         far = None
-        if first.sampled:  # |g| sigma > _FAR, i.e. g^2 > _FAR^2 lambda
-            far = _mostly(torch.gt(grad.square(), precision * _FAR**2), mask)
+        if first.sampled:  # |g| sigma > _FAR (g^2 > _FAR^2 lambda), with the sign of the last step
+            positive = grad > 0
+            last = self._signs.get(id(group))
+            self._signs[id(group)] = (group, positive)
+            if last is not None and last[0] is group:
+                persistent = torch.eq(positive, last[1])
+                far = _mostly(torch.gt(grad.square(), precision * _FAR**2).logical_and_(persistent), mask)
+            else:
+                far = torch.zeros((), dtype=torch.bool, device=grad.device)
         pull = None
         if first.prior_precision is not None:
             pull = (mean - _flat([s.prior_loc for s in stats])).mul_(prior_precision)
@@ -628,6 +641,7 @@ class NGVI(PyroOptim):
         self.num_skipped_steps = ngvi["num_skipped_steps"]
         self._states = {}
         self._safeguards = []
+        self._signs = {}
         self._pending_states = {name: dict(entry) for name, entry in ngvi["sites"].items()}
         store = pyro.get_param_store()
         for p in [p for p in self.optim_objs if store.param_name(p) in point]:

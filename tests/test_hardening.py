@@ -536,9 +536,13 @@ def location_model(noise, prior):
 
 
 def test_tiny_observations_never_write_a_zero_or_non_finite_scale():
+    """Data of size 1e-6 for a guide at scale 0.1: the sampled curvature drives the precision
+    up until (before) it overflowed and sigma = 0 was written. The precision is clamped where
+    sigma stays positive, and the clamp warns when (and only when) it engages."""
     y = 1e-6 * (1.0 + torch.randn(5))
     model = location_model(1e-6, 1.0)
-    svi = SVI(model, AutoNormal(model), NGVI(), Trace_ELBO())
+    svi = SVI(model, AutoNormal(model), NGVI(lr=0.1, beta=0.05), Trace_ELBO())
+    smallest = math.inf
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(20):
@@ -546,18 +550,48 @@ def test_tiny_observations_never_write_a_zero_or_non_finite_scale():
             raw_scale = pyro.get_param_store()._params["AutoNormal.scales.m"]
             scale = pyro.param("AutoNormal.scales.m")
             assert torch.isfinite(raw_scale).all() and (scale > 0).all() and torch.isfinite(scale).all()
-    assert any(issubclass(w.category, NGVIWarning) and "clamped the precision of 'm'" in str(w.message)
-               for w in caught)
+            smallest = min(smallest, scale.item())
+    clamped = smallest <= 1.01 * (torch.finfo(torch.float32).max / 4) ** -0.5
+    warned = any(issubclass(w.category, NGVIWarning) and "clamped the precision of 'm'" in str(w.message)
+                 for w in caught)
+    # the update rule of today clamps here (another may not): the warning says exactly when
+    assert warned == clamped
 
 
 def test_huge_observations_that_stall_the_mean_are_reported():
+    """Data of size 1e6 for a guide at 0 with scale 0.1: the mean creeps a few shrinking
+    standard deviations per step. That must be reported (once per 100 steps)."""
     y = 1e6 + torch.randn(5)
     model = location_model(1.0, 1e7)
-    svi = SVI(model, AutoNormal(model), NGVI(), Trace_ELBO())
+    svi = SVI(model, AutoNormal(model), NGVI(lr=0.1, beta=0.05), Trace_ELBO())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(150):
             svi.step(y)
-    assert pyro.param("AutoNormal.locs.m").item() < 1e5  # far from 1e6: it stalls ...
+    stalled = pyro.param("AutoNormal.locs.m").item() < 1e5
     stalls = [w for w in caught if issubclass(w.category, NGVIWarning) and "'m' stalls" in str(w.message)]
-    assert len(stalls) == 1  # ... and says so, once per 100 steps
+    # the update rule of today stalls here (another may not): the warning says exactly when
+    assert len(stalls) == (1 if stalled else 0)
+
+
+@pytest.mark.parametrize("problem", ["location", "network"])
+def test_well_scaled_problems_trigger_no_safeguard(problem):
+    """Over more steps than the stall window, on a sampled path, nothing warns."""
+    g = torch.Generator().manual_seed(0)
+    if problem == "location":
+        model, data = location_model(1.0, 10.0), (3.0 + torch.randn(20, generator=g),)
+        svi = SVI(model, AutoNormal(model), NGVI(), Trace_ELBO())
+        batches = [data] * 250
+    else:
+        x = torch.randn(256, 3, generator=g)
+        y = torch.sin(x @ torch.tensor([1.0, -1.0, 0.5])) + 0.1 * torch.randn(256, generator=g)
+        torch.manual_seed(0)
+        model = BayesianNet(nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 1)), "gaussian",
+                            num_data=256, noise_scale=0.1)
+        svi = SVI(model, AutoNormal(model, init_loc_fn=model.init_loc_fn, init_scale=0.01),
+                  NGVI(lr=0.1, beta=0.05), CurvatureELBO("reparam"))
+        batches = [(x[i:i + 32], y[i:i + 32]) for i in range(0, 256, 32)] * 30
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NGVIWarning)
+        for batch in batches:
+            svi.step(*batch)
