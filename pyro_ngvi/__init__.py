@@ -4,6 +4,7 @@ VON / VOGN) for Pyro's AutoNormal and AutoMultivariateNormal guides (and a
 Kronecker-factored guide for network layers), driven by Pyro's own ``SVI``.
 """
 
+from .checkpoint import load_param_store
 from .elbo import CurvatureELBO
 from .laplace import LaplaceResult, LaplaceWarning, laplace, optimize_prior_precision
 from .nn import BayesianNet
@@ -24,6 +25,7 @@ __all__ = [
     "PriorMessenger",
     "conjugate_normal",
     "laplace",
+    "load_param_store",
     "optimize_prior_precision",
     "posterior_as_prior",
     "start_task",

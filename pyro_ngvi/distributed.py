@@ -31,6 +31,7 @@ nothing is communicated: single-process users pay one function call.
     Mohammad Emtiyaz Khan (NeurIPS 2019)
 """
 
+import hashlib
 from dataclasses import replace
 from typing import Dict, List, Sequence, Tuple
 
@@ -118,16 +119,19 @@ def all_reduce_stats(
 
     Values in rows a rank did not touch never leave it. Every rank ends with
     bit-identical tensors, so a non-finite value on any rank makes every rank skip
-    the step. Communication: one small all-reduce of a header (which sites carry
-    masks, which parameters have gradients, every tensor's size; reading it is the
-    one device sync) and one flattened all-reduce per dtype and device. All ranks
-    must run the same model and guide.
+    the step. All ranks must run the same model and guide: every step first
+    compares a fingerprint of the sites' and parameters' names, shapes and dtypes
+    across ranks (a rank cannot know whether another's changed), and a mismatch
+    raises on every rank, naming it. Communication: that all-reduce of two
+    integers, one small all-reduce of a header (which sites carry masks or
+    conjugate priors, which parameters have gradients; reading the two is the
+    step's device syncs) and one flattened all-reduce per dtype and device.
 
     :param dict stats: site name -> :class:`~pyro_ngvi.family.SiteCurvature`.
     :param others: the point-estimated parameters (unconstrained, in the param store).
     :returns: the averaged stats (new objects; the inputs are not modified).
     :raises DistributedError: when a collective fails or times out (another rank
-        failed), or the ranks' sites or parameters differ.
+        failed), or the ranks' sites or parameters differ (on every rank).
     """
     if not is_distributed():
         return stats
@@ -137,22 +141,23 @@ def all_reduce_stats(
     # SVI hands its parameters over as a set: order them the same way on all ranks
     others = sorted(others, key=_param_key)
     device = sites[0].grad.device if sites else (others[0].device if others else torch.device("cpu"))
+    _check_layout(names, sites, others, device)  # then the header has one length on all ranks
 
     header = []
     for s in sites:
-        header += [s.mask is not None, s.prior_precision is not None, s.grad.numel()]
+        header += [s.mask is not None, s.prior_precision is not None]
     for p in others:
-        header += [p.grad is not None, p.numel()]
+        header += [p.grad is not None]
     header = torch.tensor(header, dtype=torch.int64, device=device)
     _all_reduce(header)
     header = header.tolist()
-    site_header, other_header = header[: 3 * len(sites)], header[3 * len(sites):]
-    _check_header(names, sites, others, site_header, other_header, world)
+    site_header, other_header = header[: 2 * len(sites)], header[2 * len(sites):]
+    _check_header(names, site_header, world)
 
     buffers = _Buffers()
     plan: List[Tuple] = []
     for j, s in enumerate(sites):
-        any_mask, has_prior = site_header[3 * j] > 0, site_header[3 * j + 1] > 0
+        any_mask, has_prior = site_header[2 * j] > 0, site_header[2 * j + 1] > 0
         if not any_mask:
             plan.append((buffers.add(s.grad), buffers.add(s.curvature), None, None, None))
             continue
@@ -165,7 +170,7 @@ def all_reduce_stats(
         prior_slots = (slots[2], slots[3]) if has_prior else (None, None)
         plan.append((slots[0], slots[1], buffers.add(count), *prior_slots))
     point_slots = [buffers.add(p.grad if p.grad is not None else torch.zeros_like(p))
-                   if other_header[2 * i] > 0 else None for i, p in enumerate(others)]
+                   if other_header[i] > 0 else None for i, p in enumerate(others)]
 
     buffers.all_reduce(world)  # every flat buffer now holds the sums divided by K
 
@@ -227,9 +232,9 @@ def _param_key(p: torch.Tensor):
     return (name is None, name or "", tuple(p.shape))
 
 
-def _all_reduce(tensor: torch.Tensor) -> None:
+def _all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
     try:
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, op=op)
     except RuntimeError as error:  # gloo and nccl raise RuntimeError subclasses
         raise DistributedError(
             f"NGVI could not all-reduce gradient and curvature on rank {dist.get_rank()} "
@@ -239,18 +244,44 @@ def _all_reduce(tensor: torch.Tensor) -> None:
         ) from error
 
 
-def _check_header(names, sites, others, site_header, other_header, world) -> None:
+def _check_layout(names, sites, others, device) -> None:
+    """
+    Raise :class:`DistributedError` on every rank unless all ranks hand over the
+    same sites and parameters (names, shapes, dtypes): one all-reduce (maximum)
+    of a 63-bit fingerprint and its negation gives the largest and the smallest
+    fingerprint on every rank; only when they differ are the layouts gathered,
+    to name the difference.
+    """
+    layout = [f"site '{name}' {tuple(s.grad.shape)} {s.grad.dtype}" for name, s in zip(names, sites)]
+    layout += [f"parameter {_param_key(p)[1]!r} {tuple(p.shape)} {p.dtype}" for p in others]
+    digest = hashlib.blake2b("\n".join(layout).encode(), digest_size=8).digest()
+    fingerprint = int.from_bytes(digest, "little") >> 1  # fits an int64
+    extremes = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=device)
+    _all_reduce(extremes, op=dist.ReduceOp.MAX)
+    largest, negated_smallest = extremes.tolist()
+    if largest == -negated_smallest:
+        return
+    layouts = [None] * dist.get_world_size()
+    dist.all_gather_object(layouts, layout)
+    everywhere, anywhere = set.intersection(*map(set, layouts)), set.union(*map(set, layouts))
+    differences = []
+    for rank, entries in enumerate(layouts):
+        extra = [e for e in entries if e not in everywhere]
+        missing = sorted(anywhere - set(entries))
+        parts = ([f"has {', '.join(extra)}"] if extra else []) + ([f"lacks {', '.join(missing)}"] if missing else [])
+        if parts:
+            differences.append(f"rank {rank} " + " and ".join(parts))
+    raise DistributedError(
+        "NGVI's ranks hand over different guide sites or parameters (every rank must run "
+        "the same model and guide, with the same names, shapes and dtypes): "
+        + "; ".join(differences)
+    )
+
+
+def _check_header(names, site_header, world) -> None:
     """The same decision on every rank: all see the same summed header."""
-    problems = []
-    for j, (name, s) in enumerate(zip(names, sites)):
-        priors, numel = site_header[3 * j + 1], site_header[3 * j + 2]
-        if numel != world * s.grad.numel():
-            problems.append(f"site '{name}' has different sizes on different ranks")
-        if priors not in (0, world):
-            problems.append(f"site '{name}' has a conjugate prior on some ranks only")
-    for i, p in enumerate(others):
-        if other_header[2 * i + 1] != world * p.numel():
-            problems.append(f"parameter {_param_key(p)[1]!r} has different sizes on different ranks")
+    problems = [f"site '{name}' has a conjugate prior on some ranks only"
+                for j, name in enumerate(names) if site_header[2 * j + 1] not in (0, world)]
     if problems:
         raise DistributedError(
             "NGVI's ranks disagree on the guide (every rank must run the same model and "

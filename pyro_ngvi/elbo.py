@@ -19,7 +19,7 @@ from .curvature import check_source
 from .curvature.autograd import diag_hessian, empirical_fisher_diag, ggn_diag, mc_ggn_diag, per_example_log_prob
 from .curvature.dense import empirical_fisher_matrix, ggn_matrix, hessian_matrix, mc_ggn_matrix
 from .family import SiteCurvature, _full_covariance_site, _is_automultivariatenormal, attach_curvature
-from .family import begin_handover, calling_svi
+from .family import begin_handover, calling_svi, end_handover
 from .full_covariance import whitened_price_curvature
 from .priors import conjugate_gaussian, conjugate_normal
 
@@ -104,11 +104,20 @@ class CurvatureELBO(ELBO):
         mc_samples: int = 1,
         max_plate_nesting: float = math.inf,
     ):
+        if not isinstance(curvature, str):
+            raise ValueError(f"curvature must be a string naming a source, got {curvature!r}")
         check_source(curvature)
-        if not isinstance(num_particles, int) or num_particles < 1:
-            raise ValueError(f"num_particles must be a positive integer, got {num_particles!r}")
-        if not isinstance(mc_samples, int) or mc_samples < 1:
-            raise ValueError(f"mc_samples must be a positive integer, got {mc_samples!r}")
+        for name, value in (("num_particles", num_particles), ("mc_samples", mc_samples)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(deterministic, bool):
+            raise ValueError(f"deterministic must be True or False, got {deterministic!r}")
+        if not (max_plate_nesting == math.inf or (
+                isinstance(max_plate_nesting, int) and not isinstance(max_plate_nesting, bool)
+                and max_plate_nesting >= 0)):
+            raise ValueError(
+                f"max_plate_nesting must be a non-negative integer or math.inf, got {max_plate_nesting!r}"
+            )
         if deterministic and curvature == "reparam":
             raise ValueError(
                 "curvature='reparam' is estimated from the sampling noise and needs "
@@ -118,8 +127,12 @@ class CurvatureELBO(ELBO):
             raise ValueError("deterministic=True evaluates at the mean: use num_particles=1")
         super().__init__(num_particles=num_particles, max_plate_nesting=max_plate_nesting)
         self.curvature = curvature
-        self.deterministic = bool(deterministic)
+        self.deterministic = deterministic
         self.mc_samples = mc_samples
+
+    #: :class:`~pyro_ngvi.NGVI` takes the statistics of an ELBO that says so (others'
+    #: steps leave nothing it could take).
+    produces_curvature = True
 
     def _get_trace(self, model, guide, args, kwargs):
         raise NotImplementedError("CurvatureELBO traces model and guide in loss_and_grads")
@@ -134,6 +147,10 @@ class CurvatureELBO(ELBO):
         Estimate the loss, attach a :class:`~pyro_ngvi.family.SiteCurvature` to every
         guide site's ``loc`` and set ``.grad`` of the other parameters.
 
+        An exception in any particle leaves no ``.grad`` and no statistics behind,
+        and undoes the side effects registered for the step (a
+        :class:`~pyro_ngvi.BayesianNet`'s BatchNorm running statistics).
+
         :raises RuntimeError: when run by an ``SVI`` whose optimizer is not
             :class:`~pyro_ngvi.NGVI` (any other would find no ``.grad`` on the
             guide and train nothing).
@@ -146,6 +163,13 @@ class CurvatureELBO(ELBO):
                 "the guide and train nothing. Use NGVI, or Trace_ELBO with this optimizer."
             )
         begin_handover()
+        try:
+            return self._loss_and_grads(model, guide, args, kwargs)
+        except BaseException:
+            end_handover(accepted=False)  # undo the evaluation's side effects
+            raise
+
+    def _loss_and_grads(self, model, guide, args, kwargs) -> float:
         if self.curvature in getattr(model, "curvature_sources", ()):  # the model's own fast path
             loss = model.curvature_step(
                 guide, *args, curvature=self.curvature, num_particles=self.num_particles,
@@ -157,9 +181,10 @@ class CurvatureELBO(ELBO):
         _check_guide(guide, model, args, kwargs)
         totals: Dict[str, List[torch.Tensor]] = {}
         priors = {}
+        point_grads: Dict[int, List] = {}  # id -> [param, grad]: written once all particles ran
         loss = 0.0
         for _ in range(self.num_particles):
-            particle_loss, stats, particle_priors = self._particle(model, guide, args, kwargs)
+            particle_loss, stats, particle_priors = self._particle(model, guide, args, kwargs, point_grads)
             loss += particle_loss / self.num_particles
             priors.update(particle_priors)
             for name, (grad, curvature, count) in stats.items():
@@ -169,6 +194,8 @@ class CurvatureELBO(ELBO):
                     totals[name][2] += count
                 else:
                     totals[name] = [grad, curvature, count]
+        for p, grad in point_grads.values():
+            p.grad = grad if p.grad is None else p.grad + grad
         store = pyro.get_param_store()
         for name, (grad, curvature, count) in totals.items():
             touched = count > 0
@@ -188,7 +215,7 @@ class CurvatureELBO(ELBO):
         return loss
 
     # ------------------------------------------------------------------ one particle
-    def _particle(self, model, guide, args, kwargs):
+    def _particle(self, model, guide, args, kwargs, point_grads):
         guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
         leaves, latents = {}, {}
         for name, site in guide.prototype_trace.iter_stochastic_nodes():
@@ -247,7 +274,10 @@ class CurvatureELBO(ELBO):
         for p, g in zip(others, other_grads):
             if g is not None:
                 g = g.detach() / self.num_particles
-                p.grad = g if p.grad is None else p.grad + g
+                if id(p) in point_grads:
+                    point_grads[id(p)][1] = point_grads[id(p)][1] + g
+                else:
+                    point_grads[id(p)] = [p, g]
         curvatures = self._curvature(objective, nll, nonconjugate_prior, observed, inputs, names, latents, grads)
 
         stats, priors = {}, {}

@@ -18,12 +18,16 @@ them and writes updated values back.
 It also holds the one protocol by which an ELBO hands curvature to
 :class:`~pyro_ngvi.NGVI`: :class:`SiteCurvature`, attached to the site's
 unconstrained ``loc`` tensor with :func:`attach_curvature` (BackPACK style: the
-result lives on the parameter) and taken off by :func:`pop_curvature`.
+result lives on the parameter) and taken off by :func:`pop_curvature`, under a
+hand-over that the ELBO begins (:func:`begin_handover`) and the optimizer ends
+(:func:`end_handover`), accepting or rejecting the step; side effects of the
+evaluation that a rejected step must not leave behind (BatchNorm running
+statistics) are registered with :func:`on_rejected`.
 """
 
 import sys
 from dataclasses import dataclass
-from typing import List, Optional, Tuple, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 from torch.distributions import biject_to, transform_to
@@ -54,8 +58,10 @@ _SUPPORTED = (
 )
 #: How far up the call stack :func:`calling_svi` looks for ``SVI.step``.
 _STACK_DEPTH = 6
-#: The id of the latest hand-over (one per ELBO evaluation), see :func:`begin_handover`.
+#: The id of the live hand-over (one per ELBO evaluation), see :func:`begin_handover`.
 _live_handover = [0]
+#: How to undo the live hand-over's side effects, should the optimizer reject the step.
+_undo: List[Callable[[], None]] = []
 
 
 @dataclass
@@ -107,10 +113,40 @@ def begin_handover() -> int:
     Start a new hand-over: an ELBO calls this once per evaluation, before it
     attaches anything. Statistics attached under an earlier hand-over (an
     evaluation whose optimizer step never came: an exception, an interrupt, a
-    call outside ``SVI``) are stale from now on and never reach the optimizer.
+    call outside ``SVI``) are stale from now on and never reach the optimizer;
+    that evaluation's side effects stay (as after any forward pass).
     """
     _live_handover[0] += 1
+    _undo.clear()
     return _live_handover[0]
+
+
+def live_handover() -> int:
+    """The id of the live hand-over."""
+    return _live_handover[0]
+
+
+def on_rejected(undo: Callable[[], None]) -> None:
+    """
+    Register how to undo a side effect of the live evaluation (a model's
+    BatchNorm running statistics), run by :func:`end_handover` should the
+    optimizer reject the step (skip it, or fail before its update).
+    """
+    _undo.append(undo)
+
+
+def end_handover(accepted: bool) -> None:
+    """
+    The optimizer's verdict on the live hand-over: when not ``accepted``, undo
+    the side effects registered with :func:`on_rejected` (latest first). Either
+    way the hand-over closes: statistics still attached are stale.
+    """
+    undo = _undo[::-1]
+    _undo.clear()
+    _live_handover[0] += 1
+    if not accepted:
+        for action in undo:
+            action()
 
 
 def attach_curvature(loc: torch.Tensor, stats: SiteCurvature) -> None:

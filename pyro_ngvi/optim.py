@@ -3,10 +3,12 @@
 :class:`pyro.optim.PyroOptim` that ``pyro.infer.SVI`` can drive.
 """
 
+import copy
 import math
 import numbers
 import warnings
 import weakref
+from dataclasses import replace
 from typing import Callable, Dict, List, NamedTuple, Optional, Union
 
 import torch
@@ -16,8 +18,9 @@ import pyro
 from pyro.optim.optim import PyroOptim
 
 from . import full_covariance
+from .checkpoint import safe_load
 from .distributed import all_reduce_stats, is_distributed
-from .family import FullCovarianceSite, GaussianSite, SiteCurvature, calling_svi, pop_curvature, split_params
+from .family import FullCovarianceSite, GaussianSite, SiteCurvature, calling_svi, end_handover, pop_curvature, split_params
 from .kronecker import KroneckerCurvature, KroneckerSite, kronecker_step
 
 Schedule = Union[float, Callable[[int], float]]
@@ -25,24 +28,59 @@ Schedule = Union[float, Callable[[int], float]]
 #: Sites are concatenated into one update up to this many elements: that saves
 #: per-operation overhead on small tensors and bounds the copies it costs.
 _FLAT_MAX = 1 << 16
+#: A site whose mean gradient exceeds ``_FAR`` of its guide's standard deviations
+#: (:math:`|g|\sigma`, about :math:`|\mathcal{N}(0, 1)|` at the optimum of a
+#: Gaussian posterior, larger by minibatch noise) with the sign it had at the last
+#: step (noise flips it) on most elements, for ``_STALL_STEPS`` consecutive
+#: sampled steps, is reported as stalling.
+_FAR = 4.0
+_STALL_STEPS = 100
 
 
 class NGVIWarning(UserWarning):
-    """Warned when :class:`NGVI` skips a step (non-finite gradient or curvature)."""
+    """Warned when :class:`NGVI` skips a step (non-finite gradient or curvature), or a
+    safeguard engages (a precision clamped, a site whose mean stalls)."""
 
 
 def _check_schedule(name: str, value, low: float, high: float, low_open=True):
-    """Validate a number (or leave a callable for step-time checks)."""
+    """Validate a finite number (or leave a callable for step-time checks)."""
     if callable(value):
         return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name} must be a number or a callable of the step, got {value!r}")
     value = float(value)
     below = value <= low if low_open else value < low
-    if math.isnan(value) or below or value > high:
+    if not math.isfinite(value) or below or value > high:
         bracket = "(" if low_open else "["
-        raise ValueError(f"{name} must lie in {bracket}{low}, {high}], got {value}")
+        closing = "]" if math.isfinite(high) else ")"
+        raise ValueError(f"{name} must be a finite number in {bracket}{low}, {high}{closing}, got {value}")
     return value
+
+
+def _check_point_optim(point_optim, point_optim_args) -> Dict:
+    """
+    The point optimizer's arguments, validated by building it on a probe tensor and
+    taking one step with a zero gradient: a bad value or an unknown key is refused
+    here, not at the first step (after the guide sites were updated).
+    """
+    if not (isinstance(point_optim, type) and issubclass(point_optim, torch.optim.Optimizer)):
+        raise ValueError(f"point_optim must be a torch.optim.Optimizer class, got {point_optim!r}")
+    if point_optim_args is None:
+        point_optim_args = {"lr": 1e-3}
+    if not isinstance(point_optim_args, dict):
+        raise ValueError(f"point_optim_args must be a dict of {point_optim.__name__}'s arguments, "
+                         f"got {point_optim_args!r}")
+    probe = torch.zeros(1, requires_grad=True)
+    try:
+        optimizer = point_optim([probe], **point_optim_args)
+        probe.grad = torch.zeros(1)
+        optimizer.step()
+    except Exception as error:
+        raise ValueError(
+            f"point_optim_args {point_optim_args!r} are not arguments {point_optim.__name__} "
+            f"can run with (SVI calls its step() without a closure): {error}"
+        ) from error
+    return dict(point_optim_args)
 
 
 class NGVI(PyroOptim):
@@ -95,6 +133,21 @@ class NGVI(PyroOptim):
     For such estimates each element's mean moves at most ``max_step`` current
     standard deviations per step (exact, Gauss-Newton and Fisher sources are
     not limited, so ``lr = beta = 1`` stays a Newton step).
+
+    **Safeguards.** The new precision is kept in
+    :math:`[\\text{tiny}, \\text{max}/4]` of the site's dtype, so the scale
+    written stays finite and positive; and under sampled curvature a site whose
+    mean gradient exceeds 4 of its guide's standard deviations,
+    :math:`|g|\\sigma > 4` (at the optimum :math:`|g|\\sigma` is about
+    :math:`|\\mathcal{N}(0, 1)|`, more with minibatch noise, which however flips
+    its sign), with the sign it had at the last step, on most elements for 100
+    consecutive steps is reported as stalling: far from the optimum the trust
+    region and the noisy curvature keep its mean steps within a few, shrinking,
+    standard deviations. Either warns :class:`NGVIWarning`, at the next step
+    (the check rides on that step's one device sync). Both signal a problem
+    badly scaled for the guide's initialisation (data of size 1e6 or 1e-6 for
+    an ``init_scale`` of 0.1): rescale it, start the guide nearer
+    (``init_loc_fn``), or use exact curvature (``CurvatureELBO("hessian")``).
 
     **Start-up.** On a site's first step, elements whose curvature target exceeds
     the current precision take it at once (``beta = 1`` there; VOGN initialises
@@ -151,11 +204,12 @@ class NGVI(PyroOptim):
     :param max_step: trust radius, in current standard deviations, of the mean
         step under sampled (reparameterisation) curvature; ``None`` disables it
         (default: 3)
-    :param warm_start: raise the precision to the first curvature estimate where
-        that is larger (default: True)
+    :param bool warm_start: raise the precision to the first curvature estimate
+        where that is larger (default: True)
     :param point_optim: torch optimizer class for non-guide parameters
         (default: :class:`torch.optim.Adam`)
-    :param dict point_optim_args: its arguments (default: ``{"lr": 1e-3}``)
+    :param dict point_optim_args: its arguments, checked at construction by
+        building it on a probe tensor (default: ``{"lr": 1e-3}``)
     :param guide: the guide whose sites to update; only needed when NGVI is
         called outside :class:`~pyro.infer.SVI` (default: None, the calling
         ``SVI``'s guide)
@@ -204,12 +258,10 @@ class NGVI(PyroOptim):
             if callable(max_step):
                 raise ValueError("max_step must be a positive number or None")
         self.max_step = max_step
-        self.warm_start = bool(warm_start)
-        if not (isinstance(point_optim, type) and issubclass(point_optim, torch.optim.Optimizer)):
-            raise ValueError(
-                f"point_optim must be a torch.optim.Optimizer class, got {point_optim!r}"
-            )
-        super().__init__(point_optim, dict(point_optim_args or {"lr": 1e-3}))
+        if not isinstance(warm_start, bool):
+            raise ValueError(f"warm_start must be True or False, got {warm_start!r}")
+        self.warm_start = warm_start
+        super().__init__(point_optim, _check_point_optim(point_optim, point_optim_args))
         self.guide = guide
         self.num_steps = 0
         self.num_skipped_steps = 0
@@ -217,6 +269,8 @@ class NGVI(PyroOptim):
         self._pending_states: Dict[str, Dict] = {}  # from set_state, by param name
         self._split_cache = None
         self._group_cache: Dict[tuple, List[_Group]] = {}
+        self._signs: Dict[int, tuple] = {}  # id(group) -> (group, g > 0 at its last sampled step)
+        self._safeguards: List[_Safeguards] = []  # last step's, read at the next sync
 
     #: :class:`~pyro_ngvi.CurvatureELBO` hands its statistics to an optimizer that says so.
     consumes_curvature = True
@@ -229,9 +283,35 @@ class NGVI(PyroOptim):
 
     # ---------------------------------------------------------------- the step
     def __call__(self, params, *args, **kwargs) -> None:
-        sites, others = self._split(params)
+        """
+        One step on the tensors ``SVI`` hands over. A step is taken whole or not
+        at all: everything that can refuse it (state of another model, a
+        schedule's value, statistics of the wrong shape) is checked before the
+        first write. A refused or failed step undoes the evaluation's registered
+        side effects, as a skipped step does, and, under ``SVI`` (which zeroes
+        gradients only after a step), drops the ``.grad`` the next step's would
+        be added to.
+        """
+        params = list(params)
+        svi = calling_svi("optim", self)
+        try:
+            accepted = self._step(params, svi, *args, **kwargs)
+        except BaseException:
+            if svi is not None:
+                for p in params:
+                    p.grad = None
+            end_handover(accepted=False)
+            raise
+        end_handover(accepted)
+
+    def _step(self, params, svi, *args, **kwargs) -> bool:
+        sites, others = self._split(params, svi)
         states = [self._state(site) for site in sites]  # may refuse: before any write
-        stats = {site.key: self._site_curvature(site) for site in sites}
+        self._check_point_states(others)
+        # statistics count only when this step's ELBO made them (else they are stale)
+        curvature_live = svi is None or getattr(
+            getattr(svi.loss_and_grads, "__self__", None), "produces_curvature", False)
+        stats = {site.key: self._site_curvature(site, curvature_live) for site in sites}
         kronecker_sites = [site for site in sites if isinstance(site, KroneckerSite)]
         if kronecker_sites and is_distributed():
             raise NotImplementedError("NGVI does not average Kronecker factors across processes yet")
@@ -244,7 +324,10 @@ class NGVI(PyroOptim):
         finite = [_finite(grad, curvature, mask=st[0].mask) for (grad, curvature), st in zip(flats, group_stats)]
         finite += [_finite(p.grad) for p in others_with_grad]
         finite += [_finite(*_statistics(stats[site.key])) for site in full_sites]
-        finite = torch.stack(finite).tolist()  # one device sync for the whole step
+        safeguards, self._safeguards = self._safeguards, []
+        checks = torch.stack(finite + [f for s in safeguards for f in s.flags()]).tolist()  # one device sync
+        finite, engaged = checks[: len(finite)], checks[len(finite):]
+        self._report(safeguards, engaged)
         if not all(finite):
             bad = [site.name for site, ok in zip(sites, self._sites_finite(stats)) if not ok]
             bad += [_param_label(p) for p, ok in zip(others_with_grad, finite[len(groups):]) if not ok]
@@ -254,9 +337,9 @@ class NGVI(PyroOptim):
                 f"at {', '.join(repr(b) for b in bad)}; the guide is unchanged "
                 f"({self.num_skipped_steps} skipped so far).",
                 NGVIWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
-            return
+            return False
         lr = self._hyper("lr", 0.0, math.inf)
         beta = self._hyper("beta", 0.0, 1.0)
         tau = self._hyper("tau", 0.0, math.inf)
@@ -273,13 +356,14 @@ class NGVI(PyroOptim):
                     "not numerically positive definite; the guide is unchanged "
                     f"({self.num_skipped_steps} skipped so far). Lower beta or add damping.",
                     NGVIWarning,
-                    stacklevel=2,
+                    stacklevel=3,
                 )
-                return
+                return False
             full_steps.append(step)
         for group, st, (grad, curvature) in zip(groups, group_stats, flats):
-            self._update_group(group, st, grad, curvature, lr, beta, tau,
-                               [state_of[site.key] for site in group.sites])
+            group_states = [state_of[site.key] for site in group.sites]
+            clamped, far = self._update_group(group, st, grad, curvature, lr, beta, tau, group_states)
+            self._safeguards.append(_Safeguards(group, group_states, clamped, far))
         for site, (step, momentum) in zip(full_sites, full_steps):
             site.write(*step)
             state = state_of[site.key]
@@ -289,12 +373,78 @@ class NGVI(PyroOptim):
         if others:
             super().__call__(others, *args, **kwargs)
         self.num_steps += 1
+        return True
 
-    def _split(self, params):
+    def _report(self, safeguards: List["_Safeguards"], engaged: List[bool]) -> None:
+        """Warn about the safeguards that engaged at the last step (read at this step's sync)."""
+        engaged = iter(engaged)
+        for record in safeguards:
+            names = ", ".join(repr(site.name) for site in record.group.sites)
+            dtype = record.group.sites[0].loc.dtype
+            if next(engaged):
+                warnings.warn(
+                    f"NGVI clamped the precision of {names} to the range where the scale stays "
+                    f"finite and positive in {dtype} (the update left it at step "
+                    f"{self.num_steps - 1}): the problem is badly scaled for the guide, e.g. "
+                    "sampled curvature far from the optimum. Rescale the data or the model, "
+                    "start the guide nearer (init_loc_fn) or use exact curvature "
+                    "(CurvatureELBO('hessian')).",
+                    NGVIWarning,
+                    stacklevel=4,
+                )
+            if record.far is None:
+                continue
+            far = next(engaged)
+            for state in record.states:
+                state.far_steps = state.far_steps + 1 if far else 0
+            if far and any(state.far_steps == _STALL_STEPS for state in record.states):
+                warnings.warn(
+                    f"NGVI: the mean of {names} stalls. Its gradient has exceeded {_FAR:g} of its "
+                    "guide's standard deviations, with the same sign, on most elements for "
+                    f"{_STALL_STEPS} consecutive steps: the mean is far from where the data put "
+                    "it, and under sampled curvature its steps stay within a few standard "
+                    "deviations while the scale shrinks. Rescale the data or the model, start the "
+                    "guide nearer (init_loc_fn) or wider (init_scale), or use exact curvature "
+                    "(CurvatureELBO('hessian')).",
+                    NGVIWarning,
+                    stacklevel=4,
+                )
+
+    def _check_point_states(self, others: List[torch.Tensor]) -> None:
+        """Refuse, before any write, a restored point-optimizer state whose tensors do
+        not fit the parameter it would be loaded into (a checkpoint of another model)."""
+        waiting = self._state_waiting_to_be_consumed
+        if not waiting:
+            return
+        store = pyro.get_param_store()
+        for p in others:
+            name = store.param_name(p)
+            if p in self.optim_objs or name not in waiting:
+                continue
+            template = self._point_state_shapes(p)
+            for per_param in waiting[name]["state"].values():
+                for key, value in per_param.items():
+                    if torch.is_tensor(value) and key in template and value.shape != template[key]:
+                        raise ValueError(
+                            f"NGVI's point-optimizer state for '{name}' holds {key!r} of shape "
+                            f"{tuple(value.shape)}, the parameter has {tuple(p.shape)}: the "
+                            "checkpoint belongs to another model"
+                        )
+
+    def _point_state_shapes(self, p: torch.Tensor) -> Dict[str, torch.Size]:
+        """The shapes of the per-parameter state a fresh point optimizer keeps for ``p``
+        (one zero-gradient step on a probe of its shape)."""
+        probe = torch.zeros_like(p, requires_grad=True)
+        optimizer = self.pt_optim_constructor([probe], **self.pt_optim_args)
+        probe.grad = torch.zeros_like(probe)
+        optimizer.step()
+        return {key: value.shape for key, value in optimizer.state[probe].items() if torch.is_tensor(value)}
+
+    def _split(self, params, svi=None):
         """:func:`~pyro_ngvi.family.split_params` for the guide, remembered for the same
         guide and tensors (SVI hands the same ones every step) as long as each site's
         tensors are still the param store's."""
-        guide = self._guide()
+        guide = self._guide(svi)
         key = (id(guide), frozenset(map(id, params)))
         if self._split_cache is not None and self._split_cache[0] == key:
             sites, others = self._split_cache[1:]
@@ -304,13 +454,13 @@ class NGVI(PyroOptim):
         sites, others = split_params(guide, params)
         self._split_cache = (key, sites, others)
         self._group_cache = {}
+        self._signs = {}
         return sites, others
 
-    def _guide(self):
+    def _guide(self, svi=None):
         """The guide given at construction, else the one of the ``SVI`` running this step."""
         if self.guide is not None:
             return self.guide
-        svi = calling_svi("optim", self)
         if svi is None:
             raise RuntimeError(
                 "NGVI reads which tensors form Gaussian sites off the guide, and found none: "
@@ -355,11 +505,12 @@ class NGVI(PyroOptim):
         return [bool(_finite(*_statistics(s), mask=getattr(s, "mask", None))) for s in stats.values()]
 
     @torch.no_grad()
-    def _site_curvature(self, site: GaussianSite) -> SiteCurvature:
-        """The ELBO's curvature for ``site`` or, failing that, the reparam estimate."""
+    def _site_curvature(self, site: GaussianSite, live: bool = True) -> SiteCurvature:
+        """The ELBO's curvature for ``site`` (when ``live``: this step's ELBO made it),
+        in the site's dtype and device, or, failing that, the reparam estimate."""
         stats = pop_curvature(site.loc)
-        if stats is not None:
-            return stats
+        if stats is not None and live:
+            return _fit_to_site(stats, site) if isinstance(site, GaussianSite) else stats
         if isinstance(site, KroneckerSite):
             raise ValueError(
                 f"NGVI found no Kronecker factors for layer '{site.name}' of a KroneckerNormal guide: "
@@ -399,6 +550,11 @@ class NGVI(PyroOptim):
         ``grad`` and ``curvature`` are the sites' ``g`` and ``h`` so flattened.
         The sites share the scale constraint, ``sampled``, ``nonnegative``, whether
         a prior is given, and either have no ``mask`` or are a single masked site.
+
+        :returns: 0-d bool tensors (no device sync): whether the precision was
+            clamped, and, for sampled curvature (else ``None``), whether most
+            elements' gradient exceeds ``_FAR`` standard deviations with the
+            sign it had at the group's last step.
         """
         # In-place wherever a value is not needed again (``grad`` and ``curvature``
         # are this step's, the optimizer's to overwrite): besides the flat copies of
@@ -425,11 +581,21 @@ class NGVI(PyroOptim):
             correction = torch.sub(precision, target).square_().mul_(step_beta**2 / 2).div_(precision)
             new_precision.add_(correction.masked_fill_(target > 0, 0.0))  # only where target <= 0
             del correction
-            new_precision.clamp_(min=torch.finfo(new_precision.dtype).tiny)
+        clamped = _clamp_precision_(new_precision)
         del target
         denominator = new_precision + self.damping if self.damping else new_precision
 
         direction = self._momentum(group, states, grad.div_(tau) if tau != 1 else grad, mask)
+        far = None
+        if first.sampled:  # |g| sigma > _FAR (g^2 > _FAR^2 lambda), with the sign of the last step
+            positive = grad > 0
+            last = self._signs.get(id(group))
+            self._signs[id(group)] = (group, positive)
+            if last is not None and last[0] is group:
+                persistent = torch.eq(positive, last[1])
+                far = _mostly(torch.gt(grad.square(), precision * _FAR**2).logical_and_(persistent), mask)
+            else:
+                far = torch.zeros((), dtype=torch.bool, device=grad.device)
         pull = None
         if first.prior_precision is not None:
             pull = (mean - _flat([s.prior_loc for s in stats])).mul_(prior_precision)
@@ -459,6 +625,7 @@ class NGVI(PyroOptim):
             raw_scale.copy_(torch.where(mask, new_raw_scale, raw_scale))
         for state in states:
             state.started = True
+        return clamped, far
 
     def _full_step(self, site, stats, lr, beta, tau, state: "_SiteState"):
         """
@@ -521,7 +688,7 @@ class NGVI(PyroOptim):
         Optimizer state: step counts, each site's state (keyed, as Pyro keys its
         optimizers' state, by the param-store name of the site's ``loc``) and the
         point optimizers'. Plain tensors, numbers and strings: it loads with
-        ``torch.load(..., weights_only=True)``.
+        ``torch.load(..., weights_only=True)``. A copy: later steps leave it as it is.
         """
         store = pyro.get_param_store()
         sites = {}
@@ -536,31 +703,152 @@ class NGVI(PyroOptim):
         return {
             "ngvi": {"num_steps": self.num_steps, "num_skipped_steps": self.num_skipped_steps,
                      "sites": sites},
-            "point": super().get_state(),
+            "point": copy.deepcopy(super().get_state()),  # torch's state_dict aliases live tensors
         }
 
     def set_state(self, state_dict: Dict) -> None:
-        """Restore a :meth:`get_state` dict (also after :meth:`load`); each site's
-        entry is taken up when a site of that name next steps."""
-        if not isinstance(state_dict, dict) or set(state_dict) != {"ngvi", "point"}:
-            raise ValueError("NGVI.set_state expects a dict produced by NGVI.get_state")
-        ngvi = state_dict["ngvi"]
+        """
+        Restore a :meth:`get_state` dict (also after :meth:`load`); each site's
+        entry is taken up when a site of that name next steps, each point
+        parameter's when it next steps (also if it has stepped before).
+
+        :raises ValueError: for a dict :meth:`get_state` does not produce (the
+            optimizer is then unchanged). An entry that does not fit its site
+            or parameter (a checkpoint of another model) is refused at the next
+            step, before anything is written.
+        """
+        _check_state(state_dict)
+        ngvi, point = state_dict["ngvi"], state_dict["point"]
         self.num_steps = ngvi["num_steps"]
         self.num_skipped_steps = ngvi["num_skipped_steps"]
         self._states = {}
+        self._safeguards = []
+        self._signs = {}
         self._pending_states = {name: dict(entry) for name, entry in ngvi["sites"].items()}
-        super().set_state(state_dict["point"])
+        store = pyro.get_param_store()
+        for p in [p for p in self.optim_objs if store.param_name(p) in point]:
+            del self.optim_objs[p]  # restored, not kept: it loads the entry when it next steps
+        super().set_state(copy.deepcopy(point))  # loading may alias them: steps would change ``point``
+
+    def load(self, filename, map_location=None) -> None:
+        """
+        Restore a state saved by :meth:`save`, loading it with
+        ``torch.load(..., weights_only=True)``: only tensors, numbers, strings and
+        containers are built, so a crafted file cannot run code (Pyro's
+        :meth:`PyroOptim.load <pyro.optim.optim.PyroOptim.load>` would run it).
+
+        :param filename: a file written by :meth:`save`.
+        :param map_location: as in :func:`torch.load` (default: None).
+        :raises ValueError: when the file holds other objects (nothing from it
+            has run), or is not an NGVI state.
+        """
+        self.set_state(safe_load(filename, map_location, what="NGVI state"))
 
 
 class _SiteState:
     """What NGVI keeps for one site between steps, keyed by its ``loc`` tensor."""
 
-    __slots__ = ("loc", "started", "momentum")
+    __slots__ = ("loc", "started", "momentum", "far_steps")
 
     def __init__(self, loc: weakref.ref):
         self.loc = loc  # a weak reference: a cleared param store frees the site
         self.started = False  # the first-step warm start has happened
         self.momentum: Optional[torch.Tensor] = None
+        self.far_steps = 0  # consecutive steps its gradient exceeded _FAR sigma (mostly)
+
+
+class _Safeguards(NamedTuple):
+    """A group's safeguard flags of one step (0-d bool tensors), read at the next sync."""
+
+    group: "_Group"
+    states: List[_SiteState]
+    clamped: torch.Tensor
+    far: Optional[torch.Tensor]
+
+    def flags(self) -> List[torch.Tensor]:
+        return [self.clamped] if self.far is None else [self.clamped, self.far]
+
+
+def _clamp_precision_(precision: torch.Tensor) -> torch.Tensor:
+    """
+    Keep ``precision`` in ``[tiny, max / 4]`` of its dtype, in place: then
+    :math:`\\sigma = \\lambda^{-1/2}` and :math:`\\sigma^{-2}` are finite and
+    positive. (The update from finite statistics is a convex combination plus a
+    non-negative correction: never NaN, below ``tiny`` only by underflow, above
+    the top by overflow of the correction.) Returns whether the top was passed,
+    as a 0-d bool tensor (no device sync).
+    """
+    info = torch.finfo(precision.dtype)
+    high = info.max / 4
+    engaged = torch.amax(precision) > high
+    precision.clamp_(info.tiny, high)
+    return engaged
+
+
+def _mostly(flags: torch.Tensor, mask) -> torch.Tensor:
+    """Whether more than half of the (``mask``) elements are set, as a 0-d bool tensor."""
+    if mask is None:
+        return torch.count_nonzero(flags) > flags.numel() // 2
+    return torch.count_nonzero(flags & mask) * 2 > torch.count_nonzero(mask)
+
+
+def _fit_to_site(stats: SiteCurvature, site: GaussianSite) -> SiteCurvature:
+    """
+    ``stats`` in the dtype and on the device of the site's ``loc`` (an ELBO may
+    compute a float32 site's curvature in float64); a tensor of another shape
+    is refused, before anything is written.
+    """
+    loc, converted = site.loc, {}
+    for name in ("grad", "curvature", "prior_loc", "prior_precision", "mask", "scale"):
+        value = getattr(stats, name)
+        if value is None:
+            continue
+        if value.shape != loc.shape:
+            raise ValueError(
+                f"The ELBO handed NGVI a {name} of shape {tuple(value.shape)} for site "
+                f"'{site.name}', whose loc has shape {tuple(loc.shape)}"
+            )
+        if name == "mask":
+            if value.device != loc.device:
+                converted[name] = value.to(loc.device)
+        elif value.dtype != loc.dtype or value.device != loc.device:
+            converted[name] = value.to(loc)
+    return replace(stats, **converted) if converted else stats
+
+
+def _check_state(state_dict) -> None:
+    """:raises ValueError: unless ``state_dict`` has the form :meth:`NGVI.get_state` gives."""
+    def fail(why):
+        raise ValueError(f"NGVI.set_state expects a dict produced by NGVI.get_state: {why}")
+
+    def count(value):
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    if not isinstance(state_dict, dict) or set(state_dict) != {"ngvi", "point"}:
+        fail("the keys must be 'ngvi' and 'point'")
+    ngvi, point = state_dict["ngvi"], state_dict["point"]
+    if not isinstance(ngvi, dict) or set(ngvi) != {"num_steps", "num_skipped_steps", "sites"}:
+        fail("state['ngvi'] must have the keys 'num_steps', 'num_skipped_steps' and 'sites'")
+    for key in ("num_steps", "num_skipped_steps"):
+        if not count(ngvi[key]):
+            fail(f"state['ngvi'][{key!r}] must be a non-negative integer, got {ngvi[key]!r}")
+    if not isinstance(ngvi["sites"], dict):
+        fail("state['ngvi']['sites'] must be a dict")
+    for name, entry in ngvi["sites"].items():
+        if not (isinstance(name, str) and isinstance(entry, dict) and set(entry) == {"started", "momentum"}):
+            fail(f"site entry {name!r} must be a dict with the keys 'started' and 'momentum'")
+        momentum = entry["momentum"]
+        if not isinstance(entry["started"], bool) or not (
+            momentum is None or (torch.is_tensor(momentum) and momentum.is_floating_point())
+        ):
+            fail(f"site entry {name!r} needs a bool 'started' and a float tensor or None 'momentum'")
+    if not isinstance(point, dict):
+        fail("state['point'] must be a dict")
+    for name, entry in point.items():
+        if not (isinstance(name, str) and isinstance(entry, dict) and isinstance(entry.get("state"), dict)
+                and isinstance(entry.get("param_groups"), list)
+                and all(isinstance(v, dict) for v in entry["state"].values())):
+            fail(f"point entry {name!r} must be a torch optimizer's state_dict")
 
 
 def _statistics(stats) -> tuple:

@@ -16,6 +16,7 @@ import sys
 import time
 import warnings
 from datetime import timedelta
+from functools import partial
 
 import pytest
 import torch
@@ -27,7 +28,14 @@ from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 
 from pyro_ngvi import NGVI, BayesianNet, CurvatureELBO, NGVIWarning
-from pyro_ngvi.distributed import all_reduce_stats, get_world_size, is_distributed, seed_rank, shard
+from pyro_ngvi.distributed import (
+    DistributedError,
+    all_reduce_stats,
+    get_world_size,
+    is_distributed,
+    seed_rank,
+    shard,
+)
 from pyro_ngvi.family import SiteCurvature
 
 D = torch.float64
@@ -146,6 +154,40 @@ def scenario_train(rank):
     return out
 
 
+def named_sites_model(names, data):
+    """One scalar-mean latent site per name (shape (3,)), all observed through their sum."""
+    total = 0.0
+    for name in names:
+        total = total + pyro.sample(name, dist.Normal(torch.zeros(3), 1.0).to_event(1)).sum()
+    with pyro.plate("data", len(data)):
+        pyro.sample("obs", dist.Normal(total, 1.0), obs=data)
+
+
+def scenario_mismatch(rank):
+    """Ranks whose guides differ: every rank raises DistributedError naming the difference,
+    before any update, and the process group stays usable."""
+    out = {}
+    data = torch.linspace(-1.0, 1.0, 4, dtype=torch.float64)
+    cases = {
+        "same_size_other_names": [["a"], ["b"]],  # summed into each other before
+        "more_sites": [["a"], ["a", "b"]],  # gloo aborted on the header's size before
+    }
+    for case, names in cases.items():
+        pyro.clear_param_store()
+        model = partial(named_sites_model, names[rank])
+        guide = AutoNormal(model)
+        guide(data)
+        before = guide_state()
+        svi = SVI(model, guide, ngvi(), Trace_ELBO())
+        try:
+            svi.step(data)
+            out[case] = None
+        except DistributedError as error:
+            out[case] = str(error)
+        out[case + "_unchanged"] = all(torch.equal(before[k], v) for k, v in guide_state().items())
+    return out
+
+
 def scenario_fail(rank, out_dir):
     """Rank 1 raises after one step; rank 0 steps on and must fail, not hang."""
     pyro.clear_param_store()
@@ -171,7 +213,9 @@ def _worker(rank, world, port, out_dir):
     )
     try:
         assert is_distributed() and get_world_size() == world
-        torch.save(scenario_train(rank), os.path.join(out_dir, f"rank{rank}.pt"))
+        out = scenario_train(rank)
+        out.update(scenario_mismatch(rank))
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
         scenario_fail(rank, out_dir)  # last: it ends the group's life
     finally:
         torch.distributed.destroy_process_group()
@@ -323,6 +367,20 @@ def test_a_failing_rank_makes_the_others_fail_without_hanging(launched):
     assert code0 != 0
     assert "DistributedError" in stderr0 and "another rank has failed" in stderr0, stderr0
     assert torch.load(tmp_path / "failure.pt")["seconds"] < GROUP_TIMEOUT + 5
+
+
+def test_ranks_with_different_sites_raise_on_every_rank_naming_them(trained):
+    for rank, result in enumerate(trained):
+        # the same number of elements under other names: no longer averaged into each other
+        message = result["same_size_other_names"]
+        assert message is not None, f"rank {rank} averaged site 'a' with site 'b'"
+        assert "rank 0 has site 'AutoNormal.locs.a' (3,) torch.float64" in message, message
+        assert "rank 1 has site 'AutoNormal.locs.b' (3,) torch.float64" in message, message
+        # a different number of sites: a named error, not gloo's size mismatch
+        message = result["more_sites"]
+        assert message is not None and "rank 0 lacks site 'AutoNormal.locs.b'" in message, message
+        assert "another rank has failed" not in message
+        assert result["same_size_other_names_unchanged"] and result["more_sites_unchanged"]
 
 
 def test_single_process_is_untouched():

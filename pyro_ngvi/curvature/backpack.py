@@ -187,6 +187,7 @@ def network_curvature(
     mc_samples: int = 1,
     loss_scale: Union[float, torch.Tensor] = 1.0,
     params: Optional[List[torch.Tensor]] = None,
+    check_output: Optional[Callable[[torch.Tensor], None]] = None,
 ) -> NetworkCurvature:
     """
     Gradient and diagonal curvature of :math:`L(w) = c\\,\\mathrm{loss}(f(x; w), y)`
@@ -213,6 +214,8 @@ def network_curvature(
     :param list params: the net's parameters that require a gradient, in
         ``net.parameters()`` order, when the caller has them at hand (default:
         found from ``net``).
+    :param check_output: called with the network output before the loss (to
+        refuse targets that do not fit it) (default: None).
     :rtype: NetworkCurvature
     :raises ValueError: for an unknown source or an unsupported loss module.
     :raises RuntimeError: when BackPACK produced no curvature for a parameter
@@ -232,13 +235,13 @@ def network_curvature(
         # torch warns about that on every backward pass.
         warnings.filterwarnings("ignore", _FIRST_LAYER_HOOK_WARNING, UserWarning)
         if extension is None:
-            loss = loss_module(net(x), y)
+            loss = loss_module(_checked(net(x), check_output), y)
             loss.backward()
             curvatures: List[Optional[torch.Tensor]] = [None] * len(params)
         else:
             extend(loss_module)
             with backpack(extension):
-                loss = loss_module(net(x), y)
+                loss = loss_module(_checked(net(x), check_output), y)
                 loss.backward()
             curvatures = [_pop_curvature(net, p, extension.savefield) for p in params]
 
@@ -253,6 +256,12 @@ def network_curvature(
         curvatures = [h if h is None else [h[0] * factor, *h[1:]] if isinstance(h, list) else h * factor
                       for h in curvatures]
     return NetworkCurvature(loss, grads, curvatures)
+
+
+def _checked(output: torch.Tensor, check_output) -> torch.Tensor:
+    if check_output is not None:
+        check_output(output.detach())
+    return output
 
 
 _EXTENSION_CACHE: Dict[tuple, BackpropExtension] = {}

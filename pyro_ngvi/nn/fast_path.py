@@ -14,6 +14,7 @@ The model itself stays free of BackPACK's hooks, so its traced path (and
 
 import math
 from copy import deepcopy
+from functools import partial
 from itertools import chain
 from typing import List, Optional, Tuple
 
@@ -92,6 +93,7 @@ class BackpackStep:
         if isinstance(guide, KroneckerNormal):
             return self._kronecker_step(model, guide, x, y, curvature, num_particles, deterministic, mc_samples)
         self._check_step(guide, y, curvature, deterministic)
+        model._check_batch(x, y)
         locs, scale = self._read_guide(model, guide, x, y)
         points, noise_scale, loss_scale = self._begin(model)
         twin, loss_module = self.twin, self.loss_module
@@ -110,6 +112,7 @@ class BackpackStep:
             result = network_curvature(
                 twin, loss_module, x, target, source, mc_samples=mc_samples, loss_scale=loss_scale,
                 params=self.params,
+                check_output=partial(model._check_targets, y) if particle == 0 else None,
             )
             site_grads = [result.grads[w.index] for w in model._latents]
             if curvature == "reparam":
@@ -158,11 +161,13 @@ class BackpackStep:
 
     def _begin(self, model):
         """
-        What every step needs first: the point estimates (read through
+        What every step needs first: the BatchNorm statistics kept until the step
+        is accepted, the point estimates (read through
         ``pyro.param`` and copied into the net), the Gaussian noise scale, the
         per-example weight :math:`c` of the loss module (:math:`-\\log p = c\\,`MSE +
         const), and the twin's train/eval modes matched to the network's.
         """
+        model._keep_running_stats_until_accepted()
         points = [model._point_estimate(w) for w in model._point_estimates]
         noise_scale = model._noise_scale() if model.likelihood == "gaussian" else None
         for twin_module, module in self.module_pairs:
@@ -203,6 +208,7 @@ class BackpackStep:
             )
         if y is None:
             raise ValueError("curvature_step needs the targets y")
+        model._check_batch(x, y)
         layers = self._kronecker_layers(model, guide, x, y)
         locs = [pyro.param(f"{guide._pyro_name}.locs.{layer.name}") for layer, _ in layers]
         points, noise_scale, loss_scale = self._begin(model)

@@ -8,6 +8,8 @@ way to its curvature (:meth:`BayesianNet.curvature_step`, the protocol of
 :mod:`pyro_ngvi.elbo`), served by :mod:`pyro_ngvi.nn.fast_path`.
 """
 
+import math
+import numbers
 from typing import Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
@@ -20,6 +22,7 @@ import pyro.distributions as dist
 from pyro.distributions import constraints
 from pyro.infer.autoguide.initialization import init_to_feasible
 
+from ..family import live_handover, on_rejected
 from ..kronecker import KroneckerLayer
 from ..priors import _weight_prior_loc_scale
 from .fast_path import LOSS_MODULES, BackpackStep
@@ -70,12 +73,16 @@ class BayesianNet(nn.Module):
     ``BatchNorm`` weights and biases are point-estimated (``pyro.param``);
     parameters with ``requires_grad=False`` stay fixed. The network's own
     parameters are not the model's: :meth:`curvature_step` writes the sampled
-    weights into them.
+    weights into them. The running statistics of train-mode ``BatchNorm`` layers
+    are saved at the first forward pass of each step and restored should
+    :class:`~pyro_ngvi.NGVI` skip the step (or the step fail).
 
     **Fast path.** :meth:`curvature_step` does what an ELBO does for this model
     with an :class:`~pyro.infer.autoguide.AutoNormal` guide, without Pyro's
     tracing: sample, forward, backward under BackPACK, and attach gradient and
-    curvature of the likelihood to each site (see there).
+    curvature of the likelihood to each site (see there). As it never evaluates
+    the likelihood's ``log_prob``, it checks the targets as that would: their
+    shape (once per shape) and, while Pyro's validation is enabled, their values.
 
     :param torch.nn.Module net: the plain network; its output for a batch ``x``
         is ``(B, ...)``. BackPACK curvature needs supported layers (``Linear``,
@@ -108,22 +115,27 @@ class BayesianNet(nn.Module):
         name: str = "",
     ):
         super().__init__()
-        if likelihood not in LOSS_MODULES:
+        if not isinstance(net, nn.Module):
+            raise ValueError(f"net must be a torch.nn.Module, got {net!r}")
+        if not isinstance(likelihood, str) or likelihood not in LOSS_MODULES:
             raise ValueError(
                 f"Unknown likelihood {likelihood!r}; supported: "
                 + ", ".join(repr(k) for k in LOSS_MODULES)
             )
-        if int(num_data) < 1:
-            raise ValueError(f"num_data must be a positive integer, got {num_data}")
-        for value, what in ((noise_scale, "noise_scale"), (init_noise_scale, "init_noise_scale")):
-            if value is not None and not value > 0:
-                raise ValueError(f"{what} must be positive, got {value}")
+        if noise_scale is not None:
+            noise_scale = _positive_finite("noise_scale", noise_scale)
+        init_noise_scale = _positive_finite("init_noise_scale", init_noise_scale)
+        if not isinstance(name, str):
+            raise ValueError(f"name must be a string, got {name!r}")
         self.net = net
         self.likelihood = likelihood
-        self.num_data = int(num_data)
+        self.num_data = num_data
         self.noise_scale = noise_scale
-        self.init_noise_scale = float(init_noise_scale)
+        self.init_noise_scale = init_noise_scale
         self.prefix = name + "." if name else ""
+        self._batch_norms = [m for m in net.modules() if isinstance(m, _BATCH_NORMS)]
+        self._running_stats_handover = None  # the hand-over whose forward saved them
+        self._checked_targets = set()  # (y shape, y dtype, output shape) seen valid
 
         self._fast_path = BackpackStep(net, likelihood)
 
@@ -146,6 +158,17 @@ class BayesianNet(nn.Module):
         self._latent_params = [w.param for w in self._latents]
         self._prior_cache = self._flat_prior_cache = None
         self._set_priors(prior)
+
+    @property
+    def num_data(self) -> int:
+        """Size :math:`N` of the training set (a positive integer; may be set)."""
+        return self._num_data
+
+    @num_data.setter
+    def num_data(self, value) -> None:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"num_data must be a positive integer, got {value!r}")
+        self._num_data = int(value)
 
     # ------------------------------------------------------------------ priors
 
@@ -350,7 +373,10 @@ class BayesianNet(nn.Module):
         ``x`` and observe ``y`` (sample it when ``None``).
 
         :returns: the likelihood's parameter (logits or mean), batch first.
+        :raises ValueError: for an empty batch, or ``y`` of another length than ``x``.
         """
+        self._check_batch(x, y)
+        self._keep_running_stats_until_accepted()
         params = {}
         for index, weight in enumerate(self._latents):
             loc, scale, _, _ = self._prior_buffers(index)
@@ -366,6 +392,81 @@ class BayesianNet(nn.Module):
             pyro.deterministic(self._site("output"), output, event_dim=output.dim() - 1)
             pyro.sample(self._site("obs"), likelihood, obs=y)
         return output
+
+    # ------------------------------------------------------------ data
+    def _check_batch(self, x, y) -> None:
+        """An empty batch, or targets of another length, are refused (no device sync)."""
+        if len(x) == 0:
+            raise ValueError(
+                "BayesianNet got an empty batch x: a minibatch needs at least one example "
+                "(its log-likelihood is scaled by num_data / batch size)"
+            )
+        if y is not None and (y.dim() == 0 or len(y) != len(x)):
+            raise ValueError(
+                f"BayesianNet: y holds {len(y) if y.dim() else 'no'} targets for a batch of "
+                f"{len(x)} inputs"
+            )
+
+    def _check_targets(self, y: torch.Tensor, output: torch.Tensor) -> None:
+        """
+        Refuse targets the model's likelihood would refuse, for a path that does not
+        evaluate its ``log_prob`` (the BackPACK fast path): the shape (the likelihood
+        parameter's, class dimension dropped for ``categorical``) and dtype, checked
+        once per distinct shape and dtype; and, while Pyro's validation is enabled
+        (:func:`pyro.enable_validation`, as for a distribution's support), the values:
+        class indices in ``[0, K)`` (integral, e.g. no ``-100``), Bernoulli
+        targets in ``{0, 1}``. Gaussian targets are any real number (a non-finite
+        one makes the step non-finite: the optimizer skips it).
+        """
+        param = self._likelihood_param(output)
+        expected = param.shape[:-1] if self.likelihood == "categorical" else param.shape
+        key = (y.shape, y.dtype, output.shape)
+        if key not in self._checked_targets:
+            if y.shape != expected:
+                raise ValueError(
+                    f"BayesianNet ({self.likelihood}): targets y of shape {tuple(y.shape)} for a "
+                    f"network output of shape {tuple(output.shape)}; expected {tuple(expected)}"
+                )
+            if y.dtype == torch.bool and self.likelihood != "bernoulli" or y.is_complex():
+                raise ValueError(
+                    f"BayesianNet ({self.likelihood}): targets y of dtype {y.dtype} are not "
+                    "supported"
+                )
+            self._checked_targets.add(key)
+        if self.likelihood == "gaussian" or y.dtype == torch.bool or not dist.is_validation_enabled():
+            return
+        top = param.shape[-1] - 1 if self.likelihood == "categorical" else 1
+        low, high = torch.aminmax(y.detach())
+        valid = low.tolist() >= 0 and high.tolist() <= top  # a device sync, as Pyro's support checks
+        if valid and y.is_floating_point():
+            valid = not bool(torch.any(y != y.round()))
+        if not valid:
+            valid = (y >= 0) & (y <= top) & (y == y.round())
+            support = f"class indices in {{0, ..., {top}}}" if self.likelihood == "categorical" else "0 or 1"
+            bad = y[~valid]
+            raise ValueError(
+                f"BayesianNet ({self.likelihood}): targets y must be {support}; got "
+                f"{bad.numel()} others, e.g. {bad[:3].tolist()} (the fast path checks them "
+                "while Pyro's validation is enabled, as the model's log_prob would)"
+            )
+
+    def _keep_running_stats_until_accepted(self) -> None:
+        """
+        Save the running statistics of the network's train-mode BatchNorm layers once
+        per ELBO evaluation (hand-over), for the optimizer to restore should it reject
+        the step: a skipped or failed step leaves no trace in them.
+        """
+        handover = live_handover()
+        if self._running_stats_handover == handover:
+            return
+        buffers = [buffer for m in self._batch_norms if m.training and m.track_running_stats
+                   for buffer in (m.running_mean, m.running_var, m.num_batches_tracked)
+                   if buffer is not None]
+        if not buffers:
+            return
+        self._running_stats_handover = handover
+        saved = [buffer.clone() for buffer in buffers]
+        on_rejected(lambda: torch._foreach_copy_(buffers, saved))
 
     # ------------------------------------------------------------ fast path
 
@@ -465,6 +566,19 @@ def _as_loc_scale(spec, weight: _Weight) -> Tuple[torch.Tensor, torch.Tensor]:
             f"Prior of site {weight.site!r}: loc {tuple(loc.shape)} and scale "
             f"{tuple(scale.shape)} do not broadcast to the weight's shape {tuple(param.shape)}"
         )
-    if not (scale > 0).all():
-        raise ValueError(f"Prior of site {weight.site!r}: the scale must be positive")
+    if not torch.isfinite(loc).all():
+        raise ValueError(f"Prior of site {weight.site!r}: the loc must be finite")
+    if not (torch.isfinite(scale) & (scale > 0)).all():
+        raise ValueError(f"Prior of site {weight.site!r}: the scale must be positive and finite")
     return loc, scale
+
+
+def _positive_finite(name: str, value) -> float:
+    """``value`` as a float, or a ValueError naming ``name`` unless it is a positive finite number."""
+    if torch.is_tensor(value) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
+        0 < value < math.inf
+    ):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    return float(value)

@@ -1,0 +1,78 @@
+"""
+Loading checkpoints without running code from them.
+
+``torch.load(..., weights_only=False)`` unpickles arbitrary objects, and a pickle
+may name any callable to build one (``__reduce__`` returning ``exec`` and a
+string): loading a crafted file runs its code. Pyro's
+:meth:`PyroOptim.load <pyro.optim.optim.PyroOptim.load>` and
+:meth:`ParamStoreDict.load <pyro.params.param_store.ParamStoreDict.load>` load
+that way. Here both load with ``weights_only=True``, which builds only tensors,
+numbers, strings, containers and the classes allowed explicitly:
+:meth:`pyro_ngvi.NGVI.load` allows none (its state is plain), and
+:func:`load_param_store` allows the constraint classes of
+:mod:`torch.distributions.constraints` and :mod:`pyro.distributions.constraints`
+(a param store records each parameter's constraint).
+"""
+
+import pickle
+from typing import Iterable
+
+import torch
+from torch.distributions import constraints as torch_constraints
+
+import pyro
+from pyro.distributions import constraints as pyro_constraints
+
+__all__ = ["load_param_store", "safe_load"]
+
+
+def safe_load(filename, map_location=None, allowed: Iterable[type] = (), what: str = "checkpoint"):
+    """
+    ``torch.load(filename, map_location, weights_only=True)`` with the classes
+    ``allowed`` besides tensors, numbers, strings and containers.
+
+    :raises ValueError: naming the file, when it holds anything else (a crafted
+        file, or one saved from objects this loader does not know); nothing in
+        it has run.
+    """
+    with open(filename, "rb") as f, torch.serialization.safe_globals(list(allowed)):
+        try:
+            return torch.load(f, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as error:
+            raise ValueError(
+                f"Refused to load {str(filename)!r} as a {what}: it holds objects other than "
+                "tensors, numbers, strings and containers, and unpickling them could run "
+                "code (as a crafted file does). Nothing from it was run. If you trust the "
+                "file, load it with torch.load(..., weights_only=False) yourself. Reason: "
+                f"{str(error).splitlines()[-1] if str(error) else error!r}"
+            ) from error
+
+
+def _constraint_classes():
+    classes = set()
+    for module in (torch_constraints, pyro_constraints):
+        for value in vars(module).values():
+            if isinstance(value, type) and issubclass(value, torch_constraints.Constraint):
+                classes.add(value)
+            elif isinstance(value, torch_constraints.Constraint):
+                classes.add(type(value))
+    return sorted(classes, key=lambda cls: (cls.__module__, cls.__qualname__))
+
+
+def load_param_store(filename, map_location=None) -> None:
+    """
+    What ``pyro.get_param_store().load(filename, map_location)`` does (restore
+    the parameters and their constraints saved by
+    ``pyro.get_param_store().save``), without running code from the file:
+    it loads with ``weights_only=True``, allowing only the constraint classes of
+    :mod:`torch.distributions.constraints` and :mod:`pyro.distributions.constraints`.
+
+    :param filename: a file written by ``pyro.get_param_store().save``.
+    :param map_location: as in :func:`torch.load` (default: None).
+    :raises ValueError: when the file holds anything else; the param store is
+        then unchanged.
+    """
+    state = safe_load(filename, map_location, _constraint_classes(), what="Pyro param store")
+    if not (isinstance(state, dict) and set(state) == {"params", "constraints"}):
+        raise ValueError(f"{str(filename)!r} is not a Pyro param store (saved by ParamStoreDict.save)")
+    pyro.get_param_store().set_state(state)
