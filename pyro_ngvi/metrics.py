@@ -22,10 +22,18 @@ training loop); a bad input raises :class:`ValueError` naming the argument.
 
 [3] `Obtaining Well Calibrated Probabilities Using Bayesian Binning`,
     Mahdi Pakdaman Naeini, Gregory F. Cooper, Milos Hauskrecht (AAAI 2015)
+
+[4] `A Baseline for Detecting Misclassified and Out-of-Distribution Examples
+    in Neural Networks`, Dan Hendrycks, Kevin Gimpel (ICLR 2017)
+    https://arxiv.org/abs/1610.02136
+
+[5] `On a Test of Whether one of Two Random Variables is Stochastically Larger
+    than the Other`, Henry B. Mann, Donald R. Whitney (Annals of Mathematical
+    Statistics, 1947)
 """
 
 import math
-from typing import NamedTuple, Union
+from typing import Callable, Dict, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -303,6 +311,144 @@ def predictive_entropy(probs) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------
+# out-of-distribution detection
+
+
+def auroc(scores_negative, scores_positive) -> torch.Tensor:
+    """
+    Area under the ROC curve of a score that should be higher on the positive
+    examples: the Mann-Whitney statistic [5]
+
+    .. math:: \\mathrm{AUROC} = \\frac{1}{n_+ n_-} \\sum_{i \\in +} \\sum_{j \\in -}
+              \\Big([s_i > s_j] + \\tfrac12 [s_i = s_j]\\Big),
+
+    computed from ranks (ties get their average rank) in :math:`O(n \\log n)`.
+    0.5 is chance, 1 a perfect separation.
+
+    :param torch.Tensor scores_negative: scores of the negative examples, ``(n_-,)``.
+    :param torch.Tensor scores_positive: scores of the positive examples, ``(n_+,)``.
+    :rtype: torch.Tensor
+    """
+    negative = _check_scores(scores_negative, "scores_negative")
+    positive = _check_scores(scores_positive, "scores_positive").to(negative)
+    scores = torch.cat([negative, positive])
+    order = scores.argsort()
+    _, inverse, counts = scores[order].unique_consecutive(return_inverse=True, return_counts=True)
+    # average rank (1-based) of each group of tied scores
+    ends = counts.cumsum(0).to(torch.float64)
+    average_rank = ends - (counts.to(torch.float64) - 1) / 2
+    ranks = torch.empty_like(average_rank[inverse])
+    ranks[order] = average_rank[inverse]
+    num_negative, num_positive = len(negative), len(positive)
+    positive_rank_sum = ranks[num_negative:].sum()
+    u = positive_rank_sum - num_positive * (num_positive + 1) / 2
+    return (u / (num_positive * num_negative)).to(scores.dtype)
+
+
+#: OOD scores of :func:`ood_auroc`: name -> (predictive probs ``(N, K)`` -> score, higher = more OOD).
+OOD_SCORES: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "entropy": lambda probs: predictive_entropy(probs),
+    "max_prob": lambda probs: -_check_probs(probs).max(-1).values,
+}
+
+
+def ood_auroc(probs_in, probs_out, score: str = "entropy") -> torch.Tensor:
+    """
+    How well the predictive tells out-of-distribution inputs from
+    in-distribution ones: the :func:`auroc` of a per-example score, with the
+    out-of-distribution examples as the positives [4]. Scores (higher means
+    "more likely out of distribution"):
+
+    * ``"entropy"``: the predictive entropy :math:`-\\sum_k \\bar p_k \\log \\bar p_k`;
+    * ``"max_prob"``: minus the top-class probability, :math:`-\\max_k \\bar p_k`.
+
+    Use the posterior predictive :math:`\\bar p` (:func:`predictive_probs_from_logits`):
+    its entropy includes the disagreement between weight samples.
+
+    :param torch.Tensor probs_in: predictive probabilities on in-distribution
+        inputs, ``(N_in, K)``.
+    :param torch.Tensor probs_out: the same on out-of-distribution inputs, ``(N_out, K)``.
+    :param str score: ``"entropy"`` or ``"max_prob"`` (default: ``"entropy"``)
+    :rtype: torch.Tensor
+    """
+    if score not in OOD_SCORES:
+        raise ValueError(f"score must be one of {list(OOD_SCORES)}, got {score!r}")
+    probs_in, probs_out = _check_probs(probs_in, "probs_in"), _check_probs(probs_out, "probs_out")
+    if probs_in.shape[1] != probs_out.shape[1]:
+        raise ValueError(
+            f"probs_in and probs_out must have the same number of classes, got "
+            f"{probs_in.shape[1]} and {probs_out.shape[1]}"
+        )
+    return auroc(OOD_SCORES[score](probs_in), OOD_SCORES[score](probs_out))
+
+
+# ---------------------------------------------------------------------------
+# the number of test-time samples
+
+#: Metrics :func:`metrics_by_num_samples` reports by default.
+DEFAULT_SAMPLE_METRICS = {
+    "nll": lambda probs, y: nll(probs, y),
+    "accuracy": lambda probs, y: accuracy(probs, y),
+    "ece": lambda probs, y: expected_calibration_error(probs, y),
+}
+
+
+def metrics_by_num_samples(
+    logits,
+    y,
+    num_samples: Sequence[int],
+    metrics: Optional[Dict[str, Callable]] = None,
+) -> Dict[str, torch.Tensor]:
+    """
+    The effect of the number :math:`S` of test-time weight samples on the
+    predictive: for each :math:`S` in ``num_samples``, the ``T`` samples are cut
+    into :math:`G = \\lfloor T / S \\rfloor` disjoint consecutive groups, each
+    group's :math:`S`-sample predictive
+    :math:`\\bar p^{(g)} = \\frac1S \\sum_{s \\in g} \\mathrm{softmax}(f^{(s)})` is
+    scored, and the scores are averaged over the groups,
+
+    .. math:: m(S) = \\frac1G \\sum_{g=1}^G m(\\bar p^{(g)}, y),
+
+    an estimate of the expected metric of a predictive made from :math:`S`
+    samples (averaging over groups lowers its variance; :math:`S = T` is the
+    predictive of all samples). :math:`S = 1` is the average single-network
+    score; NLL and ECE usually fall as :math:`S` grows while accuracy changes
+    little.
+
+    :param torch.Tensor logits: per-sample logits, ``(T, N, K)`` (or binary
+        ``(T, N)``), as :class:`~pyro.infer.Predictive` returns them for the
+        ``"output"`` site of a :class:`~pyro_ngvi.BayesianNet`.
+    :param torch.Tensor y: integer labels, ``(N,)``.
+    :param num_samples: the values of :math:`S`, each in ``[1, T]``.
+    :param dict metrics: name -> ``metric(probs, y)`` (default: ``nll``,
+        ``accuracy`` and ``ece``, i.e. :func:`nll`, :func:`accuracy`,
+        :func:`expected_calibration_error`)
+    :returns: name -> tensor of shape ``(len(num_samples),)``.
+    :rtype: dict
+    """
+    logits = _sample_stack(logits, "logits")
+    total = logits.shape[0]
+    sizes = list(num_samples)
+    if not sizes or any(isinstance(s, bool) or int(s) != s or not 1 <= s <= total for s in sizes):
+        raise ValueError(
+            f"num_samples must be a non-empty list of integers in [1, {total}] "
+            f"(the number of samples in logits), got {num_samples!r}"
+        )
+    metrics = DEFAULT_SAMPLE_METRICS if metrics is None else metrics
+    results = {name: [] for name in metrics}
+    for size in map(int, sizes):
+        groups = total // size
+        scores = {name: 0.0 for name in metrics}
+        for group in logits[: groups * size].split(size):
+            probs = predictive_probs_from_logits(group)
+            for name, metric in metrics.items():
+                scores[name] = scores[name] + torch.as_tensor(metric(probs, y), dtype=probs.dtype)
+        for name in metrics:
+            results[name].append(scores[name] / groups)
+    return {name: torch.stack(values) for name, values in results.items()}
+
+
+# ---------------------------------------------------------------------------
 # regression metrics
 
 
@@ -397,6 +543,15 @@ def rmse(pred_mean, y) -> torch.Tensor:
             f"got {tuple(y.shape)}"
         )
     return (pred_mean - y).pow(2).mean().sqrt()
+
+
+def _check_scores(scores, name: str) -> torch.Tensor:
+    scores = _as_float(scores)
+    if scores.dim() != 1 or scores.shape[0] == 0:
+        raise ValueError(f"{name} must have shape (n,) with n >= 1, got {tuple(scores.shape)}")
+    if not bool(torch.isfinite(scores).all()):
+        raise ValueError(f"{name} must be finite")
+    return scores
 
 
 def _sample_stack(value, name: str) -> torch.Tensor:

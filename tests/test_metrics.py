@@ -367,3 +367,89 @@ def test_rmse_rejects_shape_mismatch():
         rmse(torch.zeros(3), torch.zeros(4))
     with pytest.raises(ValueError, match=r"^pred_mean must have shape \(N,\)"):
         rmse(torch.zeros(3, 1), torch.zeros(3, 1))
+
+
+# ---------------------------------------------------------------------------
+# out-of-distribution detection
+
+
+def brute_force_auroc(negative, positive):
+    """Pair count: P(s+ > s-) + P(s+ = s-) / 2 over all pairs."""
+    wins = sum(float(p > n) + 0.5 * float(p == n) for p in positive for n in negative)
+    return wins / (len(positive) * len(negative))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_auroc_matches_sklearn_and_pair_count_with_ties(seed):
+    from sklearn.metrics import roc_auc_score
+
+    generator = torch.Generator().manual_seed(seed)
+    negative = torch.randint(0, 6, (37,), generator=generator).double()  # many ties
+    positive = torch.randint(2, 9, (23,), generator=generator).double()
+    expected = roc_auc_score([0] * 37 + [1] * 23, torch.cat([negative, positive]).numpy())
+    assert_close(metrics.auroc(negative, positive), expected, rtol=1e-12, atol=0)
+    assert_close(metrics.auroc(negative, positive), brute_force_auroc(negative, positive),
+                 rtol=1e-12, atol=0)
+
+
+def test_auroc_extremes():
+    assert metrics.auroc(torch.tensor([0.0, 1.0]), torch.tensor([2.0, 3.0])) == 1.0
+    assert metrics.auroc(torch.tensor([2.0, 3.0]), torch.tensor([0.0, 1.0])) == 0.0
+    assert metrics.auroc(torch.tensor([1.0, 1.0]), torch.tensor([1.0])) == 0.5
+
+
+@pytest.mark.parametrize("score", ["entropy", "max_prob"])
+def test_ood_auroc_scores_out_of_distribution_as_positives(score):
+    from sklearn.metrics import roc_auc_score
+
+    generator = torch.Generator().manual_seed(0)
+    probs_in = torch.softmax(3 * torch.randn(40, 4, generator=generator, dtype=torch.float64), -1)
+    probs_out = torch.softmax(torch.randn(30, 4, generator=generator, dtype=torch.float64), -1)
+    probs = torch.cat([probs_in, probs_out])
+    if score == "entropy":
+        values = -(probs * probs.log()).sum(-1)
+    else:
+        values = -probs.max(-1).values
+    expected = roc_auc_score([0] * 40 + [1] * 30, values.numpy())
+    assert_close(metrics.ood_auroc(probs_in, probs_out, score=score), expected, rtol=1e-12, atol=0)
+
+
+def test_ood_auroc_input_errors():
+    with pytest.raises(ValueError, match="score"):
+        metrics.ood_auroc(PROBS, PROBS, score="energy")
+    with pytest.raises(ValueError, match="number of classes"):
+        metrics.ood_auroc(PROBS, PROBS[:, :2])
+    with pytest.raises(ValueError, match="probs_out"):
+        metrics.ood_auroc(PROBS, PROBS[0])
+    with pytest.raises(ValueError, match="scores_positive"):
+        metrics.auroc(torch.ones(3), torch.tensor([]))
+    with pytest.raises(ValueError, match="finite"):
+        metrics.auroc(torch.ones(3), torch.tensor([float("nan")]))
+
+
+# ---------------------------------------------------------------------------
+# the number of test-time samples
+
+
+def test_metrics_by_num_samples_averages_disjoint_groups():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 30, 3, generator=generator, dtype=torch.float64)
+    y = torch.randint(0, 3, (30,), generator=generator)
+    result = metrics.metrics_by_num_samples(logits, y, [1, 3, 7])
+    assert set(result) == {"nll", "accuracy", "ece"}
+    for name, metric in [("nll", nll), ("accuracy", accuracy), ("ece", expected_calibration_error)]:
+        # S = 1: the mean single-network score; S = 3: groups (0-2), (3-5), sample 6 unused;
+        # S = 7: the predictive of all samples
+        single = sum(metric(torch.softmax(logits[s], -1), y) for s in range(7)) / 7
+        triples = sum(metric(torch.softmax(logits[g:g + 3], -1).mean(0), y) for g in (0, 3)) / 2
+        full = metric(torch.softmax(logits, -1).mean(0), y)
+        assert_close(result[name], torch.stack([single, triples, full]), rtol=1e-12, atol=1e-15)
+
+
+def test_metrics_by_num_samples_custom_metric_and_errors():
+    logits = torch.zeros(4, 2, 3)
+    result = metrics.metrics_by_num_samples(logits, torch.tensor([0, 1]), [2], {"brier": brier_score})
+    assert_close(result["brier"], [2 / 3], rtol=1e-6, atol=0)
+    for bad in ([], [0], [5], [1.5]):
+        with pytest.raises(ValueError, match="num_samples"):
+            metrics.metrics_by_num_samples(logits, torch.tensor([0, 1]), bad)
