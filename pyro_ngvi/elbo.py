@@ -3,10 +3,11 @@
 """
 
 import math
+import warnings
 from typing import Dict, List
 
 import torch
-from torch.distributions import biject_to
+from torch.distributions import biject_to, constraints
 
 import pyro
 import pyro.poutine as poutine
@@ -17,11 +18,12 @@ from pyro.util import check_site_shape
 
 from .curvature import check_source
 from .curvature.autograd import diag_hessian, empirical_fisher_diag, ggn_diag, mc_ggn_diag, per_example_log_prob
+from .curvature.batch_norm import frozen_batch_statistics, uses_batch_statistics
 from .curvature.dense import empirical_fisher_matrix, ggn_matrix, hessian_matrix, mc_ggn_matrix
-from .family import SiteCurvature, _full_covariance_site, _is_automultivariatenormal, attach_curvature
+from .family import PriorParam, SiteCurvature, _full_covariance_site, _is_automultivariatenormal, attach_curvature
 from .family import begin_handover, calling_svi, end_handover
 from .full_covariance import whitened_price_curvature
-from .priors import conjugate_gaussian, conjugate_normal
+from .priors import conjugate_gaussian, conjugate_normal_parts, learnable_constraint, prior_param_index
 
 
 class CurvatureELBO(ELBO):
@@ -46,6 +48,35 @@ class CurvatureELBO(ELBO):
     are divided by that site's plate scale :math:`N/B`, so the rows in the
     minibatch get their full-data values.
 
+    **Priors learned by the evidence.** When the ``loc`` and/or ``scale`` of such
+    a prior is a ``pyro.param`` of the model, broadcast over the site (Pyro's
+    way to write a learnable hyperparameter)::
+
+        s = pyro.param("prior_scale", torch.tensor(1.0), constraint=constraints.positive)
+        w = pyro.sample("w", dist.Normal(0.0, s).expand([D]).to_event(1))
+
+    the site keeps its exact conjugate treatment (with the param's current
+    value), and the :class:`~pyro_ngvi.family.SiteCurvature` names the param
+    (:class:`~pyro_ngvi.family.PriorParam`: its tensor, constraint, and which of
+    its elements is the prior of each site element). :class:`~pyro_ngvi.NGVI`
+    then sets it, after each update of the guide, to the maximiser of the ELBO
+    given the guide (type-II maximum likelihood in closed form,
+    :func:`~pyro_ngvi.priors.update_learned_priors`), and keeps it away from its
+    point optimizer: a few steps reach the evidence optimum where a gradient
+    optimizer needs thousands. Recognised: the param itself or any view of it
+    (``expand``, ``unsqueeze``, broadcasting), with a real, half-line or interval
+    constraint, the same param not being both loc and scale; under a subsampled
+    plate the prior must not vary along the plate. A param that also enters the
+    model elsewhere (the likelihood, a non-conjugate prior) has no closed-form
+    maximiser: it is trained by the point optimizer as before, its sites' priors
+    go into :math:`\\ell`, and a :class:`UserWarning` says so once. Anything
+    computed from a param (``Normal(0, 1 / tau.sqrt())``) is an ordinary,
+    non-conjugate prior. With a plain :class:`~pyro.infer.Trace_ELBO` the
+    optimizer sees no model trace: the prior is inside :math:`g, h` and the param
+    is a point-estimated parameter trained by its gradient; use
+    ``CurvatureELBO("reparam")`` for the same sampled curvature with the prior
+    learned in closed form.
+
     Curvature sources for the likelihood part (:data:`pyro_ngvi.curvature.SOURCES`):
 
     - ``"reparam"``: :math:`h = g\\,\\epsilon/\\sigma` (Price's theorem), no extra pass;
@@ -55,6 +86,11 @@ class CurvatureELBO(ELBO):
     - ``"ggn_mc"``: the same at targets drawn from the model's own likelihood;
     - ``"ggn"``: the exact generalised Gauss-Newton diagonal for Categorical,
       Bernoulli and Normal likelihoods.
+
+    For a model whose likelihood passes a ``BatchNorm`` that normalises with
+    the minibatch's statistics (train mode), ``ef``, ``ggn`` and ``ggn_mc`` are
+    those of the network with the statistics frozen (the model is run once more
+    for them), the gradient stays exact: see :mod:`pyro_ngvi.curvature.batch_norm`.
 
     **Full covariance.** For an
     :class:`~pyro.infer.autoguide.AutoMultivariateNormal` the same sources are
@@ -67,7 +103,9 @@ class CurvatureELBO(ELBO):
     :func:`~pyro_ngvi.posterior_as_prior` makes of a full-covariance guide) is
     handed over as its block of :math:`(m_0, S_0)`. Deterministic, the loss is
     :math:`\\ell(\\mu) - \\mathcal{H}(q) - E_q[\\log p_0]` (the Gaussian parts in
-    expectation, in closed form).
+    expectation, in closed form). Learned prior params (above) are recognised
+    on mean-field sites only; on a full-covariance guide such a prior is an
+    ordinary non-conjugate one, and BatchNorm statistics are not frozen.
 
     **A model's own fast path.** A model that can compute these statistics
     faster than tracing says so (the protocol; the ELBO knows no model class):
@@ -129,6 +167,8 @@ class CurvatureELBO(ELBO):
         self.curvature = curvature
         self.deterministic = deterministic
         self.mc_samples = mc_samples
+        # prior params found to enter the model outside conjugate priors (no closed form)
+        self._shared_prior_params = set()
 
     #: :class:`~pyro_ngvi.NGVI` takes the statistics of an ELBO that says so (others'
     #: steps leave nothing it could take).
@@ -184,7 +224,8 @@ class CurvatureELBO(ELBO):
         point_grads: Dict[int, List] = {}  # id -> [param, grad]: written once all particles ran
         loss = 0.0
         for _ in range(self.num_particles):
-            particle_loss, stats, particle_priors = self._particle(model, guide, args, kwargs, point_grads)
+            particle_loss, stats, particle_priors = self._particle_with_priors(model, guide, args, kwargs,
+                                                                              point_grads)
             loss += particle_loss / self.num_particles
             priors.update(particle_priors)
             for name, (grad, curvature, count) in stats.items():
@@ -200,7 +241,8 @@ class CurvatureELBO(ELBO):
         for name, (grad, curvature, count) in totals.items():
             touched = count > 0
             denominator = count.clamp(min=1)
-            prior_loc, prior_precision = priors.get(name, (None, None))
+            prior_loc, prior_precision, learned = priors.get(name, (None, None, None))
+            learned = learned or {}
             attach_curvature(
                 store._params[f"{guide._pyro_name}.locs.{name}"],
                 SiteCurvature(
@@ -210,9 +252,29 @@ class CurvatureELBO(ELBO):
                     prior_precision,
                     None if bool(touched.all()) else touched,
                     sampled=self.curvature == "reparam",
+                    prior_loc_param=learned.get("loc"),
+                    prior_scale_param=learned.get("scale"),
+                    prior_weight=learned.get("weight", 1.0),
                 ),
             )
         return loss
+
+    def _particle_with_priors(self, model, guide, args, kwargs, point_grads):
+        """:meth:`_particle`, again without closed-form learning of a prior param
+        found to enter the model elsewhere (nothing was written before that was found)."""
+        while True:
+            try:
+                return self._particle(model, guide, args, kwargs, point_grads)
+            except _SharedPriorParams as shared:
+                self._shared_prior_params.update(shared.names)
+                warnings.warn(
+                    f"The prior param(s) {', '.join(repr(n) for n in shared.names)} also enter the "
+                    "model outside conjugate Normal priors, so the ELBO has no closed-form "
+                    "maximiser in them: they are trained by NGVI's point optimizer from their "
+                    "gradient, and the priors they set are handled as non-conjugate.",
+                    UserWarning,
+                    stacklevel=4,
+                )
 
     # ------------------------------------------------------------------ one particle
     def _particle(self, model, guide, args, kwargs, point_grads):
@@ -227,10 +289,14 @@ class CurvatureELBO(ELBO):
             guide_trace.nodes[name]["value"] = transform(leaf)
             leaves[name] = leaf
             latents[name] = (normal.loc.detach(), normal.scale.detach(), transform, aux)
+        # per-example sources may rerun the model (BatchNorm): with the same random state
+        rng_state = _torch_rng_state() if self.curvature in _PER_EXAMPLE else None
         model_trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(*args, **kwargs)
         model_trace.compute_log_prob()
 
         likelihood, prior_terms, conjugate, site_scale = [], [], {}, {}
+        learned = {}  # site -> {"loc": PriorParam, "scale": PriorParam, "weight", "full": (m0, lam0)}
+        params = None  # the model's params a prior may be, found when first needed
         observed = []
         for name, site in model_trace.nodes.items():
             if site["type"] != "sample":
@@ -250,9 +316,17 @@ class CurvatureELBO(ELBO):
             leaf = leaves[name]
             transform = latents[name][2]
             log_det = transform.log_abs_det_jacobian(leaf, site["value"])
-            prior = conjugate_normal(site["fn"], guide.prototype_trace.nodes[name]["fn"].support)
-            if prior is not None and not (prior[0].requires_grad or prior[1].requires_grad):
-                conjugate[name] = (prior[0].detach().expand_as(leaf), prior[1].detach().expand_as(leaf))
+            parts = conjugate_normal_parts(site["fn"], guide.prototype_trace.nodes[name]["fn"].support)
+            hyper = None
+            if parts is not None and (parts[0].requires_grad or parts[1].requires_grad):
+                if params is None:
+                    params = self._prior_param_candidates(model_trace, guide)
+                hyper = self._learned_prior(name, *parts, params, guide)
+            if parts is not None and (hyper is not None or not (parts[0].requires_grad or parts[1].requires_grad)):
+                conjugate[name] = (parts[0].detach().expand_as(leaf), parts[1].detach().pow(-2).expand_as(leaf))
+                if hyper is not None:
+                    hyper["weight"] = scale * leaf.numel() / hyper["full"][0].numel()
+                    learned[name] = hyper
             else:
                 prior_terms.append(site["log_prob_sum"] + scale * log_det.sum())
         nonconjugate_prior = -sum(prior_terms) if prior_terms else None
@@ -271,6 +345,14 @@ class CurvatureELBO(ELBO):
             )
             grads = [torch.zeros_like(x) if g is None else g for g, x in zip(all_grads[: len(inputs)], inputs)]
             other_grads = all_grads[len(inputs):]
+        hyper_names = {id(p.unconstrained): p.name for hyper in learned.values()
+                       for p in (hyper.get("loc"), hyper.get("scale")) if p is not None}
+        shared = sorted({hyper_names[id(p)] for p, g in zip(others, other_grads)
+                         if g is not None and id(p) in hyper_names})
+        if shared:  # before anything is written
+            raise _SharedPriorParams(shared)
+        if rng_state is not None and uses_batch_statistics([site["log_prob_sum"] for site in observed]):
+            observed = self._frozen_rerun(model, model_trace, observed, rng_state, args, kwargs)
         for p, g in zip(others, other_grads):
             if g is not None:
                 g = g.detach() / self.num_particles
@@ -287,9 +369,12 @@ class CurvatureELBO(ELBO):
             full_grad, count = _scatter_rows(grad, guide, name, guide_trace)
             full_curvature, _ = _scatter_rows(curvature, guide, name, guide_trace)
             stats[name] = (full_grad, full_curvature, count)
-            if name in conjugate:
+            if name in learned:  # full-size: constant along any subsampled plate
+                m0, lam0 = learned[name].pop("full")
+                priors[name] = (m0, lam0, learned[name])
+            elif name in conjugate:
                 m0, lam0 = (_scatter_rows(t, guide, name, guide_trace, fill=1.0)[0] for t in conjugate[name])
-                priors[name] = (m0, lam0)
+                priors[name] = (m0, lam0, None)
 
         with torch.no_grad():
             loss = -float(sum(site["log_prob_sum"] for site in model_trace.nodes.values()
@@ -308,6 +393,74 @@ class CurvatureELBO(ELBO):
                 log_det = transform.log_abs_det_jacobian(leaf, value).sum()
                 loss += s * float(log_q - log_det)
         return loss, stats, priors
+
+    def _prior_param_candidates(self, model_trace, guide) -> Dict[str, torch.Tensor]:
+        """The model's ``pyro.param`` values a prior's loc or scale may be (learnable ones only)."""
+        prefix = guide._pyro_name + "."
+        store = pyro.get_param_store()
+        return {
+            name: site["value"] for name, site in model_trace.nodes.items()
+            if site["type"] == "param" and not name.startswith(prefix)
+            and name not in self._shared_prior_params
+            and learnable_constraint(store._constraints.get(name, constraints.real))
+        }
+
+    def _learned_prior(self, name, loc, scale, params, guide):
+        """
+        The :class:`~pyro_ngvi.family.PriorParam` s of a conjugate prior whose
+        ``loc`` / ``scale`` (those that need a gradient) are ``pyro.param`` values
+        of the model, with the prior in full-size rows, as
+        ``{"loc": ..., "scale": ..., "full": (m0, lam0)}``; ``None`` when any
+        such tensor is not a param (or a view of one), or the prior varies along a
+        subsampled plate (its rows outside the minibatch are then unknown).
+        """
+        found, full = {}, []
+        for role, tensor in (("loc", loc), ("scale", scale)):
+            full_tensor = _full_rows(tensor, guide, name)
+            if full_tensor is None:
+                return None
+            full.append(full_tensor.detach())
+            if not tensor.requires_grad:
+                continue
+            match = next(((param_name, value, index) for param_name, value in params.items()
+                          for index in [prior_param_index(tensor, value)] if index is not None), None)
+            if match is None:
+                return None
+            param_name, value, index = match
+            found[role] = PriorParam(param_name, value.unconstrained(),
+                                     pyro.get_param_store()._constraints[param_name],
+                                     _full_rows(index, guide, name))
+        if "loc" in found and "scale" in found and found["loc"].name == found["scale"].name:
+            return None
+        found["full"] = (full[0], full[1].pow(-2))
+        return found
+
+    def _frozen_rerun(self, model, model_trace, observed, rng_state, args, kwargs):
+        """
+        The observed sites of a second run of the model, replaying ``model_trace``
+        (the same latent values, subsamples) from the random state the first run
+        started with (the same dropout masks), under
+        :func:`~pyro_ngvi.curvature.batch_norm.frozen_batch_statistics`: the
+        likelihood of the network whose ``BatchNorm`` layers hold the minibatch's
+        statistics fixed, per-example separable, for the per-example curvature.
+        """
+        state_after = _torch_rng_state()
+        _set_torch_rng_state(rng_state)
+        try:
+            with frozen_batch_statistics():
+                trace = poutine.trace(poutine.replay(model, trace=model_trace)).get_trace(*args, **kwargs)
+        finally:
+            _set_torch_rng_state(state_after)
+        observed = [trace.nodes[site["name"]] for site in observed]
+        trace.compute_log_prob()
+        if uses_batch_statistics([site["log_prob_sum"] for site in observed]):
+            raise NotImplementedError(
+                f"curvature='{self.curvature}' needs per-example terms, but the model normalises "
+                "with minibatch statistics outside torch.nn.functional.batch_norm (e.g. "
+                "torch.batch_norm called directly), which cannot be frozen. Use nn.BatchNorm* "
+                "or F.batch_norm, or curvature='hessian' or 'reparam'."
+            )
+        return observed
 
     def _curvature(self, objective, nll, nonconjugate_prior, observed, inputs, names, latents, grads):
         if self.curvature == "reparam":
@@ -488,6 +641,55 @@ def _gaussian_cross_entropy(loc, factor, prior_loc, prior_precision, blocks) -> 
     return total
 
 
+#: Sources summing per-example terms over a data plate.
+_PER_EXAMPLE = ("ef", "ggn", "ggn_mc")
+
+
+def _torch_rng_state():
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_torch_rng_state(state) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+class _SharedPriorParams(Exception):
+    """A learned prior param also enters the model elsewhere (see :meth:`CurvatureELBO._particle_with_priors`)."""
+
+    def __init__(self, names):
+        super().__init__(names)
+        self.names = names
+
+
+def _subsampled_dims(guide, name):
+    """``(frame, dim, full size)`` of each subsampled plate of a guide site (``dim``
+    counted from the right of the site's value, event dims included)."""
+    event_dim = guide._event_dims[name]
+    for frame in guide.prototype_trace.nodes[name]["cond_indep_stack"]:
+        full_size = frame.full_size or frame.size
+        if frame.vectorized and full_size != frame.size:
+            yield frame, frame.dim - event_dim, full_size
+
+
+def _full_rows(tensor, guide, name):
+    """
+    ``tensor`` (a site's prior, shaped like its minibatch rows) for all rows of
+    every subsampled plate, when it is constant along them (size 1 or stride 0
+    there, as a broadcast param is); ``None`` when it varies along one.
+    """
+    for _, dim, full_size in _subsampled_dims(guide, name):
+        if tensor.shape[dim] != 1 and tensor.stride(dim) != 0:
+            return None
+        shape = list(tensor.shape)
+        shape[dim] = full_size
+        tensor = tensor.narrow(dim, 0, 1).expand(shape)
+    return tensor
+
+
 def _add(a, b):
     if a is None:
         return b
@@ -524,12 +726,7 @@ def _scatter_rows(values, guide, name, guide_trace, fill=0.0):
     """Place a subsampled site's rows into a full-size tensor; count touched rows."""
     full = values
     count = torch.ones_like(values)
-    event_dim = guide._event_dims[name]
-    for frame in guide.prototype_trace.nodes[name]["cond_indep_stack"]:
-        full_size = frame.full_size or frame.size
-        if not frame.vectorized or full_size == frame.size:
-            continue
-        dim = frame.dim - event_dim
+    for frame, dim, full_size in _subsampled_dims(guide, name):
         index = guide_trace.nodes[frame.name]["value"]
         shape = list(full.shape)
         shape[dim] = full_size

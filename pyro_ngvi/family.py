@@ -65,6 +65,28 @@ _undo: List[Callable[[], None]] = []
 
 
 @dataclass
+class PriorParam:
+    """
+    A ``pyro.param`` of the model that the ``loc`` or the ``scale`` of a site's
+    conjugate Normal prior (in ``u``) is, broadcast over the site: the prior
+    hyperparameter :class:`~pyro_ngvi.NGVI` sets by type-II maximum likelihood
+    (:func:`~pyro_ngvi.priors.update_learned_priors`) instead of the point
+    optimizer.
+
+    :param str name: the param's name in the param store.
+    :param torch.Tensor unconstrained: its unconstrained tensor there (written in place).
+    :param constraint: its constraint (the value is ``transform_to(constraint)(unconstrained)``).
+    :param torch.Tensor index: integer tensor of the site's ``loc`` shape: element
+        :math:`i` of the site has the prior loc (or scale) ``value.reshape(-1)[index[i]]``.
+    """
+
+    name: str
+    unconstrained: torch.Tensor
+    constraint: object
+    index: torch.Tensor
+
+
+@dataclass
 class SiteCurvature:
     """
     What an ELBO hands :class:`~pyro_ngvi.NGVI` for one guide site. Every tensor
@@ -92,6 +114,13 @@ class SiteCurvature:
         :math:`C^\\top H C`, in the coordinates that whiten the guide's Gaussian
         (:func:`~pyro_ngvi.full_covariance.whiten`): what the Price estimate gives
         without an inverse.
+    :param prior_loc_param: the :class:`PriorParam` that ``prior_loc`` is, or ``None``
+        (a fixed prior loc).
+    :param prior_scale_param: the :class:`PriorParam` that the prior scale
+        :math:`\\lambda_0^{-1/2}` is, or ``None`` (a fixed prior scale).
+    :param float prior_weight: the weight of each row's :math:`\\mathrm{KL}(q \\| p_0)`
+        in the full-data ELBO (a ``poutine.scale`` factor; 1 for a plain model),
+        used to pool sites that share a learned prior param.
     :param int handover: the ELBO evaluation that made these statistics
         (set by :func:`attach_curvature`).
     """
@@ -104,8 +133,15 @@ class SiteCurvature:
     sampled: bool = False
     nonnegative: bool = False
     scale: Optional[torch.Tensor] = None
+    prior_loc_param: Optional[PriorParam] = None
+    prior_scale_param: Optional[PriorParam] = None
+    prior_weight: float = 1.0
     handover: int = 0
     whitened: bool = False
+
+    def prior_params(self) -> List[PriorParam]:
+        """The learned prior params of this site (none, one or two)."""
+        return [p for p in (self.prior_loc_param, self.prior_scale_param) if p is not None]
 
 
 def begin_handover() -> int:

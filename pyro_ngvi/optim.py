@@ -22,6 +22,7 @@ from .checkpoint import safe_load
 from .distributed import all_reduce_stats, is_distributed
 from .family import FullCovarianceSite, GaussianSite, SiteCurvature, calling_svi, end_handover, pop_curvature, split_params
 from .kronecker import KroneckerCurvature, KroneckerSite, kronecker_step
+from .priors import update_learned_priors
 
 Schedule = Union[float, Callable[[int], float]]
 
@@ -172,6 +173,18 @@ class NGVI(PyroOptim):
     of :func:`~pyro_ngvi.kronecker.kronecker_step` on the Kronecker factors a
     model's fast path hands over (``CurvatureELBO("ggn")`` / ``"ggn_mc"``).
 
+    **Priors learned by the evidence.** Where the ELBO names a ``pyro.param`` of
+    the model as the loc or scale of a site's conjugate prior
+    (:class:`~pyro_ngvi.CurvatureELBO`, :class:`~pyro_ngvi.BayesianNet` with
+    ``learn_prior=True``), NGVI sets it after the guide's update to the
+    maximiser of the ELBO given the new guide, e.g. for a zero-mean prior with
+    one scale shared by a set of elements
+
+    .. math:: s_0^2 = \\mathrm{mean}(\\mu^2 + \\sigma^2)
+
+    over them (:func:`~pyro_ngvi.priors.update_learned_priors`: variational
+    EM, one M-step per step); the point optimizer never sees it.
+
     **Which tensors are Gaussian sites** is read off the guide, never off
     parameter names (:func:`~pyro_ngvi.family.gaussian_sites`): NGVI takes the
     guide from the :class:`~pyro.infer.SVI` that calls it (or from ``guide``).
@@ -315,6 +328,10 @@ class NGVI(PyroOptim):
         kronecker_sites = [site for site in sites if isinstance(site, KroneckerSite)]
         if kronecker_sites and is_distributed():
             raise NotImplementedError("NGVI does not average Kronecker factors across processes yet")
+        learned = {id(p.unconstrained) for s in stats.values() if isinstance(s, SiteCurvature)
+                   for p in s.prior_params()}
+        if learned:  # prior params set in closed form below, not by the point optimizer
+            others = [p for p in others if id(p) not in learned]
         stats = all_reduce_stats(stats, others)  # no-op without torch.distributed
         full_sites = [site for site in sites if isinstance(site, (FullCovarianceSite, KroneckerSite))]
         groups = self._groups([site for site in sites if isinstance(site, GaussianSite)], stats)
@@ -360,16 +377,24 @@ class NGVI(PyroOptim):
                 )
                 return False
             full_steps.append(step)
+        new_scales = {}  # sigma after the update, for the prior M-step
         for group, st, (grad, curvature) in zip(groups, group_stats, flats):
             group_states = [state_of[site.key] for site in group.sites]
-            clamped, far = self._update_group(group, st, grad, curvature, lr, beta, tau, group_states)
+            clamped, far, sigma = self._update_group(group, st, grad, curvature, lr, beta, tau, group_states)
             self._safeguards.append(_Safeguards(group, group_states, clamped, far))
+            if learned and sigma is not None:
+                new_scales.update((site.key, piece.view_as(site.loc))
+                                  for site, piece in zip(group.sites, sigma.split(group.sizes)))
         for site, (step, momentum) in zip(full_sites, full_steps):
             site.write(*step)
             state = state_of[site.key]
             state.started = True
             if self.momentum:
                 state.momentum = momentum
+        if learned:
+            update_learned_priors([(site.mean, new_scales[site.key] if site.key in new_scales else site.scale,
+                                    stats[site.key]) for site in sites
+                                   if isinstance(site, GaussianSite) and stats[site.key].prior_params()])
         if others:
             super().__call__(others, *args, **kwargs)
         self.num_steps += 1
@@ -554,7 +579,8 @@ class NGVI(PyroOptim):
         :returns: 0-d bool tensors (no device sync): whether the precision was
             clamped, and, for sampled curvature (else ``None``), whether most
             elements' gradient exceeds ``_FAR`` standard deviations with the
-            sign it had at the group's last step.
+            sign it had at the group's last step; and the new :math:`\\sigma` as a
+            flat vector (``None`` for a masked site).
         """
         # In-place wherever a value is not needed again (``grad`` and ``curvature``
         # are this step's, the optimizer's to overwrite): besides the flat copies of
@@ -614,7 +640,8 @@ class NGVI(PyroOptim):
             numerator = direction if pull is None else pull.add_(direction)
             new_mean = torch.addcdiv(mean, numerator, denominator, value=-lr)
         del precision, pull, denominator, direction
-        new_raw_scale = transform.inv(new_precision.rsqrt_())
+        new_scale = new_precision.rsqrt_()
+        new_raw_scale = transform.inv(new_scale)
         del new_precision
         if mask is None:
             torch._foreach_copy_(group.locs, new_mean.split(group.sizes))
@@ -623,9 +650,10 @@ class NGVI(PyroOptim):
             (loc,), (raw_scale,) = group.locs, group.raw_scales
             loc.copy_(torch.where(mask, new_mean, loc))
             raw_scale.copy_(torch.where(mask, new_raw_scale, raw_scale))
+            new_scale = None  # untouched rows keep their old scale
         for state in states:
             state.started = True
-        return clamped, far
+        return clamped, far, new_scale
 
     def _full_step(self, site, stats, lr, beta, tau, state: "_SiteState"):
         """

@@ -25,23 +25,30 @@ no curvature estimate. Two kinds of prior have this property:
 ``biject_to(constraints.positive)`` is ``ComposeTransform([ExpTransform(),
 AffineTransform(0, 1)])``, which does not compare equal to ``ExpTransform()``.
 
-This module holds that recognition (:func:`conjugate_normal`) and the comparison
-of supports and transforms by behaviour. Swapping a model's priors is a handler
+This module holds that recognition (:func:`conjugate_normal`), the comparison
+of supports and transforms by behaviour, and the type-II maximum-likelihood
+update of a conjugate prior's ``loc`` and ``scale`` when they are ``pyro.param``
+values of the model (:func:`prior_param_index`, :func:`update_learned_priors`). Swapping a model's priors is a handler
 (:mod:`pyro_ngvi.handlers`); the continual-learning workflow built on both lives
 in :mod:`pyro_ngvi.continual`.
 """
 
+import functools
+import math
 import weakref
-from typing import Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
-from torch.distributions import biject_to, constraints
+from torch.distributions import biject_to, constraints, transform_to
 from torch.distributions.transforms import ComposeTransform, Transform
 
 import pyro.distributions as dist
 from pyro.distributions.torch_distribution import ExpandedDistribution
 
-__all__ = ["conjugate_gaussian", "conjugate_multivariate_normal", "conjugate_normal"]
+from .family import PriorParam, SiteCurvature
+
+__all__ = ["conjugate_gaussian", "conjugate_multivariate_normal", "conjugate_normal", "conjugate_normal_parts",
+           "prior_param_index", "update_learned_priors"]
 
 # Two transforms "do the same" when they agree to this tolerance on the probes.
 _RTOL = 1e-5
@@ -230,6 +237,22 @@ def conjugate_normal(
     :returns: ``(prior_loc, prior_precision)``, both of shape
         ``batch_shape + unconstrained event_shape``, or ``None``.
     """
+    parts = conjugate_normal_parts(fn, support)
+    if parts is None:
+        return None
+    loc, scale = parts
+    return loc, scale.pow(-2)
+
+
+def conjugate_normal_parts(
+    fn: torch.distributions.Distribution, support=None
+) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """
+    As :func:`conjugate_normal`, but the Normal's ``(loc, scale)``
+    :math:`(m_0, s_0)` themselves, expanded to ``batch_shape + unconstrained
+    event_shape``: views of the Normal's own tensors, so a ``pyro.param`` they
+    broadcast stays recognisable through them (:func:`prior_param_index`).
+    """
     support = fn.support if support is None else support
     normal, transforms = _normal_and_transforms(fn)
     if normal is None:
@@ -245,7 +268,7 @@ def conjugate_normal(
         ComposeTransform(transforms), bijection, u_shape, loc.device
     ):
         return None
-    return loc.expand(u_shape), scale.pow(-2).expand(u_shape)
+    return loc.expand(u_shape), scale.expand(u_shape)
 
 
 def _multivariate_normal_and_transforms(fn):
@@ -319,6 +342,181 @@ def _broadcasts_to(shape, target) -> bool:
     return len(shape) <= len(target) and all(
         a == 1 or a == b for a, b in zip(reversed(shape), reversed(target))
     )
+
+
+# --------------------------------------------------------------------------- #
+# Prior hyperparameters learned by the evidence (type-II maximum likelihood)
+# --------------------------------------------------------------------------- #
+
+
+def prior_param_index(tensor: torch.Tensor, value: torch.Tensor) -> Optional[torch.Tensor]:
+    """
+    Whether ``tensor`` is ``value`` read through strides (a broadcast,
+    ``expand``, ``unsqueeze``, ``transpose``, ...: the same memory, no copy),
+    and if so, for each element of ``tensor`` the flat index of the element of
+    ``value`` it reads: ``value.reshape(-1)[index]`` equals ``tensor``. This is
+    how a conjugate prior's loc or scale (:func:`conjugate_normal_parts`) is
+    recognised as a ``pyro.param`` of the model: ``Normal(0, s).expand(shape)``
+    holds ``s`` broadcast. Anything computed from the param (``2 * s``,
+    ``s.sqrt()``, ``s[idx]``) is a new tensor and gives ``None``.
+
+    :param torch.Tensor tensor: e.g. the prior's scale, expanded to the site's shape.
+    :param torch.Tensor value: the param's (constrained) value, contiguous.
+    :returns: an integer tensor of ``tensor``'s shape (a strided view, no copy), or ``None``.
+    """
+    if (tensor.dtype != value.dtype or tensor.device != value.device or tensor.numel() == 0
+            or not value.is_contiguous()
+            or tensor.untyped_storage().data_ptr() != value.untyped_storage().data_ptr()):
+        return None
+    offset = tensor.storage_offset() - value.storage_offset()
+    last = offset + sum((n - 1) * stride for n, stride in zip(tensor.shape, tensor.stride()))
+    if offset < 0 or last >= value.numel() or any(stride < 0 for stride in tensor.stride()):
+        return None
+    index = torch.arange(value.numel(), device=value.device).as_strided(
+        tensor.shape, tensor.stride(), offset)
+    if not torch.equal(value.detach().reshape(-1)[index], tensor.detach()):
+        return None
+    return index
+
+
+#: Constraints a learned prior param may have: the closed-form maximiser is
+#: clipped into them (strictly inside, where ``transform_to(...).inv`` is finite).
+_LEARNABLE_CONSTRAINTS = (
+    type(constraints.real),
+    constraints._GreaterThan,
+    constraints._GreaterThanEq,
+    constraints._LessThan,
+    constraints._Interval,
+    constraints._HalfOpenInterval,
+)
+
+
+def learnable_constraint(constraint) -> bool:
+    """Whether :func:`update_learned_priors` can write into a param with ``constraint``
+    (the real line, a half line or an interval, with scalar bounds)."""
+    base, _ = _unwrap_constraint(constraint)
+    bounds = [getattr(base, name, None) for name in ("lower_bound", "upper_bound")]
+    return type(base) in _LEARNABLE_CONSTRAINTS and all(
+        b is None or isinstance(b, (int, float)) or (isinstance(b, torch.Tensor) and b.numel() == 1)
+        for b in bounds)
+
+
+@functools.lru_cache(maxsize=64)
+def _bounds(constraint, dtype: torch.dtype) -> Tuple[Optional[float], Optional[float]]:
+    """The open interior ``(lower, upper)`` of a learnable constraint (``None``: unbounded),
+    as the nearest ``dtype`` numbers inside its bounds (where ``transform_to(...).inv``
+    is finite)."""
+    base, _ = _unwrap_constraint(constraint)
+    bounds = []
+    for bound, towards in ((getattr(base, "lower_bound", None), math.inf),
+                           (getattr(base, "upper_bound", None), -math.inf)):
+        if bound is not None:
+            bound = float(torch.nextafter(torch.tensor(float(bound), dtype=dtype),
+                                          torch.tensor(towards, dtype=dtype)))
+        bounds.append(bound)
+    return tuple(bounds)
+
+
+def _write(param: PriorParam, total: torch.Tensor, count: torch.Tensor, sqrt: bool) -> None:
+    """Write ``total / count`` (its square root when ``sqrt``), clipped into the param's
+    constraint, where ``count > 0``; elements no site reaches keep their value."""
+    value = total / count
+    if sqrt:
+        value = value.sqrt_()
+    lower, upper = _bounds(param.constraint, value.dtype)
+    if lower is not None or upper is not None:
+        value = value.clamp_(lower, upper)
+    value = value.reshape(param.unconstrained.shape)
+    transform = transform_to(param.constraint)
+    if param.unconstrained.numel() > 1:  # an element no site reaches keeps its value
+        value = torch.where(count.reshape(value.shape) > 0, value, transform(param.unconstrained.detach()))
+    param.unconstrained.data.copy_(transform.inv(value))
+
+
+def _pooled(param: PriorParam, entries) -> Tuple[torch.Tensor, torch.Tensor]:
+    """For ``entries`` of ``(weight, value, index)`` (value and index of a site's shape,
+    weight a number or a tensor broadcasting to it): ``(sum w * value, sum w)`` over the
+    site elements each element of ``param`` is the prior of, as flat vectors."""
+    numel = param.unconstrained.numel()
+    like = param.unconstrained
+    total = count = 0.0
+    for weight, value, index in entries:
+        if numel == 1:  # one param element for the whole site: no scatter
+            if isinstance(weight, torch.Tensor):
+                total = total + (weight * value).sum()
+                count = count + weight.expand_as(value).sum()
+            else:
+                total = total + weight * value.sum()
+                count = count + weight * value.numel()
+        else:
+            if not isinstance(total, torch.Tensor):
+                total, count = like.new_zeros(numel), like.new_zeros(numel)
+            weight = torch.as_tensor(weight, dtype=value.dtype, device=value.device)
+            flat = index.reshape(-1)
+            total.index_add_(0, flat, (weight * value).expand_as(index).reshape(-1))
+            count.index_add_(0, flat, weight.expand_as(index).reshape(-1))
+    total = torch.as_tensor(total, dtype=like.dtype, device=like.device).reshape(-1)
+    return total, torch.as_tensor(count, dtype=like.dtype, device=like.device).reshape(-1)
+
+
+@torch.no_grad()
+def update_learned_priors(sites: Sequence[Tuple[torch.Tensor, torch.Tensor, SiteCurvature]]) -> None:
+    """
+    Set every learned prior param (:class:`~pyro_ngvi.family.PriorParam`) to the
+    maximiser of the ELBO given the guide: type-II maximum likelihood, the
+    M-step of variational EM. Only the prior term of the ELBO depends on the
+    hyperparameters; with :math:`q(u_i) = \\mathcal{N}(\\mu_i, \\sigma_i^2)` and the
+    prior :math:`\\mathcal{N}(u_i; m_{0i}, s_{0i}^2)` in ``u`` (element :math:`i`
+    weighted by :math:`w_i`, the site's ``prior_weight``),
+
+    .. math:: \\mathbb{E}_q[\\log p_0(u)] = -\\sum_i w_i \\Big[
+              \\frac{(\\mu_i - m_{0i})^2 + \\sigma_i^2}{2 s_{0i}^2} + \\log s_{0i}\\Big] + \\text{const},
+
+    and an element :math:`k` of a param is :math:`m_{0i}` (or :math:`s_{0i}`) for the
+    set :math:`S_k` of site elements its broadcast reaches (over every site that
+    uses the param). The maximisers, taken one after the other (coordinate
+    ascent, exact when each loc param's elements share one prior scale):
+
+    .. math:: m_{0k} = \\frac{\\sum_{i \\in S_k} w_i \\lambda_{0i} \\mu_i}
+                              {\\sum_{i \\in S_k} w_i \\lambda_{0i}}, \\qquad
+              s_{0k}^2 = \\frac{\\sum_{i \\in S_k} w_i \\left[(\\mu_i - m_{0i})^2 + \\sigma_i^2\\right]}
+                               {\\sum_{i \\in S_k} w_i},
+
+    the second with the new :math:`m_0`; for a zero-mean prior with one scale
+    shared by a set of elements, :math:`s_0^2 = \\mathrm{mean}(\\mu^2 + \\sigma^2)`
+    over them. Values are clipped into the param's constraint; an element no
+    site reaches keeps its value.
+
+    :param sites: ``(mean, scale, stats)`` per site: the guide's :math:`\\mu`,
+        :math:`\\sigma` after this step's update, and the
+        :class:`~pyro_ngvi.family.SiteCurvature` the ELBO handed over (its
+        ``prior_loc`` and ``prior_precision`` are the prior the step used).
+    """
+    locs: Dict[int, Tuple[PriorParam, list]] = {}
+    scales: Dict[int, Tuple[PriorParam, list]] = {}
+    for site in sites:
+        stats = site[2]
+        for params, param in ((locs, stats.prior_loc_param), (scales, stats.prior_scale_param)):
+            if param is not None:
+                params.setdefault(id(param.unconstrained), (param, []))[1].append(site)
+    new_locs: Dict[int, torch.Tensor] = {}  # id(unconstrained) -> flat new value
+    for key, (param, entries) in locs.items():
+        pooled = [(stats.prior_weight * stats.prior_precision, mean, param.index)
+                  for mean, _, stats in entries]
+        _write(param, *_pooled(param, pooled), sqrt=False)
+        new_locs[key] = transform_to(param.constraint)(param.unconstrained.detach()).reshape(-1)
+    for param, entries in scales.values():
+        pooled = []
+        for mean, scale, stats in entries:
+            loc_param = stats.prior_loc_param
+            if loc_param is not None and id(loc_param.unconstrained) in new_locs:
+                prior_loc = new_locs[id(loc_param.unconstrained)][loc_param.index]
+            else:
+                prior_loc = stats.prior_loc
+            deviation = mean - prior_loc
+            second_moment = torch.addcmul(scale.square(), deviation, deviation)
+            pooled.append((stats.prior_weight, second_moment, param.index))
+        _write(param, *_pooled(param, pooled), sqrt=True)
 
 
 # --------------------------------------------------------------------------- #

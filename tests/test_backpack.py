@@ -8,8 +8,9 @@ import torch
 from torch import nn
 from torch.func import functional_call, jacrev
 
-from backpack import extend
+from backpack import backpack, extend
 
+from pyro_ngvi.curvature.batch_norm import EmpiricalFisherBackprop
 from pyro_ngvi.curvature.backpack import (
     CURVATURE_EXTENSIONS,
     LOSS_MODULES,
@@ -203,29 +204,72 @@ def test_calls_do_not_accumulate():
         assert torch.equal(a, b)
 
 
-def test_batch_norm_in_train_mode_gets_no_empirical_fisher():
-    torch.manual_seed(0)
-    layers = [nn.Linear(D_IN, HIDDEN), nn.BatchNorm1d(HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 3)]
+def batch_norm_problem(likelihood, seed=0):
+    torch.manual_seed(seed)
+    plain, _, loss_module, x, y = make_problem(likelihood, seed=seed)
+    out = plain[2].out_features
+    layers = [nn.Linear(D_IN, HIDDEN), nn.BatchNorm1d(HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, out)]
     plain = nn.Sequential(*layers).double()
-    net = extended_copy(plain)
-    loss_module = nn.CrossEntropyLoss(reduction="sum")
-    x, y = torch.randn(B, D_IN, dtype=torch.float64), torch.randint(0, 3, (B,))
-    result = network_curvature(net, loss_module, x, y, "ef")
-    is_bn = [isinstance(m, nn.BatchNorm1d) for m in net for _ in m.parameters(recurse=False)]
-    assert [h is None for h in result.curvatures] == is_bn
-    assert all(g is not None for g in result.grads)
-    # eval mode: per-example gradients exist and the BatchNorm parameters get them too
-    net.eval()
-    plain.load_state_dict(net.state_dict())  # the running statistics moved
-    plain.eval()
+    with torch.no_grad():  # BatchNorm weights away from their (1, 0) start
+        plain[1].weight.uniform_(0.5, 1.5)
+        plain[1].bias.uniform_(-0.5, 0.5)
+    return plain, extended_copy(plain), loss_module, x, y
+
+
+def frozen_statistics_copy(plain, x):
+    """An eval-mode copy whose BatchNorm running statistics are x's batch mean and
+    biased variance: the network with frozen statistics, per-example separable."""
+    frozen = copy.deepcopy(plain)
+    with torch.no_grad():
+        z = frozen[0](x)
+    frozen[1].running_mean.copy_(z.mean(0))
+    frozen[1].running_var.copy_(z.var(0, unbiased=False))
+    return frozen.eval()
+
+
+@pytest.mark.parametrize("likelihood", LIKELIHOODS)
+def test_batch_norm_in_train_mode_curvature_is_that_of_frozen_statistics(likelihood):
+    plain, net, loss_module, x, y = batch_norm_problem(likelihood)
+    frozen = frozen_statistics_copy(plain, x)
+    _, ef = reference_ef_and_grad(frozen, loss_module, x, y)
+    ggn, _, _ = reference_ggn(frozen, likelihood, x)
+    as_run = copy.deepcopy(plain)  # train mode: the gradient through the statistics
+    grad = torch.autograd.grad(loss_module(as_run(x), y), list(as_run.parameters()))
+    for source, reference in (("ef", ef), ("ggn", ggn)):
+        result = network_curvature(net, loss_module, x, y, source)
+        for g, h, g_ref, h_ref in zip(result.grads, result.curvatures, grad, reference):
+            assert torch.allclose(g, g_ref, rtol=1e-10, atol=1e-13)
+            assert torch.allclose(h, h_ref, rtol=1e-10, atol=1e-13)  # BatchNorm's own included
+    # one training-mode forward per call: the running statistics moved as a plain forward's
+    plain(x), plain(x)
+    for a, b in zip(net.buffers(), plain.buffers()):
+        assert torch.allclose(a.double(), b.double(), rtol=1e-12, atol=0)
+
+
+def test_batch_norm_in_eval_mode_is_per_example_exact():
+    plain, net, loss_module, x, y = batch_norm_problem("categorical")
+    plain(x)  # move the running statistics away from (0, 1)
+    net.load_state_dict(plain.state_dict())
+    plain.eval(), net.eval()
     grad, ef = reference_ef_and_grad(plain, loss_module, x, y)
-    result = network_curvature(net, loss_module, x, y, "ef")
-    for h, h_ref in zip(result.curvatures, ef):
-        assert torch.allclose(h, h_ref, rtol=1e-10, atol=1e-13)
     ggn, _, _ = reference_ggn(plain, "categorical", x)
-    result = network_curvature(net, loss_module, x, y, "ggn")
-    for h, h_ref in zip(result.curvatures, ggn):
-        assert torch.allclose(h, h_ref, rtol=1e-10, atol=1e-13)
+    for source, reference in (("ef", ef), ("ggn", ggn)):
+        result = network_curvature(net, loss_module, x, y, source)
+        for g, h, g_ref, h_ref in zip(result.grads, result.curvatures, grad, reference):
+            assert torch.allclose(g, g_ref, rtol=1e-10, atol=1e-13)
+            assert torch.allclose(h, h_ref, rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("likelihood", LIKELIHOODS)
+def test_empirical_fisher_by_backprop_equals_sum_grad_squared(likelihood):
+    """The ef used for nets with BatchNorm on batch statistics, checked where both apply."""
+    plain, net, loss_module, x, y = make_problem(likelihood, activation=nn.ReLU, seed=5)
+    expected = network_curvature(net, loss_module, x, y, "ef")
+    with warnings.catch_warnings(), backpack(EmpiricalFisherBackprop()):
+        warnings.filterwarnings("ignore", "Full backward hook is firing", UserWarning)
+        loss_module(net(x), y).backward()
+    for p, h in zip(net.parameters(), expected.curvatures):
+        assert torch.allclose(p.empirical_fisher_diag, h, rtol=1e-10, atol=1e-13)
 
 
 def test_unknown_source_lists_supported_ones():

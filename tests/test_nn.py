@@ -433,3 +433,50 @@ def test_name_prefixes_every_site_and_param():
     guide = AutoNormal(bnn)
     bnn.curvature_step(guide, x, y, "ef")
     assert all(stats is not None for stats in pop_all(bnn).values())
+
+
+# ----------------------------------------------------------------- data augmentation
+
+
+def test_augmentation_factor_is_the_effective_data_size_of_the_plate():
+    bnn = make_bnn("categorical")
+    bnn.augmentation_factor = 2.5
+    assert bnn.effective_num_data == 50
+    x, y = make_data("categorical")
+    trace = poutine.trace(bnn).get_trace(x, y)
+    trace.compute_log_prob()
+    obs = trace.nodes["obs"]
+    assert obs["scale"] == pytest.approx(2.5 * N / B)
+    expected = 2.5 * N / B * Categorical(logits=trace.nodes["output"]["value"]).log_prob(y).sum()
+    assert obs["log_prob_sum"].item() == pytest.approx(expected.item(), rel=1e-12)
+
+
+@pytest.mark.parametrize("source", ["ef", "ggn", "reparam"])
+def test_augmentation_factor_scales_gradient_and_curvature(source):
+    """g and h of rho * N examples: rho times those of N (the prior is not scaled), the
+    same as a net told num_data = rho * N."""
+    x, y = make_data("categorical")
+    results = {}
+    for factor, num_data in ((1.0, N), (3.0, N), (1.0, 3 * N)):
+        pyro.clear_param_store()
+        bnn = make_bnn("categorical")
+        bnn.num_data, bnn.augmentation_factor = num_data, factor
+        guide = make_guide(bnn, x, y)
+        torch.manual_seed(7)
+        bnn.curvature_step(guide, x, y, source)
+        results[factor, num_data] = pop_all(bnn)
+    for site in results[1.0, N]:
+        plain, augmented, larger = results[1.0, N][site], results[3.0, N][site], results[1.0, 3 * N][site]
+        torch.testing.assert_close(augmented.grad, 3 * plain.grad, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(augmented.curvature, 3 * plain.curvature, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(augmented.prior_precision, plain.prior_precision, rtol=0, atol=0)
+        torch.testing.assert_close(augmented.curvature, larger.curvature, rtol=1e-12, atol=1e-14)
+
+
+def test_augmentation_factor_is_kept_by_with_priors_and_checked():
+    bnn = BayesianNet(nn.Linear(2, 1), "gaussian", num_data=10, augmentation_factor=4)
+    assert bnn.effective_num_data == 40
+    assert bnn.with_priors({}).augmentation_factor == 4.0
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="augmentation_factor"):
+            BayesianNet(nn.Linear(2, 1), "gaussian", num_data=10, augmentation_factor=bad)

@@ -53,12 +53,15 @@ factor is applied afterwards. A *multiplicity* such as the full-data factor
 :math:`N/B` is different: it multiplies every quantity, the empirical Fisher
 included, once -- that is the caller's.
 
-**Parameters that get no curvature.** A ``BatchNorm`` layer in train mode mixes
-the examples of a batch, so per-example gradients do not exist. For ``ef`` its
-own parameters get ``None``; the parameters of the other layers get BackPACK's
-per-example formula evaluated with the batch-coupled output gradients (an
-approximation). ``ggn`` and ``ggn_mc`` cannot pass a train-mode ``BatchNorm``
-and BackPACK raises; call ``.eval()`` on the net or use ``ef``.
+**BatchNorm.** A ``BatchNorm`` layer that normalises with the minibatch's
+statistics (train mode) mixes the examples of a batch. The gradient stays the
+exact one (through the statistics); every curvature is that of the network with
+the statistics frozen at the minibatch's values, per-example separable (see
+:mod:`pyro_ngvi.curvature.batch_norm`): ``ggn`` and ``ggn_mc`` pass the layer
+with its frozen Jacobian, and ``ef`` then runs as a GGN backpropagation of the
+observed per-example loss gradients instead of ``SumGradSquared``. The layer's
+own parameters get the frozen network's curvature too. In eval mode (running
+statistics) nothing changes.
 """
 
 import warnings
@@ -68,55 +71,33 @@ import torch
 from torch import nn
 
 from backpack import backpack, extend
-from backpack.extensions import KFAC, KFLR, DiagGGNExact, DiagGGNMC, SumGradSquared
+from backpack.extensions import KFAC, KFLR, SumGradSquared
 from backpack.extensions.backprop_extension import BackpropExtension
-from backpack.extensions.firstorder.sum_grad_squared.batchnorm_nd import (
-    SGSBatchNormNd,
-)
-from backpack.extensions.module_extension import ModuleExtension
 from backpack.extensions.saved_quantities import SavedQuantities
 
-_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+from .batch_norm import EmpiricalFisherBackprop, frozen_ggn, frozen_ggn_mc, has_batch_statistics
+
 _FIRST_LAYER_HOOK_WARNING = "Full backward hook is firing when gradients are computed"
-
-
-class _SkipInTrainMode(ModuleExtension):
-    """
-    Wraps BackPACK's ``SumGradSquared`` rule for ``BatchNorm``: computes nothing
-    in train mode (where per-example gradients of a ``BatchNorm`` layer do not
-    exist and BackPACK raises), the ordinary rule in eval mode.
-    """
-
-    def __init__(self, extension: ModuleExtension):
-        super().__init__()
-        self.extension = extension
-
-    def __call__(self, ext, module, g_inp, g_out):
-        if not module.training:
-            self.extension(ext, module, g_inp, g_out)
-
-
-def _empirical_fisher(mc_samples: int) -> BackpropExtension:
-    extension = SumGradSquared()
-    for cls in _BATCH_NORMS:
-        extension.set_module_extension(
-            cls, _SkipInTrainMode(SGSBatchNormNd()), overwrite=True
-        )
-    return extension
 
 
 #: Curvature sources: name -> factory ``mc_samples -> BackPACK extension``
 #: (``None``: a plain backward pass, no curvature). Adding a source is adding
 #: an entry; the extension's ``savefield`` says where BackPACK leaves it.
 CURVATURE_EXTENSIONS: Dict[str, Optional[Callable[[int], BackpropExtension]]] = {
-    "ef": _empirical_fisher,
-    "ggn": lambda mc_samples: DiagGGNExact(),
-    "ggn_mc": lambda mc_samples: DiagGGNMC(mc_samples=mc_samples),
+    "ef": lambda mc_samples: SumGradSquared(),
+    "ggn": lambda mc_samples: frozen_ggn(),
+    "ggn_mc": lambda mc_samples: frozen_ggn_mc(mc_samples),
     # Kronecker factors [G, A] of a Linear weight ([G] of its bias): exact GGN, sampled
     "kflr": lambda mc_samples: KFLR(),
     "kfac": lambda mc_samples: KFAC(mc_samples=mc_samples),
     "reparam": None,
     "none": None,
+}
+
+#: Sources computed differently for a net with ``BatchNorm`` on minibatch statistics
+#: (:func:`~pyro_ngvi.curvature.batch_norm.has_batch_statistics`).
+BATCH_STATISTICS_EXTENSIONS: Dict[str, Callable[[int], BackpropExtension]] = {
+    "ef": lambda mc_samples: EmpiricalFisherBackprop(),
 }
 
 #: Per-source power of the per-example weight ``loss_scale`` in the curvature
@@ -141,9 +122,7 @@ class NetworkCurvature(NamedTuple):
     :param list curvatures: the curvature diagonal per parameter (for ``kflr`` /
         ``kfac`` the list of Kronecker factors ``[G, A]`` of a ``Linear`` weight,
         ``[G]`` of its bias, :math:`G` summed and :math:`A` averaged over the
-        batch), ``None`` for a
-        parameter the source gives none (every parameter under ``reparam`` and
-        ``none``; a train-mode ``BatchNorm`` under ``ef``).
+        batch), ``None`` for every parameter under ``reparam`` and ``none``.
     """
 
     loss: torch.Tensor
@@ -223,7 +202,8 @@ def network_curvature(
     """
     _check_source(source)
     check_loss_module(loss_module)
-    extension = _extension(source, mc_samples)
+    extension = _extension(source, mc_samples, batch_statistics=source in BATCH_STATISTICS_EXTENSIONS
+                           and has_batch_statistics(net))
     if params is None:
         params = [p for p in net.parameters() if p.requires_grad]
     for p in params:
@@ -267,10 +247,10 @@ def _checked(output: torch.Tensor, check_output) -> torch.Tensor:
 _EXTENSION_CACHE: Dict[tuple, BackpropExtension] = {}
 
 
-def _extension(source: str, mc_samples: int) -> Optional[BackpropExtension]:
+def _extension(source: str, mc_samples: int, batch_statistics: bool = False) -> Optional[BackpropExtension]:
     """The extension instance for a source, built once (building one costs a
     noticeable part of a small network's backward pass)."""
-    make_extension = CURVATURE_EXTENSIONS[source]
+    make_extension = (BATCH_STATISTICS_EXTENSIONS if batch_statistics else CURVATURE_EXTENSIONS)[source]
     if make_extension is None:
         return None
     key = (source, make_extension, mc_samples)
@@ -291,8 +271,6 @@ def _pop_curvature(net: nn.Module, param: torch.Tensor, savefield: str):
     module = next(
         m for m in net.modules() if any(q is param for q in m.parameters(recurse=False))
     )
-    if isinstance(module, _BATCH_NORMS) and module.training and savefield == "sum_grad_squared":
-        return None
     raise RuntimeError(
         f"BackPACK computed no {savefield!r} for a parameter of {module!r}. Extend "
         "the network with backpack.extend(net), use layers BackPACK supports (a "

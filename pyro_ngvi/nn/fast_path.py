@@ -96,6 +96,7 @@ class BackpackStep:
         model._check_batch(x, y)
         locs, scale = self._read_guide(model, guide, x, y)
         points, noise_scale, loss_scale = self._begin(model)
+        prior = model._weight_prior()
         twin, loss_module = self.twin, self.loss_module
         # all sites as one flat vector: mu, sigma, eps, w (views split it per site)
         with torch.no_grad():
@@ -129,24 +130,22 @@ class BackpackStep:
                     torch._foreach_add_(point_grads, site_point_grads)
             nll = nll + result.loss
             if not deterministic:
-                log_ratio = log_ratio + self._log_ratio(model, weights, noise)
+                log_ratio = log_ratio + self._log_ratio(prior, weights, noise)
 
         # full-data scale N/B and particle average; hand g, h over on each loc
-        factor = model.num_data / len(x) / num_particles
+        factor = model.effective_num_data / len(x) / num_particles
         torch._foreach_mul_(grads, factor)
         torch._foreach_mul_(curvatures, factor)
-        prior_locs, prior_precisions = model._site_priors()
-        for loc, grad, curv, stddev, prior_loc, prior_precision in zip(
-            locs, grads, curvatures, stddevs, prior_locs, prior_precisions
-        ):
+        for j, (loc, grad, curv, stddev) in enumerate(zip(locs, grads, curvatures, stddevs)):
             stats = SiteCurvature(
                 grad=grad,
                 curvature=curv,
-                prior_loc=prior_loc,
-                prior_precision=prior_precision,
+                prior_loc=prior.site_locs[j],
+                prior_precision=prior.site_precisions[j],
                 sampled=curvature == "reparam",
                 nonnegative=curvature != "reparam",
                 scale=stddev,
+                prior_scale_param=None if prior.params is None else prior.params[j],
             )
             attach_curvature(loc.unconstrained(), stats)
         for value, grad in zip(points, point_grads):
@@ -154,9 +153,9 @@ class BackpackStep:
 
         nll = self._full_nll(model, nll / num_particles, loss_scale, noise_scale, target, len(x))
         if deterministic:
-            return (nll + self._kl(model, mean, scale)).detach()
+            return (nll + self._kl(prior, mean, scale)).detach()
         # the particle average of sum [lambda_0 (w - m_0)^2 - eps^2] / 2 - log sigma + log s_0
-        log_ratio = log_ratio / num_particles - scale.log().sum() + model._prior_log_scale_total
+        log_ratio = log_ratio / num_particles - scale.log().sum() + prior.log_scale_total
         return (nll + log_ratio).detach()
 
     def _begin(self, model):
@@ -208,6 +207,11 @@ class BackpackStep:
             )
         if y is None:
             raise ValueError("curvature_step needs the targets y")
+        if model.learn_prior:
+            raise NotImplementedError(
+                "BayesianNet(learn_prior=True) learns its prior scales with an AutoNormal guide; "
+                "a KroneckerNormal guide folds a fixed prior into its Kronecker factors"
+            )
         model._check_batch(x, y)
         layers = self._kronecker_layers(model, guide, x, y)
         locs = [pyro.param(f"{guide._pyro_name}.locs.{layer.name}") for layer, _ in layers]
@@ -251,7 +255,7 @@ class BackpackStep:
                     log_ratio = log_ratio + log_q - sum(prior.log_prob(value).sum()
                                                         for (_, (_, _, _, prior)), value in zip(layers, values))
 
-        factor = model.num_data / len(x) / num_particles
+        factor = model.effective_num_data / len(x) / num_particles
         for loc, (layer, (_, _, _, prior)), (grad, output_factor, input_factor) in zip(locs, layers, sums):
             attach_curvature(loc.unconstrained(), KroneckerCurvature(
                 grad * factor, input_factor / num_particles, output_factor * factor,
@@ -363,7 +367,7 @@ class BackpackStep:
         loss module's :math:`c \\cdot` batch sum ``nll``; for a learned Gaussian noise scale
         also sets its ``.grad`` to :math:`\\partial \\ell / \\partial` (unconstrained).
         """
-        scale = model.num_data / batch_size
+        scale = model.effective_num_data / batch_size
         if noise_scale is None:
             return scale * nll
         # l = N/B [sse / (2 sigma^2) + B D (log sigma + log(2 pi) / 2)], sse = nll / c
@@ -396,27 +400,25 @@ class BackpackStep:
                 f"The BayesianNet fast path needs an AutoNormal guide, got {type(guide).__name__}"
             )
 
-    def _log_ratio(self, model, weights, noise) -> torch.Tensor:
+    def _log_ratio(self, prior, weights, noise) -> torch.Tensor:
         """
         The sample-dependent part of :math:`\\log q(w) - \\log p_0(w)` at
         :math:`w = \\mu + \\sigma\\epsilon` (all sites, flat):
         :math:`\\tfrac12 \\sum [\\lambda_0 (w - m_0)^2 - \\epsilon^2]`; the rest,
         :math:`\\sum [\\log s_0 - \\log\\sigma]`, does not depend on the sample.
         """
-        prior_loc, prior_precision = model._flat_prior()
-        deviation = weights - prior_loc
-        return 0.5 * (deviation.mul(prior_precision).dot(deviation) - noise.dot(noise))
+        deviation = weights - prior.loc
+        return 0.5 * (deviation.mul(prior.precision).dot(deviation) - noise.dot(noise))
 
-    def _kl(self, model, mean, scale) -> torch.Tensor:
+    def _kl(self, prior, mean, scale) -> torch.Tensor:
         """
         :math:`\\sum_j \\mathrm{KL}(q_j \\| p_{0j})
         = \\sum [\\log(s_0/\\sigma) + \\lambda_0(\\sigma^2 + (\\mu - m_0)^2)/2 - 1/2]`
         over all sites (flat :math:`\\mu`, :math:`\\sigma`).
         """
-        prior_loc, prior_precision = model._flat_prior()
-        second_moment = scale.square() + (mean - prior_loc).square()
-        return (model._prior_log_scale_total - scale.log().sum()
-                + 0.5 * (prior_precision.dot(second_moment) - mean.numel()))
+        second_moment = scale.square() + (mean - prior.loc).square()
+        return (prior.log_scale_total - scale.log().sum()
+                + 0.5 * (prior.precision.dot(second_moment) - mean.numel()))
 
 
 

@@ -22,7 +22,7 @@ import pyro.distributions as dist
 from pyro.distributions import constraints
 from pyro.infer.autoguide.initialization import init_to_feasible
 
-from ..family import live_handover, on_rejected
+from ..family import PriorParam, live_handover, on_rejected
 from ..kronecker import KroneckerLayer
 from ..priors import _weight_prior_loc_scale
 from .fast_path import LOSS_MODULES, BackpackStep
@@ -30,6 +30,17 @@ from .fast_path import LOSS_MODULES, BackpackStep
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 PriorSpec = Union[float, torch.Tensor, Tuple, torch.distributions.Distribution]
+
+class WeightPrior(NamedTuple):
+    """The Normal prior of all weights of a :class:`BayesianNet` as one fast-path step uses it."""
+
+    loc: torch.Tensor  # m_0 of all sites, flat
+    precision: torch.Tensor  # lambda_0 of all sites, flat
+    site_locs: List[torch.Tensor]  # views of ``loc`` shaped like each weight
+    site_precisions: List[torch.Tensor]
+    log_scale_total: torch.Tensor  # sum of log s_0 over all elements
+    params: Optional[List[PriorParam]]  # learned prior scales, one per site (or None)
+
 
 class _Weight(NamedTuple):
     site: str  # Pyro site (latent) or param (point estimate) name
@@ -53,9 +64,11 @@ class BayesianNet(nn.Module):
 
     with one latent site per weight tensor, named as the parameter in the
     network (``"0.weight"``, prefixed ``"<name>."`` when ``name`` is given), and
-    the likelihood under a ``pyro.plate("data", num_data, subsample=...)``: a
+    the likelihood under a ``pyro.plate("data", N, subsample=...)``: a
     minibatch of :math:`B` examples stands for all :math:`N`, its log-likelihood
-    scaled by :math:`N/B`. Likelihoods, for a network output :math:`f`:
+    scaled by :math:`N/B`. :math:`N` is the *effective* data size
+    :attr:`effective_num_data` ``= round(num_data * augmentation_factor)``.
+    Likelihoods, for a network output :math:`f`:
 
     * ``"categorical"``: :math:`\\mathrm{Categorical}(\\mathrm{logits}=f)`, output
       ``(B, K)``, integer targets ``(B,)``;
@@ -75,7 +88,45 @@ class BayesianNet(nn.Module):
     parameters are not the model's: :meth:`curvature_step` writes the sampled
     weights into them. The running statistics of train-mode ``BatchNorm`` layers
     are saved at the first forward pass of each step and restored should
-    :class:`~pyro_ngvi.NGVI` skip the step (or the step fail).
+    :class:`~pyro_ngvi.NGVI` skip the step (or the step fail). What each
+    curvature source computes for a network with ``BatchNorm`` in train mode is
+    said in :mod:`pyro_ngvi.curvature.batch_norm`.
+
+    **Priors learned by the evidence** (``learn_prior=True``). Each weight
+    tensor's prior scale becomes a positive ``pyro.param``,
+    ``"<site>.prior_scale"``, of the shape of the scale given in ``prior``
+    (one number per weight tensor for a float ``prior``), initialised there and
+    broadcast over the tensor: :math:`w_j \\sim \\mathcal{N}(m_{0j}, s_{0j}^2)`
+    with :math:`s_{0j}` learned. :class:`~pyro_ngvi.NGVI` sets it after every
+    step to the maximiser of the ELBO given the guide, in closed form,
+
+    .. math:: s_{0j}^2 = \\frac{1}{D_j} \\sum_{i=1}^{D_j} \\left[(\\mu_{ji} - m_{0ji})^2 + \\sigma_{ji}^2\\right]
+
+    (type-II maximum likelihood of the ELBO, variational EM; one prior precision
+    :math:`s_{0j}^{-2}` per weight tensor), and the prior stays conjugate (exact)
+    in the update; on the fast path and the traced path alike. Compared with
+    :func:`~pyro_ngvi.optimize_prior_precision` (the Laplace evidence of a MAP
+    fit, maximised over a grid of candidates, one refit per candidate, a
+    posterior approximation around the mode), this maximises the ELBO of the
+    very Gaussian being trained, continuously and per weight tensor, at the cost
+    of a few reductions per step; the grid search's evidence is an estimate at
+    the mode, not a bound, and each extra hyperparameter multiplies its cost.
+    At the start of training the guide is the network's initialisation with a
+    small ``init_scale``, and the maximiser is that initialisation's scale
+    (about :math:`1/\\sqrt{\\text{fan-in}}` for PyTorch's layers): learned from
+    the first step, the priors shrink before the data has moved the weights. The
+    attribute ``learn_prior`` is read at every step, so it can be switched on
+    after a warm-up (``bnn.learn_prior = True`` after some epochs; the learned
+    scales then start at ``prior``).
+
+    **Data augmentation.** Training on randomly transformed copies of the
+    examples (shifts, rotations) presents more distinct data than ``num_data``:
+    the seeds model it as a larger data set, :math:`N` multiplied by a factor.
+    ``augmentation_factor`` :math:`\\rho` says so: the data plate has size
+    :math:`\\rho N` and each minibatch's log-likelihood, gradient and curvature
+    are scaled by :math:`\\rho N / B` (on the traced path and the fast path). For
+    the fit this is the same as tempering the prior by :math:`1/\\rho`
+    (``NGVI(tau=1 / rho)``); the ELBO's value differs by the factor.
 
     **Fast path.** :meth:`curvature_step` does what an ELBO does for this model
     with an :class:`~pyro.infer.autoguide.AutoNormal` guide, without Pyro's
@@ -89,7 +140,7 @@ class BayesianNet(nn.Module):
         ``Conv*``, activations, ``Flatten``, pooling, ``Dropout``, ...) and, for
         ``ggn``/``ggn_mc``, a 2-d output.
     :param str likelihood: ``"categorical"``, ``"bernoulli"`` or ``"gaussian"``.
-    :param int num_data: size :math:`N` of the training set.
+    :param int num_data: size of the training set (before augmentation).
     :param prior: the prior on the weights: a positive scale :math:`s_0` for all
         weights (mean 0), or a dict from site name to a scale, a pair
         ``(loc, scale)`` of tensors broadcastable to the weight's shape, or a
@@ -99,6 +150,10 @@ class BayesianNet(nn.Module):
         ``None`` to learn it (default: None).
     :param float init_noise_scale: initial :math:`\\sigma` when learned (default: 1.0).
     :param str name: prefix of every site and param name (default: "").
+    :param bool learn_prior: learn each weight tensor's prior scale by the
+        evidence, starting at ``prior`` (default: False).
+    :param float augmentation_factor: :math:`\\rho > 0`, the effective data size
+        is ``round(rho * num_data)`` (default: 1.0).
     """
 
     #: Curvature sources :meth:`curvature_step` supports.
@@ -113,6 +168,8 @@ class BayesianNet(nn.Module):
         noise_scale: Optional[float] = None,
         init_noise_scale: float = 1.0,
         name: str = "",
+        learn_prior: bool = False,
+        augmentation_factor: float = 1.0,
     ):
         super().__init__()
         if not isinstance(net, nn.Module):
@@ -125,11 +182,16 @@ class BayesianNet(nn.Module):
         if noise_scale is not None:
             noise_scale = _positive_finite("noise_scale", noise_scale)
         init_noise_scale = _positive_finite("init_noise_scale", init_noise_scale)
+        augmentation_factor = _positive_finite("augmentation_factor", augmentation_factor)
         if not isinstance(name, str):
             raise ValueError(f"name must be a string, got {name!r}")
+        if not isinstance(learn_prior, bool):
+            raise ValueError(f"learn_prior must be True or False, got {learn_prior!r}")
         self.net = net
         self.likelihood = likelihood
         self.num_data = num_data
+        self.augmentation_factor = augmentation_factor
+        self.learn_prior = learn_prior
         self.noise_scale = noise_scale
         self.init_noise_scale = init_noise_scale
         self.prefix = name + "." if name else ""
@@ -156,7 +218,7 @@ class BayesianNet(nn.Module):
                 "parameter with requires_grad=True outside BatchNorm layers."
             )
         self._latent_params = [w.param for w in self._latents]
-        self._prior_cache = self._flat_prior_cache = None
+        self._prior_cache = self._flat_prior_cache = self._prior_index_cache = None
         self._set_priors(prior)
 
     @property
@@ -197,7 +259,8 @@ class BayesianNet(nn.Module):
         self.register_buffer("_prior_log_scale_total", torch.as_tensor(total, dtype=like.dtype))
 
     def _prior_buffers(self, index: int):
-        """``(loc, scale, precision, sum of log scale)`` of the ``index``-th latent site."""
+        """``(loc, scale, precision, sum of log scale)`` of the ``index``-th latent site
+        as given (for a learned prior: its initial scale)."""
         if self._prior_cache is None:  # nn.Module attribute lookups are slow: cache
             self._prior_cache = [
                 tuple(
@@ -208,35 +271,102 @@ class BayesianNet(nn.Module):
             ]
         return self._prior_cache[index]
 
-    def _flat_prior(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Prior mean :math:`m_0` and precision :math:`\\lambda_0` of all latent sites
-        as flat vectors (the layout of :meth:`_split`), built once."""
-        if self._flat_prior_cache is None:
-            locs, precisions = [], []
-            for j, weight in enumerate(self._latents):
-                loc, _, precision, _ = self._prior_buffers(j)
-                locs.append(loc.expand(weight.param.shape).reshape(-1))
-                precisions.append(precision.expand(weight.param.shape).reshape(-1))
-            flat = (torch.cat(locs), torch.cat(precisions))
-            self._flat_prior_cache = flat + (self._split(flat[0]), self._split(flat[1]))
-        return self._flat_prior_cache[:2]
+    def _prior_scale_name(self, weight: _Weight) -> str:
+        return weight.site + ".prior_scale"
 
-    def _site_priors(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
-        """:math:`m_0` and :math:`\\lambda_0` per site, full-shape views of :meth:`_flat_prior`."""
-        self._flat_prior()
-        return self._flat_prior_cache[2:]
+    def _learned_scale(self, index: int) -> torch.Tensor:
+        """The ``pyro.param`` holding the prior scale of the ``index``-th site (learned)."""
+        initial = self._prior_buffers(index)[1]
+        return pyro.param(self._prior_scale_name(self._latents[index]),
+                          lambda: initial.clone(), constraint=constraints.positive)
+
+    def _prior_scale(self, index: int) -> torch.Tensor:
+        """The prior scale of the ``index``-th site now: the learned param or the given one."""
+        return self._learned_scale(index) if self.learn_prior else self._prior_buffers(index)[1]
+
+    def _weight_prior(self) -> "WeightPrior":
+        """
+        The prior of all latent sites as one step of the fast path uses it (the
+        layout of :meth:`_split`): built once for a fixed prior; with
+        ``learn_prior``, the precisions and normaliser are read from the learned
+        params (in the param store) on every call, with a few flat operations.
+        """
+        if self._flat_prior_cache is None:
+            self._flat_prior_cache = self._fixed_prior()
+        fixed = self._flat_prior_cache
+        if not self.learn_prior:
+            return fixed
+        unconstrained = self._learned_scale_tensors()
+        with torch.no_grad():  # positive params: sigma = exp(unconstrained)
+            scales = torch.cat([u.reshape(-1) for u in unconstrained]).exp()
+            precision = scales.pow(-2)[self._prior_index_cache["gather"]]
+            log_scale_total = scales.log().mul(self._prior_index_cache["multiplicity"]).sum()
+        indices = self._prior_index_cache["sites"]
+        params = [PriorParam(self._prior_scale_name(w), u, constraints.positive, index)
+                  for w, u, index in zip(self._latents, unconstrained, indices)]
+        return WeightPrior(fixed.loc, precision, fixed.site_locs, self._split(precision),
+                           log_scale_total, params)
+
+    def _fixed_prior(self) -> "WeightPrior":
+        """The prior as given (flat), and for ``learn_prior`` the broadcast of the
+        learned scales over the weights: per site the index of its scale's element for
+        each weight element, their flat concatenation, and how many weight elements
+        each scale element reaches."""
+        locs, precisions, log_scale_total = [], [], 0.0
+        gather, multiplicity, sites, offset = [], [], [], 0
+        for j, weight in enumerate(self._latents):
+            loc, scale, precision, log_scale_sum = self._prior_buffers(j)
+            shape = weight.param.shape
+            locs.append(loc.expand(shape).reshape(-1))
+            precisions.append(precision.expand(shape).reshape(-1))
+            log_scale_total = log_scale_total + log_scale_sum
+            index = torch.arange(scale.numel(), device=scale.device).reshape(scale.shape).expand(shape)
+            sites.append(index)
+            gather.append(index.reshape(-1) + offset)
+            multiplicity.append(torch.full(scale.shape, shape.numel() / scale.numel(),
+                                           dtype=scale.dtype, device=scale.device).reshape(-1))
+            offset += scale.numel()
+        loc, precision = torch.cat(locs), torch.cat(precisions)
+        self._prior_index_cache = {"gather": torch.cat(gather), "multiplicity": torch.cat(multiplicity),
+                                   "sites": sites}
+        return WeightPrior(loc, precision, self._split(loc), self._split(precision),
+                           torch.as_tensor(log_scale_total, dtype=loc.dtype, device=loc.device), None)
+
+    def _learned_scale_tensors(self) -> List[torch.Tensor]:
+        """The unconstrained tensors of the learned prior scales in the param store
+        (created through ``pyro.param`` on first use)."""
+        store = pyro.get_param_store()
+        tensors = []
+        for j, weight in enumerate(self._latents):
+            name = self._prior_scale_name(weight)
+            if name not in store._params:
+                self._learned_scale(j)
+            if store._constraints[name] is not constraints.positive:
+                raise ValueError(
+                    f"The param store holds '{name}' with constraint {store._constraints[name]}; "
+                    "a learned prior scale of a BayesianNet is a positive param"
+                )
+            tensors.append(store._params[name])
+        return tensors
 
     def _apply(self, fn, *args, **kwargs):
-        self._prior_cache = self._flat_prior_cache = None  # .to(), .double(), ... replace the buffers
+        # .to(), .double(), ... replace the buffers
+        self._prior_cache = self._flat_prior_cache = self._prior_index_cache = None
         module = super()._apply(fn, *args, **kwargs)
         self._fast_path.refresh()  # the shared parameter dicts may hold new tensors
         self._latent_params = [w.param for w in self._latents]
         return module
 
     def prior(self, site: str) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Prior ``(loc, scale)`` of a latent site, broadcastable to its shape."""
+        """Prior ``(loc, scale)`` of a latent site now, broadcastable to its shape (with
+        ``learn_prior``, the learned scale's current value, detached)."""
         index = [w.site for w in self._latents].index(site)
-        return self._prior_buffers(index)[:2]
+        return self._prior_buffers(index)[0], self._prior_scale(index).detach()
+
+    @property
+    def effective_num_data(self) -> int:
+        """The data plate's size :math:`N`: ``round(num_data * augmentation_factor)`` (at least 1)."""
+        return max(1, round(self.num_data * self.augmentation_factor))
 
     @property
     def latent_sites(self) -> List[str]:
@@ -253,9 +383,11 @@ class BayesianNet(nn.Module):
 
             bnn_2 = bnn.with_priors(posterior_as_prior(guide))
 
-        Sites not named in ``priors`` keep their prior; ``num_data``, the
-        likelihood, the noise scale and the name are kept (``num_data`` is a
-        plain attribute: set it when the next task has another size).
+        Sites not named in ``priors`` keep their prior (a learned one at its
+        current value: the new model's priors are fixed, ``learn_prior=False``);
+        ``num_data``, ``augmentation_factor``, the likelihood, the noise scale
+        and the name are kept (``num_data`` is a plain attribute: set it when
+        the next task has another size).
 
         Each prior must be the law a site of this model could have: a Normal in
         the weight (``Normal(loc, scale).to_event(d)``, possibly ``.expand``-ed, or
@@ -292,6 +424,7 @@ class BayesianNet(nn.Module):
             noise_scale=self.noise_scale,
             init_noise_scale=self.init_noise_scale,
             name=self.prefix[:-1],
+            augmentation_factor=self.augmentation_factor,
         )
         new.training = self.training  # not .train(): that would also set the shared net
         return new
@@ -379,7 +512,7 @@ class BayesianNet(nn.Module):
         self._keep_running_stats_until_accepted()
         params = {}
         for index, weight in enumerate(self._latents):
-            loc, scale, _, _ = self._prior_buffers(index)
+            loc, scale = self._prior_buffers(index)[0], self._prior_scale(index)
             shape = weight.param.shape
             prior = dist.Normal(loc, scale).expand(shape).to_event(len(shape))
             params[weight.key] = pyro.sample(weight.site, prior)
@@ -388,7 +521,7 @@ class BayesianNet(nn.Module):
         output = self._likelihood_param(functional_call(self.net, params, (x,)))
         likelihood = self._likelihood(output)
         subsample = torch.arange(len(x), device=x.device)
-        with pyro.plate(self._site("data"), self.num_data, subsample=subsample):
+        with pyro.plate(self._site("data"), self.effective_num_data, subsample=subsample):
             pyro.deterministic(self._site("output"), output, event_dim=output.dim() - 1)
             pyro.sample(self._site("obs"), likelihood, obs=y)
         return output
@@ -500,13 +633,19 @@ class BayesianNet(nn.Module):
             \\end{cases}
 
         (:math:`J_i` the Jacobian of the output, :math:`H_i` the Hessian of
-        :math:`-\\log p(y_i \\mid f)` in the output). For the Gaussian likelihood
+        :math:`-\\log p(y_i \\mid f)` in the output; :math:`N` the effective data
+        size :attr:`effective_num_data`). With ``BatchNorm`` layers on minibatch
+        statistics (train mode) :math:`g` is exact and :math:`J_i` is that of the
+        network with the statistics frozen (:mod:`pyro_ngvi.curvature.batch_norm`).
+        For the Gaussian likelihood
         :math:`-\\log p = \\|f - y\\|^2 / (2\\sigma^2) + \\text{const}`, so the
         per-example gradients carry :math:`1/(2\\sigma^2)` (squared in ``ef``).
         :math:`g` and :math:`h` are averaged over particles and attached as
         :class:`~pyro_ngvi.family.SiteCurvature` ``(g, h, m_0, 1/s_0^2, sigma)`` to
         each site's unconstrained ``loc`` in the param store: the Normal prior is
-        conjugate and left to the optimizer. Point-estimated params (a learned
+        conjugate and left to the optimizer (with ``learn_prior``, the
+        :class:`~pyro_ngvi.family.PriorParam` of the site's learned scale too,
+        which the optimizer sets in closed form). Point-estimated params (a learned
         noise scale, ``BatchNorm``) get the gradient of the particle average of
         :math:`\\ell` in ``.grad``. The guide's locs are read through ``pyro.param``
         statements, so ``SVI.step`` hands them to the optimizer, which finds each
