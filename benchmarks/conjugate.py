@@ -1,12 +1,11 @@
 """
 Steps and time per step to the exact mean-field optimum on two conjugate models.
 
-Every method runs on Pyro's own ``SVI`` with ``AutoNormal`` and
-``Trace_ELBO(num_particles=K, vectorize_particles=True)``, the same ``K`` for all.
-A run has *converged* at the first step after which every coordinate of the guide
-satisfies ``|loc - m| < 0.01 * std`` and ``|scale / std - 1| < 0.01`` and keeps
-satisfying it for the next ``CONFIRM`` steps; ``(m, std)`` is the exact mean-field
-optimum (the posterior mean, and ``diag(posterior precision) ** -0.5``).
+Every method runs on Pyro's own ``SVI`` with ``AutoNormal``. A run has *converged* at
+the first step after which every coordinate of the guide satisfies
+``|loc - m| < 0.01 * std`` and ``|scale / std - 1| < 0.01`` and keeps satisfying it for
+the next ``CONFIRM`` steps; ``(m, std)`` is the exact mean-field optimum (the posterior
+mean, and ``diag(posterior precision) ** -0.5``).
 
 Models:
 
@@ -14,13 +13,17 @@ Models:
 * Linear regression, ``D = 5``, ``n = 200``, known noise 0.5, features with
   correlation 0.3, prior ``N(0, 1)``.
 
-Methods: NGVI with a decaying schedule (fixed below, chosen beforehand on a simulation
-of the update with other random streams); NGVI with ``CurvatureELBO("hessian",
-deterministic=True)`` (exact curvature at the mean: diagonal Newton steps, no sampling, so
-``K`` does not apply to it); ``pyro.optim.Adam`` over a learning-rate grid and
-``pyro.optim.ClippedAdam`` with a learning-rate decay. Time per step is measured
-separately, all methods of a model interleaved in blocks (so that load from
-other processes hits them alike), after a warm-up.
+Methods: ``NGVI()`` with no arguments on the sampled path, with
+``Trace_ELBO(num_particles=K, vectorize_particles=True)`` (the ``K`` of the Adam grid,
+where no draw can be recovered from the averaged gradients) and with one particle
+(the draw is recovered and the control variate applies), and with
+``CurvatureELBO("reparam")`` (one draw, or one antithetic pair); NGVI with
+``CurvatureELBO("hessian", deterministic=True)`` (exact curvature at the mean: diagonal
+Newton steps, no sampling); ``pyro.optim.Adam`` over a learning-rate grid and
+``pyro.optim.ClippedAdam`` with a learning-rate decay, with ``K`` particles (and the
+best ClippedAdam setting with one). Time per step is measured separately, all methods
+of a model interleaved in blocks (so that load from other processes hits them alike),
+after a warm-up.
 
 Usage::
 
@@ -93,20 +96,8 @@ def regression_problem(n=200, d=5, noise=0.5, correlation=0.3, seed=0) -> Proble
 
 
 # ------------------------------------------------------------------ methods
-def hold_then_harmonic(start: float, hold: int, c: float) -> Callable[[int], float]:
-    """``start`` for ``hold`` steps, then ``start / (1 + (t - hold) * start / c)`` (~ c / t)."""
-    return lambda t: start if t < hold else start / (1.0 + (t - hold) * start / c)
-
-
-# NGVI schedule, fixed before the reported runs: chosen on a plain-torch simulation of
-# the same update with 200 other random streams per model (grid c in {1, 1.5, 2, 3},
-# hold in {0, 10, 20, 40}, c_beta in {0.5, 1, 2}). The hold lets the mean travel
-# (a Jacobi iteration, geometric at lr 0.6); the ~c/t tail then averages the
-# Monte-Carlo noise away. A floor on lr would leave a noise floor of roughly
-# sqrt(floor / (2 K)) posterior stds on the mean (2.5 % for 0.02 at K = 16): none is used.
-NGVI_LR = hold_then_harmonic(0.6, 40, 1.5)
-NGVI_BETA = hold_then_harmonic(0.2, 40, 1.0)
-NGVI_LABEL = "NGVI lr 0.6 then ~1.5/t, beta 0.2 then ~1/t (from step 40)"
+def trace_elbo(particles: int) -> Callable:
+    return lambda: Trace_ELBO(num_particles=particles, vectorize_particles=particles > 1, max_plate_nesting=1)
 
 
 # Exact curvature at the mean ("OGN" mode): a diagonal Newton step on a quadratic. On a
@@ -114,37 +105,40 @@ NGVI_LABEL = "NGVI lr 0.6 then ~1.5/t, beta 0.2 then ~1/t (from step 40)"
 # lr < 2 / lambda_max(D^-1 A) (about 0.9 here), fastest near 2 / (lambda_min + lambda_max).
 NEWTON_LR = 0.7
 NEWTON_LABEL = f"NGVI + CurvatureELBO('hessian', deterministic=True), lr {NEWTON_LR}, beta 1"
-NGVI_LABELS = (NGVI_LABEL, NEWTON_LABEL)
 
 
-def methods() -> Dict[str, Tuple[Callable, Optional[Callable]]]:
-    """Label -> (optimizer factory, loss factory or None for Trace_ELBO with K particles)."""
+def methods(particles: int) -> Dict[str, Tuple[Callable, Callable]]:
+    """Label -> (optimizer factory, loss factory); NGVI's rows first (NGVI() has no arguments)."""
     found = {
-        NGVI_LABEL: (lambda: NGVI(lr=NGVI_LR, beta=NGVI_BETA), None),
+        f"NGVI() + Trace_ELBO (K = {particles})": (NGVI, trace_elbo(particles)),
+        "NGVI() + Trace_ELBO (K = 1)": (NGVI, trace_elbo(1)),
+        "NGVI() + CurvatureELBO('reparam') (K = 1)": (
+            NGVI, lambda: CurvatureELBO("reparam", max_plate_nesting=1)),
+        "NGVI() + CurvatureELBO('reparam', antithetic=True) (1 pair)": (
+            NGVI, lambda: CurvatureELBO("reparam", antithetic=True, max_plate_nesting=1)),
         NEWTON_LABEL: (
             lambda: NGVI(lr=NEWTON_LR, beta=1.0),
             lambda: CurvatureELBO("hessian", deterministic=True, max_plate_nesting=1),
         ),
     }
     for lr in (0.001, 0.01, 0.1):
-        found[f"Adam lr={lr}"] = (lambda lr=lr: pyro.optim.Adam({"lr": lr}), None)
+        found[f"Adam lr={lr} (K = {particles})"] = (lambda lr=lr: pyro.optim.Adam({"lr": lr}), trace_elbo(particles))
     for lr in (0.01, 0.1):
-        found[f"ClippedAdam lr={lr}, lrd=0.999"] = (
-            lambda lr=lr: pyro.optim.ClippedAdam({"lr": lr, "lrd": 0.999}),
-            None,
-        )
+        found[f"ClippedAdam lr={lr}, lrd=0.999 (K = {particles})"] = (
+            lambda lr=lr: pyro.optim.ClippedAdam({"lr": lr, "lrd": 0.999}), trace_elbo(particles))
+    found["ClippedAdam lr=0.01, lrd=0.999 (K = 1)"] = (
+        lambda: pyro.optim.ClippedAdam({"lr": 0.01, "lrd": 0.999}), trace_elbo(1))
     return found
 
 
+def is_ngvi(label: str) -> bool:
+    return label.startswith("NGVI")
+
+
 # ------------------------------------------------------------------ measuring
-def make_svi(problem: Problem, method: Tuple[Callable, Optional[Callable]], particles: int) -> SVI:
+def make_svi(problem: Problem, method: Tuple[Callable, Callable]) -> SVI:
     make_optim, make_loss = method
-    guide = AutoNormal(problem.model)
-    if make_loss is None:
-        elbo = Trace_ELBO(num_particles=particles, vectorize_particles=True, max_plate_nesting=1)
-    else:
-        elbo = make_loss()
-    return SVI(problem.model, guide, make_optim(), elbo)
+    return SVI(problem.model, AutoNormal(problem.model), make_optim(), make_loss())
 
 
 def within_tolerance(problem: Problem) -> bool:
@@ -158,11 +152,11 @@ def within_tolerance(problem: Problem) -> bool:
         )
 
 
-def steps_to_tolerance(problem, method, seed, particles, max_steps) -> Optional[int]:
+def steps_to_tolerance(problem, method, seed, max_steps) -> Optional[int]:
     """First step from which the criterion holds for CONFIRM more steps; None if never."""
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
-    svi = make_svi(problem, method, particles)
+    svi = make_svi(problem, method)
     entry = None
     for step in range(1, max_steps + CONFIRM + 1):
         svi.step(*problem.args)
@@ -178,7 +172,7 @@ def steps_to_tolerance(problem, method, seed, particles, max_steps) -> Optional[
     return None
 
 
-def ms_per_step(problem, makers: Dict[str, Callable], particles, warmup=30, rounds=20, block=15):
+def ms_per_step(problem, makers: Dict[str, Callable], warmup=30, rounds=20, block=15):
     """Median wall-clock and CPU ms/step per method, the methods interleaved in short blocks."""
     store = pyro.get_param_store()
     states, svis = {}, {}
@@ -186,7 +180,7 @@ def ms_per_step(problem, makers: Dict[str, Callable], particles, warmup=30, roun
     pyro.set_rng_seed(0)
     for name, method in makers.items():
         with store.scope() as state:
-            svis[name] = make_svi(problem, method, particles)
+            svis[name] = make_svi(problem, method)
             for _ in range(warmup):
                 svis[name].step(*problem.args)
         states[name] = state
@@ -216,7 +210,7 @@ def fmt_steps(value: float, max_steps: int) -> str:
 
 def report(problem, results, timing, cpu_timing, max_steps) -> Tuple[List[str], str]:
     medians = {name: median_steps(steps) for name, steps in results.items()}
-    adams = [name for name in results if name not in NGVI_LABELS]
+    adams = [name for name in results if not is_ngvi(name)]
     best = min(adams, key=lambda name: (medians[name], timing[name]))
     best_steps = medians[best]
     rows = []
@@ -236,7 +230,7 @@ def report(problem, results, timing, cpu_timing, max_steps) -> Tuple[List[str], 
             f"| {step_ratio} | {timing[name] / timing[best]:.2f} | {cpu_timing[name]:.2f} |"
         )
     verdict = []
-    for label in NGVI_LABELS:
+    for label in filter(is_ngvi, results):
         ngvi_steps, time_ratio = medians[label], timing[label] / timing[best]
         if math.isinf(ngvi_steps):
             fewer, steps_text = False, f"did not converge within {max_steps} steps"
@@ -260,15 +254,16 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.strip().split("\n")[0])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--max-steps", type=int, default=10000)
-    parser.add_argument("--particles", type=int, default=16, help="K, the same for all methods")
+    parser.add_argument("--particles", type=int, default=16,
+                        help="K of the Adam grid and of the first NGVI row")
     parser.add_argument("--out", help="also write the markdown table to this file")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
     pyro.enable_validation(False)  # time the step, not Pyro's argument checks (same for all)
-    makers = methods()
+    makers = methods(args.particles)
     header = [
-        f"K = {args.particles} particles (Trace_ELBO, vectorized) for every method; "
+        "K: particles per step (Trace_ELBO vectorized; CurvatureELBO draws them one by one); "
         f"converged = all coordinates within {TOLERANCE:.0%} (mean: of the posterior std; "
         f"scale: relative) and staying there {CONFIRM} more steps; steps are medians over "
         f"{args.seeds} seeds (cap {args.max_steps}); ms/step is the median over "
@@ -291,11 +286,9 @@ def main():
                 if results[name].count(None) >= (args.seeds + 1) // 2:
                     results[name].append(SKIPPED)  # the median is '>cap' whatever it gives
                     continue
-                results[name].append(
-                    steps_to_tolerance(problem, method, seed, args.particles, args.max_steps)
-                )
+                results[name].append(steps_to_tolerance(problem, method, seed, args.max_steps))
             print(f"  {problem.name} | {name}: {results[name]}", flush=True)
-        timing, cpu_timing = ms_per_step(problem, makers, args.particles)
+        timing, cpu_timing = ms_per_step(problem, makers)
         rows, verdict = report(problem, results, timing, cpu_timing, args.max_steps)
         lines += rows
         verdicts.append(verdict)

@@ -14,6 +14,7 @@ import pyro.poutine as poutine
 from pyro.infer import Trace_ELBO
 from pyro.infer.autoguide import AutoMultivariateNormal, AutoNormal
 from pyro.infer.elbo import ELBO
+from pyro.poutine.util import site_is_subsample
 from pyro.util import check_site_shape
 
 from .curvature import check_source
@@ -120,11 +121,29 @@ class CurvatureELBO(ELBO):
     weights and BackPACK computes the per-example quantities, with no Pyro
     tracing. For any other model (or source) the same numbers come from autograd.
 
+    **What else NGVI gets** (mean-field sites). With ``"reparam"`` the draws
+    :math:`\\epsilon` themselves (their mean and mean square over particles), for
+    NGVI's control variate; with ``antithetic=True`` each particle is a pair of
+    draws :math:`\\mu \\pm \\sigma\\epsilon` (two model evaluations), whose mean
+    gradient is the gradient at the mean for a quadratic log joint. When
+    ``deterministic`` (and no plate is subsampled),
+    :math:`F(\\mu) = -\\log p(x, T(\\mu)) - \\log|\\det J_T(\\mu)|`, the objective of
+    the Newton steps, for NGVI's safeguard.
+
+    **Discrete sites.** The ELBO neither enumerates nor samples latent sites the
+    guide does not cover: a model with one (a ``config_enumerate`` site, or any
+    other) is refused with :class:`NotImplementedError`, which names it; sum
+    discrete sites out with :class:`~pyro.infer.TraceEnum_ELBO` and NGVI (Price
+    curvature) instead.
+
     :param str curvature: one of the sources above (default: ``"reparam"``)
-    :param int num_particles: Monte-Carlo samples per step (default: 1)
+    :param int num_particles: Monte-Carlo samples (antithetic: pairs) per step (default: 1)
     :param bool deterministic: evaluate at the mean, "OGN" (default: False)
     :param int mc_samples: target samples per step for ``"ggn_mc"`` (default: 1)
     :param int max_plate_nesting: as in :class:`~pyro.infer.ELBO`
+    :param bool antithetic: draw each particle as the pair :math:`\\pm\\epsilon`
+        (sampled evaluations of mean-field guides; a model's own fast path is not
+        used then) (default: False)
 
     The value returned by :meth:`loss_and_grads` is the single-sample estimate
     Trace_ELBO would return at the same sample. When ``deterministic`` it is the
@@ -141,6 +160,7 @@ class CurvatureELBO(ELBO):
         deterministic: bool = False,
         mc_samples: int = 1,
         max_plate_nesting: float = math.inf,
+        antithetic: bool = False,
     ):
         if not isinstance(curvature, str):
             raise ValueError(f"curvature must be a string naming a source, got {curvature!r}")
@@ -163,10 +183,15 @@ class CurvatureELBO(ELBO):
             )
         if deterministic and num_particles != 1:
             raise ValueError("deterministic=True evaluates at the mean: use num_particles=1")
+        if not isinstance(antithetic, bool):
+            raise ValueError(f"antithetic must be True or False, got {antithetic!r}")
+        if deterministic and antithetic:
+            raise ValueError("antithetic=True pairs sampled draws eps, -eps: it needs deterministic=False")
         super().__init__(num_particles=num_particles, max_plate_nesting=max_plate_nesting)
         self.curvature = curvature
         self.deterministic = deterministic
         self.mc_samples = mc_samples
+        self.antithetic = antithetic
         # prior params found to enter the model outside conjugate priors (no closed form)
         self._shared_prior_params = set()
 
@@ -210,35 +235,41 @@ class CurvatureELBO(ELBO):
             raise
 
     def _loss_and_grads(self, model, guide, args, kwargs) -> float:
-        if self.curvature in getattr(model, "curvature_sources", ()):  # the model's own fast path
+        if self.curvature in getattr(model, "curvature_sources", ()) and not self.antithetic:  # own fast path
             loss = model.curvature_step(
                 guide, *args, curvature=self.curvature, num_particles=self.num_particles,
                 deterministic=self.deterministic, mc_samples=self.mc_samples, **kwargs,
             )
             return float(loss)
         if isinstance(guide, AutoMultivariateNormal):
+            if self.antithetic:
+                raise NotImplementedError("antithetic=True pairs the draws of mean-field guides "
+                                          "(AutoNormal); use it without for AutoMultivariateNormal")
             return self._full_loss_and_grads(model, guide, args, kwargs)
         _check_guide(guide, model, args, kwargs)
         totals: Dict[str, List[torch.Tensor]] = {}
         priors = {}
         point_grads: Dict[int, List] = {}  # id -> [param, grad]: written once all particles ran
         loss = 0.0
-        for _ in range(self.num_particles):
-            particle_loss, stats, particle_priors = self._particle_with_priors(model, guide, args, kwargs,
-                                                                              point_grads)
-            loss += particle_loss / self.num_particles
+        draws = 2 * self.num_particles if self.antithetic else self.num_particles
+        guide_trace = None
+        for i in range(draws):
+            mirror = guide_trace if self.antithetic and i % 2 else None  # eps, then -eps
+            particle_loss, stats, particle_priors, guide_trace = self._particle_with_priors(
+                model, guide, args, kwargs, point_grads, mirror)
+            loss += particle_loss / draws
             priors.update(particle_priors)
-            for name, (grad, curvature, count) in stats.items():
+            for name, values in stats.items():
                 if name in totals:
-                    totals[name][0] += grad
-                    totals[name][1] += curvature
-                    totals[name][2] += count
+                    for total, value in zip(totals[name], values):
+                        total += value
                 else:
-                    totals[name] = [grad, curvature, count]
+                    totals[name] = list(values)
         for p, grad in point_grads.values():
             p.grad = grad if p.grad is None else p.grad + grad
         store = pyro.get_param_store()
-        for name, (grad, curvature, count) in totals.items():
+        sampled = self.curvature == "reparam"
+        for name, (grad, curvature, count, eps, eps_sq, *objective) in totals.items():
             touched = count > 0
             denominator = count.clamp(min=1)
             prior_loc, prior_precision, learned = priors.get(name, (None, None, None))
@@ -251,20 +282,25 @@ class CurvatureELBO(ELBO):
                     prior_loc,
                     prior_precision,
                     None if bool(touched.all()) else touched,
-                    sampled=self.curvature == "reparam",
+                    sampled=sampled,
                     prior_loc_param=learned.get("loc"),
                     prior_scale_param=learned.get("scale"),
                     prior_weight=learned.get("weight", 1.0),
+                    # the draws, for NGVI's control variate (untouched rows: eps 0, eps^2 1)
+                    eps_mean=eps / denominator if sampled else None,
+                    eps_sq_mean=torch.where(touched, eps_sq / denominator, 1.0) if sampled else None,
+                    # deterministic (one draw, at the mean): the merit of NGVI's Newton safeguard
+                    objective=objective[0] if objective else None,
                 ),
             )
         return loss
 
-    def _particle_with_priors(self, model, guide, args, kwargs, point_grads):
+    def _particle_with_priors(self, model, guide, args, kwargs, point_grads, mirror=None):
         """:meth:`_particle`, again without closed-form learning of a prior param
         found to enter the model elsewhere (nothing was written before that was found)."""
         while True:
             try:
-                return self._particle(model, guide, args, kwargs, point_grads)
+                return self._particle(model, guide, args, kwargs, point_grads, mirror)
             except _SharedPriorParams as shared:
                 self._shared_prior_params.update(shared.names)
                 warnings.warn(
@@ -277,13 +313,17 @@ class CurvatureELBO(ELBO):
                 )
 
     # ------------------------------------------------------------------ one particle
-    def _particle(self, model, guide, args, kwargs, point_grads):
-        guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
+    def _particle(self, model, guide, args, kwargs, point_grads, mirror=None):
+        """One draw: ``mirror`` is the guide trace of the previous draw, whose
+        :math:`\\epsilon` this one negates (the antithetic partner)."""
+        guide_trace = poutine.trace(guide).get_trace(*args, **kwargs) if mirror is None else mirror
         leaves, latents = {}, {}
         for name, site in guide.prototype_trace.iter_stochastic_nodes():
             aux = guide_trace.nodes[name + "_unconstrained"]
             normal = aux["fn"].base_dist if hasattr(aux["fn"], "base_dist") else aux["fn"]
             u = normal.loc if self.deterministic else aux["value"]
+            if mirror is not None:  # mu - sigma eps
+                u = 2 * normal.loc - u
             leaf = u.detach().requires_grad_()
             transform = biject_to(site["fn"].support)
             guide_trace.nodes[name]["value"] = transform(leaf)
@@ -292,6 +332,7 @@ class CurvatureELBO(ELBO):
         # per-example sources may rerun the model (BatchNorm): with the same random state
         rng_state = _torch_rng_state() if self.curvature in _PER_EXAMPLE else None
         model_trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(*args, **kwargs)
+        _check_unguided(model_trace, leaves)
         model_trace.compute_log_prob()
 
         likelihood, prior_terms, conjugate, site_scale = [], [], {}, {}
@@ -368,7 +409,11 @@ class CurvatureELBO(ELBO):
             grad, curvature = grad.detach() / scale, curvature.detach() / scale
             full_grad, count = _scatter_rows(grad, guide, name, guide_trace)
             full_curvature, _ = _scatter_rows(curvature, guide, name, guide_trace)
-            stats[name] = (full_grad, full_curvature, count)
+            loc, sigma = latents[name][:2]
+            eps = (leaf.detach() - loc) / sigma
+            stats[name] = [full_grad, full_curvature, count,
+                           _scatter_rows(eps, guide, name, guide_trace)[0],
+                           _scatter_rows(eps.square(), guide, name, guide_trace)[0]]
             if name in learned:  # full-size: constant along any subsampled plate
                 m0, lam0 = learned[name].pop("full")
                 priors[name] = (m0, lam0, learned[name])
@@ -379,20 +424,25 @@ class CurvatureELBO(ELBO):
         with torch.no_grad():
             loss = -float(sum(site["log_prob_sum"] for site in model_trace.nodes.values()
                               if site["type"] == "sample"))
+            # at the mean: F(mu) = -log p(x, T(mu)) - log|det J_T(mu)|, NGVI's safeguard's merit
+            negative_log_joint = loss
             for name, (loc, scale, transform, aux) in latents.items():
                 s = site_scale.get(name, 1.0)
+                leaf = leaves[name]
+                log_det = transform.log_abs_det_jacobian(leaf, guide_trace.nodes[name]["value"]).sum()
+                negative_log_joint -= s * float(log_det)
                 if self.deterministic and name in conjugate:
                     # at the mean, a conjugate site's log q - log p is replaced by its
                     # expectation, KL(q || p0) in closed form (as on the fast path)
                     loss += float(model_trace.nodes[name]["log_prob_sum"])
                     loss += s * float(_normal_kl(loc, scale, *conjugate[name]))
                     continue
-                leaf = leaves[name]
-                value = guide_trace.nodes[name]["value"]
                 log_q = aux["fn"].log_prob(leaf).sum()
-                log_det = transform.log_abs_det_jacobian(leaf, value).sum()
                 loss += s * float(log_q - log_det)
-        return loss, stats, priors
+        if self.deterministic and not _subsampled(model_trace):
+            for values in stats.values():
+                values.append(negative_log_joint)
+        return loss, stats, priors, guide_trace
 
     def _prior_param_candidates(self, model_trace, guide) -> Dict[str, torch.Tensor]:
         """The model's ``pyro.param`` values a prior's loc or scale may be (learnable ones only)."""
@@ -538,6 +588,7 @@ class CurvatureELBO(ELBO):
             blocks[name] = (slice(position, position + u.numel()), u, transform, prototype["fn"].support)
             position += u.numel()
         model_trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(*args, **kwargs)
+        _check_unguided(model_trace, blocks)
         model_trace.compute_log_prob()
 
         size = z.numel()
@@ -757,6 +808,42 @@ def _check_guide(guide, model, args, kwargs):
     if guide.prototype_trace is None:
         with poutine.block():
             guide(*args, **kwargs)
+
+
+def _subsampled(model_trace) -> bool:
+    """Whether any site is under a subsampled plate (then F at the mean changes with
+    the minibatch, and values of two steps cannot be compared)."""
+    return any(frame.full_size is not None and frame.full_size != frame.size
+               for site in model_trace.nodes.values() if site["type"] == "sample"
+               for frame in site["cond_indep_stack"])
+
+
+def _check_unguided(model_trace, guided) -> None:
+    """
+    Refuse a model with a latent site the guide does not cover (a discrete site
+    marked for enumeration, or any other): CurvatureELBO neither enumerates nor
+    samples such sites, and running the model would draw them from the prior every
+    step, a silently wrong answer.
+    """
+    unguided = [name for name, site in model_trace.nodes.items()
+                if site["type"] == "sample" and not site["is_observed"] and name not in guided
+                and not site_is_subsample(site)]
+    if not unguided:
+        return
+    enumerated = [name for name in unguided if model_trace.nodes[name]["infer"].get("enumerate")]
+    if enumerated:
+        raise NotImplementedError(
+            f"CurvatureELBO does not enumerate discrete sites: {', '.join(map(repr, enumerated))} "
+            "is marked for enumeration (config_enumerate) and has no guide site. Train it with "
+            "NGVI and pyro.infer.TraceEnum_ELBO(max_plate_nesting=...), which sums it out "
+            "(NGVI then uses the reparameterisation curvature of the continuous sites)."
+        )
+    raise NotImplementedError(
+        f"CurvatureELBO needs a guide site for every latent site of the model; "
+        f"{', '.join(map(repr, unguided))} has none (the guide must cover all latent sites, "
+        "as AutoNormal does for continuous ones). Discrete sites can be summed out with "
+        "config_enumerate and pyro.infer.TraceEnum_ELBO."
+    )
 
 
 def _normal_kl(loc, scale, prior_loc, prior_precision) -> torch.Tensor:

@@ -121,6 +121,15 @@ class SiteCurvature:
     :param float prior_weight: the weight of each row's :math:`\\mathrm{KL}(q \\| p_0)`
         in the full-data ELBO (a ``poutine.scale`` factor; 1 for a plain model),
         used to pool sites that share a learned prior param.
+    :param eps_mean: for a Price estimate whose draws are known, the mean over
+        particles of the standard-normal draws :math:`\\epsilon` (``u = mu + sigma eps``);
+        with ``eps_sq_mean`` (the mean of :math:`\\epsilon^2`) NGVI subtracts a
+        control variate from ``(grad, curvature)``; ``None`` otherwise.
+    :param eps_sq_mean: see ``eps_mean``.
+    :param float objective: for statistics evaluated at the mean (``deterministic``),
+        :math:`F(\\mu) = -\\log p(x, T(\\mu)) - \\log|\\det J_T(\\mu)|` there (the same
+        for every site of the evaluation), whose Newton step the update is; NGVI's
+        step safeguard compares it between steps. ``None`` otherwise.
     :param int handover: the ELBO evaluation that made these statistics
         (set by :func:`attach_curvature`).
     """
@@ -138,6 +147,9 @@ class SiteCurvature:
     prior_weight: float = 1.0
     handover: int = 0
     whitened: bool = False
+    eps_mean: Optional[torch.Tensor] = None
+    eps_sq_mean: Optional[torch.Tensor] = None
+    objective: Optional[float] = None
 
     def prior_params(self) -> List[PriorParam]:
         """The learned prior params of this site (none, one or two)."""

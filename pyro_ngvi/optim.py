@@ -9,12 +9,13 @@ import numbers
 import warnings
 import weakref
 from dataclasses import replace
-from typing import Callable, Dict, List, NamedTuple, Optional, Union
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 import pyro
+from pyro.infer import JitTrace_ELBO, Trace_ELBO
 from pyro.optim.optim import PyroOptim
 
 from . import full_covariance
@@ -25,6 +26,7 @@ from .kronecker import KroneckerCurvature, KroneckerSite, kronecker_step
 from .priors import update_learned_priors
 
 Schedule = Union[float, Callable[[int], float]]
+_ONE_DRAW_ELBOS = (Trace_ELBO, JitTrace_ELBO)
 
 #: Sites are concatenated into one update up to this many elements: that saves
 #: per-operation overhead on small tensors and bounds the copies it costs.
@@ -36,11 +38,27 @@ _FLAT_MAX = 1 << 16
 #: sampled steps, is reported as stalling.
 _FAR = 4.0
 _STALL_STEPS = 100
+#: Adaptive steps (sampled statistics): an element's count grows past 1/beta while
+#: z^2 = (running mean of g)^2 / (its variance) is below _STALL_Z2, and falls back to
+#: 1/beta above _DRIFT_Z2 (z^2 is about chi-square(1) when g is pure noise).
+_STALL_Z2 = 2.0
+_DRIFT_Z2 = 12.0
+#: The pooled noise variances are running means over a site's steps, then forget at these
+#: rates (a short and a long memory; the stall test uses the lower, the drift test the higher).
+_NOISE_RATES = (0.2, 0.02)
+_NOISE_FLOOR = 1e-12
+#: Sampled curvature targets are clipped to (1 +- this) times the precision (with one
+#: draw, eps^2 - 1 exceeds 9 once in 640 steps; coupled sites have heavier tails).
+_INNOVATION_MAX = 9.0
+#: Under sampled curvature a step changes an element's precision by at most this factor.
+_PRECISION_RATIO = 4.0
+#: A recovered draw |eps| beyond this is float32 round-off, not a normal draw.
+_EPS_MAX = 8.0
 
 
 class NGVIWarning(UserWarning):
     """Warned when :class:`NGVI` skips a step (non-finite gradient or curvature), or a
-    safeguard engages (a precision clamped, a site whose mean stalls)."""
+    safeguard engages (a precision clamped, a site whose mean stalls, a Newton step undone)."""
 
 
 def _check_schedule(name: str, value, low: float, high: float, low_open=True):
@@ -67,7 +85,7 @@ def _check_point_optim(point_optim, point_optim_args) -> Dict:
     if not (isinstance(point_optim, type) and issubclass(point_optim, torch.optim.Optimizer)):
         raise ValueError(f"point_optim must be a torch.optim.Optimizer class, got {point_optim!r}")
     if point_optim_args is None:
-        point_optim_args = {"lr": 1e-3}
+        point_optim_args = {"lr": 0.01}
     if not isinstance(point_optim_args, dict):
         raise ValueError(f"point_optim_args must be a dict of {point_optim.__name__}'s arguments, "
                          f"got {point_optim_args!r}")
@@ -128,12 +146,68 @@ class NGVI(PyroOptim):
     touched rows :math:`s` is the ratio of the site's rows to the touched rows
     and is divided out, so they get their full-batch update.
 
-    **Trust region for sampled curvature.** The Price estimate's noise is
-    :math:`|g|/\\sigma` per particle: far from the optimum (in units of
-    :math:`\\sigma`) it is mostly noise, and an overshooting mean step feeds it.
-    For such estimates each element's mean moves at most ``max_step`` current
-    standard deviations per step (exact, Gauss-Newton and Fisher sources are
-    not limited, so ``lr = beta = 1`` stays a Newton step).
+    **Sampled curvature: why NGVI() needs no schedule.** A Price estimate
+    (``Trace_ELBO`` or ``CurvatureELBO("reparam")``, flagged ``sampled``) is noisy:
+    with constant steps the mean and the precision keep a Monte-Carlo floor, and
+    far from the optimum the noise of :math:`h` (about :math:`|g|/\\sigma` per draw)
+    swamps it. Three mechanisms, each chosen by measurement (below), remove that
+    without a user schedule; none applies to exact, Gauss-Newton or Fisher
+    statistics, so there ``lr = beta = 1`` stays a Newton step.
+
+    1. *Control variate* [5]. Where the draws :math:`\\epsilon` (``u = mu + sigma eps``)
+       are known, NGVI subtracts terms of mean zero,
+
+       .. math:: g \\leftarrow g - c\\,\\sigma\\bar\\epsilon, \\qquad
+                 h \\leftarrow h - b\\,\\bar\\epsilon/\\sigma - c\\,(\\overline{\\epsilon^2} - 1),
+
+       with :math:`c = \\lambda - \\lambda_0` and :math:`b` the running mean of
+       :math:`g` (both from before this step): the estimates stay unbiased and, where
+       the log joint is quadratic, the fixed point is exact, with no Monte-Carlo
+       floor. ``CurvatureELBO("reparam")`` hands its draws over (with
+       ``antithetic=True`` in pairs :math:`\\pm\\epsilon`); with a one-particle
+       ``Trace_ELBO`` or ``JitTrace_ELBO`` (Pyro's default) each draw is recovered
+       exactly from the two gradients, :math:`\\epsilon = \\sigma h / g`. With
+       ``num_particles > 1`` the averaged gradients do not determine the draws, and
+       only the next mechanism acts.
+    2. *Adaptive steps* (Polyak-Ruppert averaging once progress stalls). Every
+       element keeps a count :math:`n` and steps with :math:`\\beta_t = 1/n`,
+       :math:`\\alpha_t = \\alpha/(1 + \\alpha\\max(n - 1/\\beta, 0))`. The first positive
+       curvature target is taken whole (:math:`n = 1`; a non-positive one is not
+       trusted), :math:`n` then grows to :math:`1/\\beta`, and beyond that only while
+       the running means of both innovations, :math:`g` and
+       :math:`(\\hat h - \\lambda)/\\lambda`, are indistinguishable from noise (a
+       :math:`z^2` test against their variances pooled over the site, see
+       ``_adaptive_rates``). There the natural parameters become running averages
+       of the noisy targets and the error falls like :math:`1/\\sqrt{t}`; where the
+       targets move again :math:`n` falls back to :math:`1/\\beta`.
+    3. *Trust region.* Each element's mean moves at most ``max_step`` standard
+       deviations per step and its precision changes by at most a factor 4 (the
+       exact prior precision always within reach).
+
+    The defaults ``lr = 1``, ``beta = 0.5`` and the thresholds were picked on the
+    tuning models of ``benchmarks/tune_defaults.py`` and are reported on others:
+    ports of Pyro's autoguide tests (``benchmarks/autoguide.py``) and the
+    conjugate models (``benchmarks/conjugate.py``). State: three latent-size
+    vectors per site (the count and the running means of the two innovations;
+    the first of those is the momentum buffer when ``momentum > 0``) and five
+    numbers. A callable ``lr`` or ``beta`` is a schedule the user wrote and runs
+    as written: no adaptive steps; on a site's first step, elements whose
+    curvature target exceeds the precision take it at once (as VOGN initialises
+    its precision from the first minibatch [2]).
+
+    **Statistics at the mean: the Newton-step safeguard.** With exact curvature at
+    the mean (``CurvatureELBO(..., deterministic=True)``) and ``beta = 1`` a step is
+    a diagonal Newton step on :math:`F(\\mu) = -\\log p(x, T(\\mu)) - \\log|\\det J_T(\\mu)|`:
+    exact in one step where the posterior precision is diagonal, but a Jacobi
+    iteration elsewhere, which diverges for ``lr`` above
+    :math:`2/\\lambda_{\\max}(D^{-1}H)`, and a jump out of the quadratic model's
+    reach where the curvature is nearly flat. The ELBO hands :math:`F` over; a
+    step after which :math:`F` rose is undone and the following mean steps are
+    damped, Levenberg-Marquardt style (``_NewtonGuard``, Nielsen's rule [6]),
+    and at most ``max_step`` standard deviations while damped; NGVI warns when
+    this engages. An undamped step that lowers :math:`F` passes untouched. Off
+    with ``safeguard=False`` or a callable ``lr``; inactive under subsampled
+    plates (:math:`F` changes with the minibatch).
 
     **Safeguards.** The new precision is kept in
     :math:`[\\text{tiny}, \\text{max}/4]` of the site's dtype, so the scale
@@ -149,11 +223,6 @@ class NGVI(PyroOptim):
     badly scaled for the guide's initialisation (data of size 1e6 or 1e-6 for
     an ``init_scale`` of 0.1): rescale it, start the guide nearer
     (``init_loc_fn``), or use exact curvature (``CurvatureELBO("hessian")``).
-
-    **Start-up.** On a site's first step, elements whose curvature target exceeds
-    the current precision take it at once (``beta = 1`` there; VOGN initialises
-    its precision from the first minibatch [2]). This stops a small
-    ``init_scale`` from turning the first mean steps into overshoots.
 
     **Full covariance.** An :class:`~pyro.infer.autoguide.AutoMultivariateNormal`
     is one site :math:`q(u) = \\mathcal{N}(\\mu, S^{-1})` over its whole latent
@@ -190,10 +259,13 @@ class NGVI(PyroOptim):
     guide from the :class:`~pyro.infer.SVI` that calls it (or from ``guide``).
     **Everything else** SVI hands over (``pyro.param`` values of the model, a
     noise scale, BatchNorm weights, the values of ``AutoDelta`` parts of an
-    ``AutoGuideList``) is updated by ``point_optim`` (Adam by default) through
-    :class:`~pyro.optim.PyroOptim`'s per-parameter machinery, in the same step;
-    a model with no latent site at all is trained by it alone. Per-site state
-    (momentum, the first-step warm start) belongs to the site's tensor, as
+    ``AutoGuideList``) is updated by ``point_optim`` (Adam with lr 0.01 by default:
+    of 0.003-0.1 the fastest to reach 5 % on every run of the tuning models of
+    ``benchmarks/tune_defaults.py --point``; the former 0.001 needed ten times the
+    steps) through :class:`~pyro.optim.PyroOptim`'s per-parameter machinery, in
+    the same step; a model with no latent site at all is trained by it alone.
+    Per-site state (momentum, the adaptive steps' counts and averages) belongs
+    to the site's tensor, as
     Pyro's optimizers key theirs: two guides, or a guide made anew after
     ``pyro.clear_param_store()``, never share it.
 
@@ -204,31 +276,39 @@ class NGVI(PyroOptim):
     skip, the identical update; each rank draws its own sample
     (:func:`pyro_ngvi.distributed.seed_rank`). Single processes are unaffected.
 
-    :param lr: step size :math:`\\alpha > 0` on the mean, or a callable of the
-        step count returning it (this is how to schedule it; torch LR schedulers
-        need a torch optimizer and do not apply) (default: 0.1)
-    :param beta: step :math:`\\beta \\in (0, 1]` of the precision moving average,
-        or a callable of the step count (default: 0.05)
+    :param lr: step size :math:`\\alpha > 0` on the mean (under sampled statistics
+        the starting value of the adaptive steps), or a callable of the step count
+        returning it (a schedule of your own; torch LR schedulers need a torch
+        optimizer and do not apply) (default: 1)
+    :param beta: step :math:`\\beta \\in (0, 1]` of the precision moving average
+        (under sampled statistics the rate the adaptive steps fall back to), or a
+        callable of the step count (default: 0.5)
     :param momentum: :math:`\\rho \\in [0, 1)` on the mean gradient (default: 0)
     :param damping: :math:`\\gamma \\ge 0` added to the precision in the mean
         step only (default: 0)
     :param tau: temperature :math:`\\tau > 0` (the KL weight), or a callable of
         the step count for a warm-up (default: 1)
     :param max_step: trust radius, in current standard deviations, of the mean
-        step under sampled (reparameterisation) curvature; ``None`` disables it
-        (default: 3)
-    :param bool warm_start: raise the precision to the first curvature estimate
-        where that is larger (default: True)
+        step under sampled curvature (and of damped Newton steps); ``None``
+        disables it and the precision's trust region (default: 3)
+    :param bool warm_start: take the first positive curvature target whole (with a
+        schedule of your own: where it exceeds the precision) (default: True)
+    :param bool averaging: adaptive steps for sampled statistics (default: True)
+    :param bool control_variate: the control variate where draws are known
+        (default: True)
+    :param bool safeguard: the Newton-step safeguard for statistics at the mean
+        (default: True)
     :param point_optim: torch optimizer class for non-guide parameters
         (default: :class:`torch.optim.Adam`)
     :param dict point_optim_args: its arguments, checked at construction by
-        building it on a probe tensor (default: ``{"lr": 1e-3}``)
+        building it on a probe tensor (default: ``{"lr": 0.01}``)
     :param guide: the guide whose sites to update; only needed when NGVI is
         called outside :class:`~pyro.infer.SVI` (default: None, the calling
         ``SVI``'s guide)
 
     :ivar int num_steps: updates taken.
     :ivar int num_skipped_steps: steps skipped for non-finite values.
+    :ivar int num_rejected_steps: steps undone by the Newton-step safeguard.
 
     **References**
 
@@ -242,17 +322,24 @@ class NGVI(PyroOptim):
         Wu Lin, Mark Schmidt, Mohammad Emtiyaz Khan (ICML 2020)
     [4] `The Variational Gaussian Approximation Revisited`, Manfred Opper, Cedric
         Archambeau (Neural Computation 2009)
+    [5] `Reducing Reparameterization Gradient Variance`, Andrew C. Miller, Nicholas J.
+        Foti, Alexander D'Amour, Ryan P. Adams (NeurIPS 2017)
+    [6] `Damping Parameter in Marquardt's Method`, Hans Bruun Nielsen (IMM-REP-1999-05,
+        Technical University of Denmark, 1999)
     """
 
     def __init__(
         self,
-        lr: Schedule = 0.1,
-        beta: Schedule = 0.05,
+        lr: Schedule = 1.0,
+        beta: Schedule = 0.5,
         momentum: float = 0.0,
         damping: float = 0.0,
         tau: Schedule = 1.0,
         max_step: Optional[float] = 3.0,
         warm_start: bool = True,
+        averaging: bool = True,
+        control_variate: bool = True,
+        safeguard: bool = True,
         point_optim=torch.optim.Adam,
         point_optim_args: Optional[Dict] = None,
         guide=None,
@@ -274,6 +361,15 @@ class NGVI(PyroOptim):
         if not isinstance(warm_start, bool):
             raise ValueError(f"warm_start must be True or False, got {warm_start!r}")
         self.warm_start = warm_start
+        for name, value in (("averaging", averaging), ("control_variate", control_variate),
+                            ("safeguard", safeguard)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
+        self.averaging, self.control_variate, self.safeguard = averaging, control_variate, safeguard
+        # a schedule the user wrote runs as written
+        self._adaptive = averaging and not (callable(lr) or callable(beta))
+        self._newton = _NewtonGuard()
+        self._predicted = None
         super().__init__(point_optim, _check_point_optim(point_optim, point_optim_args))
         self.guide = guide
         self.num_steps = 0
@@ -284,6 +380,10 @@ class NGVI(PyroOptim):
         self._group_cache: Dict[tuple, List[_Group]] = {}
         self._signs: Dict[int, tuple] = {}  # id(group) -> (group, g > 0 at its last sampled step)
         self._safeguards: List[_Safeguards] = []  # last step's, read at the next sync
+
+    @property
+    def num_rejected_steps(self) -> int:
+        return self._newton.rejected
 
     #: :class:`~pyro_ngvi.CurvatureELBO` hands its statistics to an optimizer that says so.
     consumes_curvature = True
@@ -324,7 +424,8 @@ class NGVI(PyroOptim):
         # statistics count only when this step's ELBO made them (else they are stale)
         curvature_live = svi is None or getattr(
             getattr(svi.loss_and_grads, "__self__", None), "produces_curvature", False)
-        stats = {site.key: self._site_curvature(site, curvature_live) for site in sites}
+        one_draw = self.control_variate and _one_draw(svi)
+        stats = {site.key: self._site_curvature(site, curvature_live, one_draw) for site in sites}
         kronecker_sites = [site for site in sites if isinstance(site, KroneckerSite)]
         if kronecker_sites and is_distributed():
             raise NotImplementedError("NGVI does not average Kronecker factors across processes yet")
@@ -332,7 +433,17 @@ class NGVI(PyroOptim):
                    for p in s.prior_params()}
         if learned:  # prior params set in closed form below, not by the point optimizer
             others = [p for p in others if id(p) not in learned]
+        if is_distributed():  # draws differ between ranks: no control variate
+            stats = {key: replace(s, eps_mean=None, eps_sq_mean=None) if isinstance(s, SiteCurvature) else s
+                     for key, s in stats.items()}
         stats = all_reduce_stats(stats, others)  # no-op without torch.distributed
+        objective = next((s.objective for s in stats.values()
+                          if isinstance(s, SiteCurvature) and s.objective is not None), None)
+        guarded = self.safeguard and objective is not None and not callable(self.lr)
+        mean_field = [site for site in sites if isinstance(site, GaussianSite)]
+        if guarded and self._newton.rejects(mean_field, objective, self.num_steps):
+            self._restart_momentum()
+            return False
         full_sites = [site for site in sites if isinstance(site, (FullCovarianceSite, KroneckerSite))]
         groups = self._groups([site for site in sites if isinstance(site, GaussianSite)], stats)
         group_stats = [[stats[site.key] for site in group.sites] for group in groups]
@@ -349,8 +460,9 @@ class NGVI(PyroOptim):
             bad = [site.name for site, ok in zip(sites, self._sites_finite(stats)) if not ok]
             bad += [_param_label(p) for p, ok in zip(others_with_grad, finite[len(groups):]) if not ok]
             self.num_skipped_steps += 1
+            attempted = self.num_steps + self.num_skipped_steps + self.num_rejected_steps
             warnings.warn(
-                f"NGVI skipped step {self.num_steps}: non-finite gradient or curvature "
+                f"NGVI skipped step {attempted} ({self.num_steps} taken): non-finite gradient or curvature "
                 f"at {', '.join(repr(b) for b in bad)}; the guide is unchanged "
                 f"({self.num_skipped_steps} skipped so far).",
                 NGVIWarning,
@@ -368,8 +480,9 @@ class NGVI(PyroOptim):
             step = self._full_step(site, stats[site.key], lr, beta, tau, state_of[site.key])
             if step is None:
                 self.num_skipped_steps += 1
+                attempted = self.num_steps + self.num_skipped_steps + self.num_rejected_steps
                 warnings.warn(
-                    f"NGVI skipped step {self.num_steps}: the new precision of {site.name!r} is "
+                    f"NGVI skipped step {attempted} ({self.num_steps} taken): the new precision of {site.name!r} is "
                     "not numerically positive definite; the guide is unchanged "
                     f"({self.num_skipped_steps} skipped so far). Lower beta or add damping.",
                     NGVIWarning,
@@ -377,6 +490,10 @@ class NGVI(PyroOptim):
                 )
                 return False
             full_steps.append(step)
+        if guarded:  # the point to come back to, and the Newton step damped by the safeguard
+            self._newton.keep(mean_field, objective)
+            lr = lr / self._newton.factor
+        self._predicted = 0.0 if guarded else None
         new_scales = {}  # sigma after the update, for the prior M-step
         for group, st, (grad, curvature) in zip(groups, group_stats, flats):
             group_states = [state_of[site.key] for site in group.sites]
@@ -385,6 +502,8 @@ class NGVI(PyroOptim):
             if learned and sigma is not None:
                 new_scales.update((site.key, piece.view_as(site.loc))
                                   for site, piece in zip(group.sites, sigma.split(group.sizes)))
+        if guarded:
+            self._newton.predicted = float(self._predicted)
         for site, (step, momentum) in zip(full_sites, full_steps):
             site.write(*step)
             state = state_of[site.key]
@@ -503,21 +622,24 @@ class NGVI(PyroOptim):
         state = _SiteState(weakref.ref(site.loc))
         pending = self._pending_states.pop(site.key, None)
         if pending is not None:
-            momentum = pending["momentum"]
-            if momentum is not None and momentum.shape != site.loc.shape:
-                raise ValueError(
-                    f"NGVI state for '{site.key}' holds a momentum of shape "
-                    f"{tuple(momentum.shape)}, the site has {tuple(site.loc.shape)}: the "
-                    "checkpoint belongs to another model"
-                )
+            for key in _BUFFERS:
+                buffer = pending.get(key)
+                if buffer is not None and buffer.shape != site.loc.shape:
+                    raise ValueError(
+                        f"NGVI state for '{site.key}' holds a {key} of shape "
+                        f"{tuple(buffer.shape)}, the site has {tuple(site.loc.shape)}: the "
+                        "checkpoint belongs to another model"
+                    )
             state.started = pending["started"]
-            state.momentum = None if momentum is None else momentum.to(site.loc).clone()
+            for key in _BUFFERS + _SITE_TENSORS:
+                buffer = pending.get(key)
+                setattr(state, key, None if buffer is None else buffer.to(site.loc).clone())
         self._states[id(site.loc)] = state
         return state
 
     def _groups(self, sites: List[GaussianSite], stats: Dict[str, SiteCurvature]) -> List["_Group"]:
         """:func:`_group_sites` for these sites and kinds of statistics, remembered."""
-        key = tuple((s.mask is None, s.sampled, s.nonnegative, s.prior_precision is None)
+        key = tuple((s.mask is None, s.sampled, s.nonnegative, s.prior_precision is None, s.eps_mean is None)
                     for s in (stats[site.key] for site in sites))
         groups = self._group_cache.get(key)
         if groups is None:
@@ -530,9 +652,15 @@ class NGVI(PyroOptim):
         return [bool(_finite(*_statistics(s), mask=getattr(s, "mask", None))) for s in stats.values()]
 
     @torch.no_grad()
-    def _site_curvature(self, site: GaussianSite, live: bool = True) -> SiteCurvature:
-        """The ELBO's curvature for ``site`` (when ``live``: this step's ELBO made it),
-        in the site's dtype and device, or, failing that, the reparam estimate."""
+    def _site_curvature(self, site: GaussianSite, live: bool = True, one_draw: bool = False) -> SiteCurvature:
+        """
+        The ELBO's curvature for ``site`` (when ``live``: this step's ELBO made it),
+        in the site's dtype and device, or, failing that, the reparam estimate
+        recovered from the ordinary gradients. With one draw per step (``one_draw``:
+        a one-particle ``Trace_ELBO``) the draw of a mean-field site is recovered
+        too, :math:`\\epsilon = \\sigma h / g` (as :math:`h = g\\epsilon/\\sigma`), for the
+        control variate.
+        """
         stats = pop_curvature(site.loc)
         if stats is not None and live:
             return _fit_to_site(stats, site) if isinstance(site, GaussianSite) else stats
@@ -563,7 +691,14 @@ class NGVI(PyroOptim):
             plate_scale = mask.numel() / max(touched, 1)
         grad = loc_grad / plate_scale
         curvature = (scale_grad / plate_scale + 1.0 / scale) / scale
-        return SiteCurvature(grad, curvature, mask=mask, sampled=True)
+        if not one_draw:
+            return SiteCurvature(grad, curvature, mask=mask, sampled=True)
+        # eps = sigma h / g; where g vanishes (untouched rows) the draw is unknown: 0.
+        # |eps| beyond _EPS_MAX is float32 round-off in h, never a real draw.
+        eps = torch.where(grad != 0, curvature * scale / grad, 0.0)
+        eps = torch.where(eps.abs() <= _EPS_MAX, eps, 0.0)
+        return SiteCurvature(grad, curvature, mask=mask, sampled=True, eps_mean=eps,
+                             eps_sq_mean=torch.where(eps != 0, eps.square(), 1.0))
 
     @torch.no_grad()
     def _update_group(self, group: "_Group", stats: List[SiteCurvature],
@@ -574,7 +709,8 @@ class NGVI(PyroOptim):
         vector (one kernel per operation rather than one per site and operation);
         ``grad`` and ``curvature`` are the sites' ``g`` and ``h`` so flattened.
         The sites share the scale constraint, ``sampled``, ``nonnegative``, whether
-        a prior is given, and either have no ``mask`` or are a single masked site.
+        a prior is given, whether draws are known, and either have no ``mask`` or
+        are a single masked site.
 
         :returns: 0-d bool tensors (no device sync): whether the precision was
             clamped, and, for sampled curvature (else ``None``), whether most
@@ -592,26 +728,56 @@ class NGVI(PyroOptim):
         else:
             precision = transform(_flat([site.raw_scale for site in sites])).pow_(-2)
         mask = None if first.mask is None else first.mask.reshape(-1)
-        target = curvature.div_(tau) if tau != 1 else curvature
-        if first.prior_precision is not None:
-            prior_precision = _flat([s.prior_precision for s in stats])
+        prior_precision = None if first.prior_precision is None else _flat([s.prior_precision for s in stats])
+        adaptive = first.sampled and self._adaptive
+        grad = grad.div_(tau) if tau != 1 else grad  # from here g / tau and h / tau
+        curvature = curvature.div_(tau) if tau != 1 else curvature
+        if adaptive:
+            count = self._buffer(group, states, "count", self._first_count(beta))
+            drift = self._buffer(group, states, "momentum" if self.momentum else "drift", 0.0)
+        if self.control_variate and first.eps_mean is not None:
+            if adaptive:
+                known, baseline = count > self._first_count(beta), drift
+            else:
+                known, baseline = _flat([torch.full_like(site.loc, state.started, dtype=torch.bool)
+                                         for site, state in zip(sites, states)]), None
+            self._control_variate(grad, curvature, stats, precision, prior_precision, known, baseline)
+        target = curvature
+        if prior_precision is not None:
             target.add_(prior_precision)
-        if self.warm_start and not all(state.started for state in states):
+        if adaptive:  # a sampled target beyond (1 +- _INNOVATION_MAX) lambda is an outlier
+            target = torch.clamp(target, min=precision * (1.0 - _INNOVATION_MAX),
+                                 max=precision * (1.0 + _INNOVATION_MAX))
+        direction = self._momentum(group, states, grad, mask)
+        pull = None  # the exact prior's gradient, lambda_0 (mu - m_0)
+        if prior_precision is not None:
+            pull = (mean - _flat([s.prior_loc for s in stats])).mul_(prior_precision)
+        if adaptive:
+            step_beta, step_lr = self._adaptive_rates(group, states, grad, direction, drift, pull, target,
+                                                      precision, count, lr, beta, mask)
+        elif self.warm_start and not all(state.started for state in states):
             fresh = _flat([torch.full_like(site.loc, not state.started, dtype=torch.bool)
                            for site, state in zip(sites, states)])
-            step_beta = torch.where(fresh & (target > precision), 1.0, beta).to(target.dtype)
+            step_beta, step_lr = torch.where(fresh & (target > precision), 1.0, beta).to(target.dtype), lr
         else:
-            step_beta = beta
+            step_beta, step_lr = beta, lr
         new_precision = torch.lerp(precision, target, step_beta)
-        if not (first.nonnegative and first.prior_precision is not None):  # else target > 0
+        if not (first.nonnegative and prior_precision is not None):  # else target > 0
             correction = torch.sub(precision, target).square_().mul_(step_beta**2 / 2).div_(precision)
             new_precision.add_(correction.masked_fill_(target > 0, 0.0))  # only where target <= 0
             del correction
-        clamped = _clamp_precision_(new_precision)
         del target
+        if first.sampled and self.max_step is not None:  # trust region on the precision too
+            upper, lower = precision * _PRECISION_RATIO, precision / _PRECISION_RATIO
+            if prior_precision is not None:  # the exact prior part is always within reach
+                upper, lower = upper.maximum(prior_precision), lower.minimum(prior_precision)
+            new_precision = torch.minimum(new_precision, upper, out=new_precision)
+            new_precision = torch.maximum(new_precision, lower, out=new_precision)
+            del upper, lower
+        clamped = _clamp_precision_(new_precision)
         denominator = new_precision + self.damping if self.damping else new_precision
+        del prior_precision
 
-        direction = self._momentum(group, states, grad.div_(tau) if tau != 1 else grad, mask)
         far = None
         if first.sampled:  # |g| sigma > _FAR (g^2 > _FAR^2 lambda), with the sign of the last step
             positive = grad > 0
@@ -622,23 +788,33 @@ class NGVI(PyroOptim):
                 far = _mostly(torch.gt(grad.square(), precision * _FAR**2).logical_and_(persistent), mask)
             else:
                 far = torch.zeros((), dtype=torch.bool, device=grad.device)
-        pull = None
-        if first.prior_precision is not None:
-            pull = (mean - _flat([s.prior_loc for s in stats])).mul_(prior_precision)
-            del prior_precision
         if first.sampled and self.max_step is not None:
             # the trust region bounds the likelihood part of the step, not the prior's
-            step = direction.mul(lr).div_(denominator)
+            step = direction.mul(step_lr).div_(denominator)
             radius = precision.rsqrt_().mul_(self.max_step)
             step = torch.minimum(step, radius, out=step)
             step = torch.maximum(step, radius.neg_(), out=step)
             del radius
             new_mean = step.neg_().add_(mean)
             if pull is not None:
-                new_mean.addcdiv_(pull, denominator, value=-lr)
+                new_mean.sub_(pull.mul_(step_lr).div_(denominator))
+        elif torch.is_tensor(step_lr):
+            numerator = direction if pull is None else pull.add_(direction)
+            new_mean = numerator.mul(step_lr).div_(denominator).neg_().add_(mean)
+        elif self._predicted is not None:  # guarded Newton step (evaluated at the mean)
+            numerator = direction if pull is None else pull.add_(direction)
+            step = numerator.mul(step_lr).div_(denominator)
+            if self._newton.factor > 1 and self.max_step is not None:
+                # while damped, also at most max_step standard deviations (before the step)
+                radius = precision.rsqrt_().mul_(self.max_step)
+                step = torch.minimum(step, radius, out=step)
+                step = torch.maximum(step, radius.neg_(), out=step)
+            # the decrease of F the quadratic model predicts for it
+            self._predicted = self._predicted + (numerator * step).sum() - 0.5 * (new_precision * step.square()).sum()
+            new_mean = step.neg_().add_(mean)
         else:  # mu - lr (g + lambda_0 (mu - m_0)) / (lambda' + gamma) in one kernel
             numerator = direction if pull is None else pull.add_(direction)
-            new_mean = torch.addcdiv(mean, numerator, denominator, value=-lr)
+            new_mean = torch.addcdiv(mean, numerator, denominator, value=-step_lr)
         del precision, pull, denominator, direction
         new_scale = new_precision.rsqrt_()
         new_raw_scale = transform.inv(new_scale)
@@ -654,6 +830,172 @@ class NGVI(PyroOptim):
         for state in states:
             state.started = True
         return clamped, far, new_scale
+
+    def _first_count(self, beta: float) -> float:
+        """The count a new element starts from: 0 (its first step takes the curvature
+        target whole) with the warm start, else one short of :math:`1/\\beta`."""
+        return 0.0 if self.warm_start else max(1.0 / beta - 1.0, 0.0)
+
+    @staticmethod
+    def _control_variate(grad, curvature, stats, precision, prior_precision, known, baseline) -> None:
+        """
+        Subtract, in place, control variates of known draws :math:`\\epsilon` from
+        :math:`\\hat g = g/\\tau` and :math:`\\hat h = h/\\tau`:
+
+        .. math:: \\hat g \\leftarrow \\hat g - c\\,\\sigma\\bar\\epsilon, \\qquad
+                  \\hat h \\leftarrow \\hat h - b\\,\\bar\\epsilon/\\sigma - c\\,(\\overline{\\epsilon^2} - 1),
+
+        with :math:`c = \\lambda - \\lambda_0` the curvature the current precision
+        stands for and :math:`b` the running mean of :math:`\\hat g` (both 0 where the
+        element has no estimate yet). Neither depends on this step's draws, so the
+        estimates stay unbiased; where :math:`\\ell` is quadratic with curvature
+        :math:`c` and gradient :math:`b` at the mean they are exact: then
+        :math:`\\hat g(\\mu + \\sigma\\epsilon) = b + c\\sigma\\epsilon`.
+        """
+        c = precision if prior_precision is None else precision - prior_precision
+        c = c.clamp(min=0.0).masked_fill_(~known, 0.0)
+        sigma = precision.rsqrt()
+        eps_mean = _flat([s.eps_mean for s in stats])
+        grad.sub_(c * sigma * eps_mean)
+        curvature.sub_(eps_sq_mean_minus_one(stats).mul_(c))
+        if baseline is not None:
+            curvature.sub_(baseline.masked_fill(~known, 0.0).mul_(eps_mean).div_(sigma))
+
+    def _adaptive_rates(self, group, states, grad, direction, drift, pull, target, precision, count, lr,
+                        beta, mask):
+        """
+        Per-element steps from the measured signal-to-noise ratio of the two
+        natural-gradient innovations: :math:`\\hat g` and :math:`(\\hat h - \\lambda)/\\lambda`.
+
+        Each element keeps a count :math:`n`; its steps are
+        :math:`\\beta_t = 1/n` and
+        :math:`\\alpha_t = \\alpha / (1 + \\alpha \\max(n - 1/\\beta, 0))`. The count grows by
+        one per step up to :math:`1/\\beta` (a warm-up that averages the first
+        curvature estimates instead of trusting one), and beyond it only while the
+        running means :math:`\\bar g, \\bar e` of both innovations are
+        indistinguishable from zero,
+
+        .. math:: z^2 = \\frac{\\bar g^2}{r\\,V_g} + \\frac{\\bar e^2}{r\\,V_e} < z^2_{\\rm stall}
+
+        (:math:`r = 1/n` their averaging rate, :math:`V` the variances, pooled over
+        the site in standard-deviation units): there the mean and the precision
+        become running averages of the noisy targets (Polyak-Ruppert averaging of
+        the natural parameters). Where :math:`z^2 > z^2_{\\rm drift}` the targets
+        have moved and the count falls back to :math:`1/\\beta`.
+        """
+        base = 1.0 / beta
+        rate = (count + 1.0).reciprocal_()
+        sigma = precision.rsqrt()
+        fresh = self._fresh(group, states, "hdrift")
+        seen = None if fresh is None else ~fresh
+        if mask is not None:
+            seen = mask if seen is None else seen & mask
+        # innovations and their deviation from the running means so far (noise, pooled)
+        innovation = torch.sub(target, precision).div_(precision)
+        hdrift = self._buffer(group, states, "hdrift", 0.0)
+        deviations = torch.stack([torch.sub(grad, drift).mul_(sigma), innovation - hdrift])
+        low, high = self._pooled_noise(group, states, deviations.square_(), seen)
+        if self.momentum:
+            drift, drift_rate = direction, 1.0 - self.momentum
+        else:
+            drift, drift_rate = torch.lerp(drift, grad, rate), rate
+        hdrift = torch.lerp(hdrift, innovation, rate)
+        if fresh is not None:
+            drift = drift if self.momentum else torch.where(fresh, grad, drift)
+            hdrift = torch.where(fresh, innovation, hdrift)
+        total = drift if pull is None else drift + pull  # the whole gradient, exact prior included
+        signal = torch.stack([(total * sigma).square_().div_(drift_rate), hdrift.square().div_(rate)])
+        stalled = signal.div(low).sum(0) < _STALL_Z2  # noise at its lowest plausible value
+        drifting = signal.div_(high).sum(0) > _DRIFT_Z2  # and at its highest
+        grown = count + 1.0
+        new_count = torch.where(stalled, grown, torch.minimum(grown, torch.clamp(count, min=base)))
+        new_count = torch.where(drifting, base, new_count)
+        # a first target that is not positive tells nothing of the precision: wait for one
+        new_count = torch.where((count > 0) | (target > 0), new_count, count)
+        if mask is not None:
+            new_count = torch.where(mask, new_count, count)
+            hdrift = torch.where(mask, hdrift, self._buffer(group, states, "hdrift", 0.0))
+            if not self.momentum:
+                drift = torch.where(mask, drift, self._buffer(group, states, "drift", 0.0))
+        self._keep(group, states, "count", new_count)
+        self._keep(group, states, "hdrift", hdrift)
+        if not self.momentum:
+            self._keep(group, states, "drift", drift)
+        step_beta = torch.where(new_count > 0, new_count.reciprocal(), beta)
+        step_lr = (new_count - base).clamp_(min=0.0).mul_(lr).add_(1.0).reciprocal_().mul_(lr)
+        return step_beta, step_lr
+
+    @staticmethod
+    def _pooled_noise(group, states, squares, seen) -> Tuple[torch.Tensor, torch.Tensor]:
+        """
+        The variances of the two innovations, per site: the mean over its elements
+        ``seen`` this step of ``squares`` (one row per innovation), averaged over
+        steps with a short and a long memory (``_NOISE_RATES``; a running mean until
+        then). Returns the lower and the higher of the two, per element (shape
+        ``squares.shape``, or ``(2, 1)`` for a group of one site), each at most the
+        variance of a one-draw estimate at the fixed point (the rest is a transient,
+        not noise). No device sync.
+        """
+        dtype, device = squares.dtype, squares.device
+        constants = group.constants(dtype, device)
+        single = len(states) == 1
+        weights = None if seen is None else seen.to(dtype)
+        if single:  # (innovation, site = 1)
+            if weights is None:
+                totals, counts = squares.sum(1, keepdim=True), constants["lengths"].to(dtype)
+            else:
+                totals, counts = (squares * weights).sum(1, keepdim=True), weights.sum().reshape(1)
+        else:
+            lengths = constants["lengths"]
+            totals = torch.segment_reduce((squares if weights is None else squares * weights).T,
+                                          "sum", lengths=lengths).T
+            counts = lengths.to(dtype) if weights is None else torch.segment_reduce(weights, "sum", lengths=lengths)
+        means = (totals / counts.clamp(min=1.0)).unsqueeze(-1)  # innovation, site, 1
+        if any(state.noise is None for state in states):
+            for state in states:
+                if state.noise is None:
+                    state.steps = torch.zeros((), dtype=dtype, device=device)
+                    state.noise = torch.full((2, 2), math.inf, dtype=dtype, device=device)
+        steps = torch.stack([state.steps for state in states])
+        noise = torch.stack([state.noise for state in states], dim=1)  # innovation, site, memory
+        touched = counts > 0
+        steps = steps + touched.to(dtype)
+        rate = torch.maximum(steps.reciprocal()[:, None], constants["rates"])
+        new = torch.where(steps[:, None] <= 1, means, torch.lerp(noise, means, rate))  # the first whole
+        noise = torch.where(touched[:, None], new, noise)
+        for j, state in enumerate(states):
+            state.steps, state.noise = steps[j], noise[:, j]
+        low, high = noise.aminmax(dim=-1)
+        # at most 1 for g / sqrt(lambda), 2 for (h - lambda) / lambda: one draw at lambda = h
+        # and at least _NOISE_FLOOR: a drift below a millionth of a standard deviation is none
+        ceiling = constants["ceiling"]
+        low, high = (torch.minimum(n, ceiling).clamp_(min=_NOISE_FLOOR) for n in (low, high))
+        if single:
+            return low, high
+        return low.repeat_interleave(constants["lengths"], dim=1), high.repeat_interleave(constants["lengths"], dim=1)
+
+    @staticmethod
+    def _fresh(group, states, name):
+        """Where a site has no ``name`` buffer yet (flat bool), or ``None`` when all have."""
+        if all(getattr(state, name) is not None for state in states):
+            return None
+        return _flat([torch.full_like(site.loc, getattr(state, name) is None, dtype=torch.bool)
+                      for site, state in zip(group.sites, states)])
+
+    @staticmethod
+    def _buffer(group, states, name, fill: float) -> torch.Tensor:
+        """The sites' ``name`` buffers as one flat vector (``fill`` for a site without one)."""
+        values = [getattr(state, name) for state in states]
+        if all(v is not None for v in values):
+            return _flat(values)
+        return _flat([torch.full_like(site.loc, fill) if v is None else v
+                      for site, v in zip(group.sites, values)])
+
+    @staticmethod
+    def _keep(group, states, name, flat: torch.Tensor) -> None:
+        """Store ``flat`` as the sites' ``name`` buffers, each shaped like its loc."""
+        for state, piece in zip(states, _unflatten_dense_tensors(flat, [site.loc for site in group.sites])):
+            setattr(state, name, piece)
 
     def _full_step(self, site, stats, lr, beta, tau, state: "_SiteState"):
         """
@@ -725,7 +1067,8 @@ class NGVI(PyroOptim):
             name = None if loc is None else store.param_name(loc)
             if name is not None:
                 sites[name] = {"started": state.started,
-                               "momentum": None if state.momentum is None else state.momentum.clone()}
+                               **{key: None if getattr(state, key) is None else getattr(state, key).clone()
+                                  for key in _BUFFERS + _SITE_TENSORS}}
         for name, pending in self._pending_states.items():  # restored, not seen since
             sites.setdefault(name, pending)
         return {
@@ -773,16 +1116,97 @@ class NGVI(PyroOptim):
         self.set_state(safe_load(filename, map_location, what="NGVI state"))
 
 
+class _NewtonGuard:
+    """
+    Accept-or-damp for steps whose statistics were evaluated at the mean (a
+    diagonal Newton method on :math:`F(\\mu) = -\\log p(x, T(\\mu)) - \\log|\\det J|`):
+    a step after which :math:`F` rose (or is not finite) is undone, and the mean
+    step of the next ones is divided by a factor :math:`f` (Levenberg-Marquardt
+    damping of the diagonal curvature, :math:`D \\to fD`), multiplied by
+    :math:`\\nu` on each rejection (:math:`\\nu` doubling while rejections follow
+    one another) and relaxed after accepted steps by Nielsen's rule,
+    :math:`f \\leftarrow \\max(1, f \\max(1/3, 1 - (2\\rho - 1)^3))` with :math:`\\rho`
+    the actual over the predicted decrease of :math:`F`. An undamped step
+    (:math:`f = 1`) that decreases :math:`F` passes untouched, so ``lr = beta = 1``
+    with exact curvature is still one Newton step where that step is good [5].
+    """
+
+    __slots__ = ("factor", "nu", "reference", "saved", "predicted", "rejected")
+
+    def __init__(self):
+        self.factor, self.nu = 1.0, 2.0
+        self.reference: Optional[float] = None  # F at the saved point
+        self.saved: List = []  # (site, loc, raw scale) before the last step
+        self.predicted = 0.0
+        self.rejected = 0
+
+    def rejects(self, sites, objective: float, step: int) -> bool:
+        """Undo the last step if ``objective`` (F at its result) is worse than before it."""
+        if self.reference is None or [s for s, _, _ in self.saved] != list(sites):
+            return False
+        slack = 1e-12 * max(1.0, abs(self.reference))
+        if objective <= self.reference + slack:  # accepted: relax the damping
+            rho = (self.reference - objective) / self.predicted if self.predicted > 0 else 1.0
+            self.factor = max(1.0, self.factor * max(1.0 / 3.0, 1.0 - (2.0 * rho - 1.0) ** 3))
+            self.nu = 2.0
+            return False
+        with torch.no_grad():
+            for site, loc, raw_scale in self.saved:
+                site.loc.copy_(loc)
+                site.raw_scale.copy_(raw_scale)
+        self.factor *= self.nu
+        self.nu *= 2.0
+        self.rejected += 1
+        if self.rejected & (self.rejected - 1):  # warn at the 1st, 2nd, 4th, 8th, ... only
+            return True
+        warnings.warn(
+            f"NGVI undid step {step}: F(mu) = -log p(x, T(mu)) - log|det J| at the mean rose "
+            f"from {self.reference:.6g} to {objective:.6g}; the guide is back where it was and "
+            f"the mean step is damped by {self.factor:g} ({self.rejected} steps undone so far; "
+            "warned at the 1st, 2nd, 4th, ...; see num_rejected_steps). A diagonal Newton step (exact curvature, lr = beta = 1) diverges where "
+            "lr > 2 / lambda_max(D^-1 H) (correlated designs) or jumps out of its region of "
+            "validity (funnels): a smaller lr avoids the undone steps.",
+            NGVIWarning,
+            stacklevel=4,
+        )
+        return True
+
+    def keep(self, sites, objective: float) -> None:
+        """Remember the point the coming step starts from, and F there."""
+        with torch.no_grad():
+            if [s for s, _, _ in self.saved] == list(sites):
+                for site, loc, raw_scale in self.saved:
+                    loc.copy_(site.loc)
+                    raw_scale.copy_(site.raw_scale)
+            else:
+                self.saved = [(site, site.loc.detach().clone(), site.raw_scale.detach().clone())
+                              for site in sites]
+        self.reference = objective
+
+
+#: The per-element buffers of :class:`_SiteState` (saved by :meth:`NGVI.get_state`).
+_BUFFERS = ("momentum", "count", "drift", "hdrift")
+#: Per-site (not per-element) tensors of :class:`_SiteState`, saved too.
+_SITE_TENSORS = ("steps", "noise")
+
+
 class _SiteState:
     """What NGVI keeps for one site between steps, keyed by its ``loc`` tensor."""
 
-    __slots__ = ("loc", "started", "momentum", "far_steps")
+    __slots__ = ("loc", "started", "momentum", "far_steps", "count", "drift", "hdrift", "steps", "noise")
 
     def __init__(self, loc: weakref.ref):
         self.loc = loc  # a weak reference: a cleared param store frees the site
         self.started = False  # the first-step warm start has happened
         self.momentum: Optional[torch.Tensor] = None
         self.far_steps = 0  # consecutive steps its gradient exceeded _FAR sigma (mostly)
+        # sampled statistics, per element: the count n of the adaptive steps and the
+        # running means of g (the momentum buffer, if any) and of (h - lambda) / lambda
+        self.count: Optional[torch.Tensor] = None
+        self.drift: Optional[torch.Tensor] = None
+        self.hdrift: Optional[torch.Tensor] = None
+        self.steps: Optional[torch.Tensor] = None  # steps that fed the site's pooled noise
+        self.noise: Optional[torch.Tensor] = None  # the two pooled variances (short, long memory)
 
 
 class _Safeguards(NamedTuple):
@@ -827,7 +1251,7 @@ def _fit_to_site(stats: SiteCurvature, site: GaussianSite) -> SiteCurvature:
     is refused, before anything is written.
     """
     loc, converted = site.loc, {}
-    for name in ("grad", "curvature", "prior_loc", "prior_precision", "mask", "scale"):
+    for name in ("grad", "curvature", "prior_loc", "prior_precision", "mask", "scale", "eps_mean", "eps_sq_mean"):
         value = getattr(stats, name)
         if value is None:
             continue
@@ -862,14 +1286,17 @@ def _check_state(state_dict) -> None:
             fail(f"state['ngvi'][{key!r}] must be a non-negative integer, got {ngvi[key]!r}")
     if not isinstance(ngvi["sites"], dict):
         fail("state['ngvi']['sites'] must be a dict")
+    keys = {"started", *_BUFFERS, *_SITE_TENSORS}
     for name, entry in ngvi["sites"].items():
-        if not (isinstance(name, str) and isinstance(entry, dict) and set(entry) == {"started", "momentum"}):
-            fail(f"site entry {name!r} must be a dict with the keys 'started' and 'momentum'")
-        momentum = entry["momentum"]
-        if not isinstance(entry["started"], bool) or not (
-            momentum is None or (torch.is_tensor(momentum) and momentum.is_floating_point())
+        if not (isinstance(name, str) and isinstance(entry, dict) and "started" in entry
+                and "momentum" in entry and set(entry) <= keys):
+            fail(f"site entry {name!r} must be a dict with the keys 'started', 'momentum' and "
+                 f"(from this version on) {', '.join(map(repr, _BUFFERS[1:] + _SITE_TENSORS))}")
+        if not isinstance(entry["started"], bool) or not all(
+            entry.get(key) is None or (torch.is_tensor(entry[key]) and entry[key].is_floating_point())
+            for key in _BUFFERS + _SITE_TENSORS
         ):
-            fail(f"site entry {name!r} needs a bool 'started' and a float tensor or None 'momentum'")
+            fail(f"site entry {name!r} needs a bool 'started' and float tensors or None for the rest")
     if not isinstance(point, dict):
         fail("state['point'] must be a dict")
     for name, entry in point.items():
@@ -940,6 +1367,19 @@ def _finite(*tensors: torch.Tensor, mask=None) -> torch.Tensor:
     return torch.isfinite(total)
 
 
+def eps_sq_mean_minus_one(stats) -> torch.Tensor:
+    """:math:`\\overline{\\epsilon^2} - 1` of the sites' known draws, flat."""
+    return _flat([s.eps_sq_mean for s in stats]).sub(1.0)
+
+
+def _one_draw(svi) -> bool:
+    """Whether ``svi`` computes its gradients from one draw of each latent: a plain
+    ``Trace_ELBO`` / ``JitTrace_ELBO`` with one particle (then :math:`\\epsilon` is
+    recoverable from :math:`g` and :math:`h`)."""
+    elbo = getattr(getattr(svi, "loss_and_grads", None), "__self__", None)
+    return type(elbo) in _ONE_DRAW_ELBOS and getattr(elbo, "num_particles", None) == 1
+
+
 def _param_label(p: torch.Tensor) -> str:
     return pyro.get_param_store().param_name(p) or f"tensor of shape {tuple(p.shape)}"
 
@@ -960,7 +1400,7 @@ def _group_sites(sites: List[GaussianSite], stats: Dict[str, SiteCurvature]) -> 
         else:
             constraint = id(pyro.get_param_store()._constraints[site.scale_name])
             key = (constraint, site.loc.dtype, site.loc.device, s.sampled, s.nonnegative,
-                   s.prior_precision is None)
+                   s.prior_precision is None, s.eps_mean is None)
             if sizes.get(key, 0) + site.loc.numel() > _FLAT_MAX:  # start another group
                 groups[key + (len(groups),)] = groups.pop(key)
                 sizes[key] = 0
@@ -977,6 +1417,7 @@ class _Group(NamedTuple):
     locs: List[torch.Tensor]  # flat views of the sites' loc tensors, to write into
     raw_scales: List[torch.Tensor]  # and of their raw scale tensors
     transform: object  # raw scale -> sigma
+    cache: Dict  # small constant tensors of the adaptive steps, by (dtype, device)
 
     @classmethod
     def of(cls, sites: List[GaussianSite]) -> "_Group":
@@ -984,7 +1425,17 @@ class _Group(NamedTuple):
             return cls(sites, [site.loc.numel() for site in sites],
                        [site.loc.view(-1) for site in sites],
                        [site.raw_scale.view(-1) for site in sites],
-                       sites[0]._scale_transform)
+                       sites[0]._scale_transform, {})
+
+    def constants(self, dtype, device) -> Dict[str, torch.Tensor]:
+        found = self.cache.get((dtype, device))
+        if found is None:
+            found = self.cache[(dtype, device)] = {
+                "lengths": torch.tensor(self.sizes, device=device),
+                "rates": torch.tensor(_NOISE_RATES, dtype=dtype, device=device),
+                "ceiling": torch.tensor([[1.0], [2.0]], dtype=dtype, device=device),
+            }
+        return found
 
 
 def _flat(tensors: List[torch.Tensor]) -> torch.Tensor:

@@ -1,0 +1,445 @@
+"""
+``NGVI()`` with no arguments on the kinds of models Pyro's own autoguide tests train
+(issue 12, section 3), with the tolerances those tests use and at most their step
+counts; the control variate, the adaptive steps and the Newton-step safeguard
+(sections 3 and 4). The models are our own ports of the kinds of tests in Pyro 1.9's
+``tests/infer/test_autoguide.py``, ``tests/infer/autoguide/test_inference.py`` and
+``tests/infer/test_predictive.py``.
+"""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import pyro
+import pyro.distributions as dist
+from pyro import poutine
+from pyro.infer import SVI, Predictive, Trace_ELBO, TraceEnum_ELBO, config_enumerate
+from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
+
+from pyro_ngvi import NGVI, CurvatureELBO, NGVIWarning
+from pyro_ngvi.family import pop_curvature
+
+
+def train(model, guide, optim, loss, steps, *args):
+    svi = SVI(model, guide, optim, loss)
+    for _ in range(steps):
+        svi.step(*args)
+    return svi
+
+
+def normal_kl(m, s, m0, s0):
+    return float((torch.log(s0 / s) + (s**2 + (m - m0) ** 2) / (2 * s0**2) - 0.5).sum())
+
+
+# ----------------------------------------------------------------- Pyro's test_exact kinds
+def exact_model(data):
+    loc = pyro.sample("loc", dist.Normal(0.0, 1.0))
+    with pyro.plate("data", len(data)):
+        pyro.sample("obs", dist.Normal(loc, 1.0), obs=data)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_exact_normal_normal_posterior_and_elbo(seed):
+    """Pyro's test_exact: 500 steps of ClippedAdam(lr 0.05, decayed 10x), 100 particles;
+    mean atol 0.05, std rtol 0.05, ELBO atol 0.01. NGVI() gets 60 steps."""
+    data = torch.randn(3, generator=torch.Generator().manual_seed(seed))
+    pyro.set_rng_seed(seed)
+    guide = AutoNormal(exact_model)
+    elbo = Trace_ELBO(num_particles=100, vectorize_particles=True)
+    train(exact_model, guide, NGVI(), elbo, 60, data)
+    mean, std = data.sum() / 4, torch.tensor(0.5)
+    evidence = dist.MultivariateNormal(torch.zeros(3), torch.eye(3) + 1.0).log_prob(data)
+    loc, scale = (t.detach() for t in guide._get_loc_and_scale("loc"))
+    assert abs(loc - mean) < 0.05
+    assert abs(scale / std - 1) < 0.05
+    assert abs(elbo.loss(exact_model, guide, data) + float(evidence)) < 0.01
+    assert normal_kl(loc, scale, mean, std) < 0.01  # the same, without Monte-Carlo noise
+
+
+def exact_batch_model(data):
+    with pyro.plate("data", len(data)):
+        loc = pyro.sample("loc", dist.Normal(0.0, 1.0))
+        pyro.sample("obs", dist.Normal(loc, 1.0), obs=data)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_exact_batch_local_latents(seed):
+    """Pyro's test_exact_batch: three independent Normal-Normal rows, 500 steps there."""
+    data = torch.randn(3, generator=torch.Generator().manual_seed(seed))
+    pyro.set_rng_seed(seed)
+    guide = AutoNormal(exact_batch_model)
+    elbo = Trace_ELBO(num_particles=100, vectorize_particles=True)
+    train(exact_batch_model, guide, NGVI(), elbo, 60, data)
+    loc, scale = (t.detach() for t in guide._get_loc_and_scale("loc"))
+    std = torch.full((3,), 0.5**0.5)
+    assert (loc - data / 2).abs().max() < 0.05
+    assert (scale / std - 1).abs().max() < 0.05
+    assert normal_kl(loc, scale, data / 2, std) < 0.01
+
+
+def tree_model(data):
+    x = pyro.sample("x", dist.Normal(0.0, 1.0))
+    with pyro.plate("data", len(data)):
+        y = pyro.sample("y", dist.Normal(x, 1.0))
+        pyro.sample("obs", dist.Normal(y, 1.0), obs=data)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_exact_tree_means(seed):
+    """Pyro's test_exact_tree checks a mean-field guide's means (atol 0.05): coupled sites."""
+    data = 2.0 * torch.randn(2, generator=torch.Generator().manual_seed(seed))
+    precision = torch.tensor([[3.0, -1.0, -1.0], [-1.0, 2.0, 0.0], [-1.0, 0.0, 2.0]])
+    mean = torch.linalg.solve(precision, torch.cat([torch.zeros(1), data]))
+    pyro.set_rng_seed(seed)
+    guide = AutoNormal(tree_model)
+    train(tree_model, guide, NGVI(), Trace_ELBO(num_particles=100, vectorize_particles=True), 60, data)
+    locs = torch.cat([guide._get_loc_and_scale(s)[0].detach().reshape(-1) for s in ("x", "y")])
+    assert (locs - mean).abs().max() < 0.05
+
+
+# ----------------------------------------------------------------- one particle (Pyro's default)
+def diagonal_gaussians():
+    pyro.sample("x", dist.Normal(-0.2, 1.2))
+    pyro.sample("y", dist.Normal(0.2, 0.7))
+
+
+def log_normal():
+    pyro.sample("x", dist.LogNormal(0.2, 0.7))
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("model, loc, scale, tol", [
+    (diagonal_gaussians, [-0.2, 0.2], [1.2, 0.7], (0.05, 0.08)),  # test_auto_diagonal_gaussians
+    (log_normal, [0.2], [0.7], (0.04, 0.04)),  # test_auto_transform: a Gaussian through exp
+])
+def test_one_particle_diagonal_normal(seed, model, loc, scale, tol):
+    """Pyro trains these with one-particle Trace_ELBO for 3500 steps; NGVI() gets 150."""
+    pyro.set_rng_seed(seed)
+    guide = AutoDiagonalNormal(model)
+    train(model, guide, NGVI(), Trace_ELBO(), 150)
+    fitted_loc, fitted_scale = (t.detach() for t in guide._loc_scale())
+    assert (fitted_loc - torch.tensor(loc)).abs().max() < tol[0]
+    assert (fitted_scale - torch.tensor(scale)).abs().max() < tol[1]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_conditioned_model_far_from_the_guides_start(seed):
+    """A ``poutine.condition``-ed model whose posterior (mean ~5, std ~1) is far from
+    AutoNormal's start (0, 0.1): 100 steps, one particle, within 10 %."""
+    def generative():
+        loc = pyro.sample("loc", dist.Normal(0.0, 10.0))
+        return pyro.sample("obs", dist.Normal(loc, 1.0))
+
+    obs = 5.0 + torch.randn((), generator=torch.Generator().manual_seed(seed))
+    model = poutine.condition(generative, data={"obs": obs})
+    pyro.set_rng_seed(seed)
+    guide = AutoNormal(model)
+    train(model, guide, NGVI(), Trace_ELBO(), 100)
+    loc, scale = (t.detach() for t in guide._get_loc_and_scale("loc"))
+    assert abs(loc / (obs / 1.01) - 1) < 0.1
+    assert abs(scale / 1.01**-0.5 - 1) < 0.1
+
+
+def binomial_model(num_trials):
+    with pyro.plate("data", num_trials.size(0)):
+        phi = pyro.sample("phi", dist.Uniform(0.0, 1.0))
+        return pyro.sample("obs", dist.Binomial(num_trials, phi))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_posterior_predictive_of_a_conditioned_model(seed):
+    """Pyro's test_posterior_predictive_svi_auto_diag_normal_guide: 1000 steps of Adam,
+    predictive counts within 5 %; here of the exact posterior predictive, after 50 steps."""
+    num_trials = torch.full((5,), 1000.0)
+    successes = torch.binomial(num_trials, torch.full((5,), 0.7), generator=torch.Generator().manual_seed(seed))
+    conditioned = poutine.condition(binomial_model, data={"obs": successes})
+    pyro.set_rng_seed(seed)
+    guide = AutoDiagonalNormal(conditioned)
+    train(conditioned, guide, NGVI(), Trace_ELBO(), 50, num_trials)
+    predicted = Predictive(binomial_model, guide=guide, num_samples=10000, parallel=True)(num_trials)["obs"]
+    exact = num_trials * (successes + 1) / (num_trials + 2)
+    assert ((predicted.mean(0) - exact).abs() < 0.05 * exact).all()
+
+
+# ----------------------------------------------------------------- the mechanisms
+def test_one_draw_control_variate_is_exact_on_a_gaussian_posterior():
+    """With one particle the draw is recovered (eps = sigma h / g) and the control
+    variate leaves no Monte-Carlo noise where the log joint is quadratic: the guide
+    lands on the exact posterior, where a constant-step Price estimate keeps a noise
+    floor of its own size."""
+    torch.set_default_dtype(torch.float64)
+    data = torch.tensor([0.3, 1.2, -0.5])
+    guide = AutoNormal(exact_model)
+    train(exact_model, guide, NGVI(), Trace_ELBO(), 200, data)
+    loc, scale = (t.detach() for t in guide._get_loc_and_scale("loc"))
+    assert float(loc) == pytest.approx(float(data.sum() / 4), abs=1e-6)
+    assert float(scale) == pytest.approx(0.5, rel=1e-6)
+
+
+def test_antithetic_pairs_give_the_gradient_at_the_mean_of_a_quadratic():
+    """CurvatureELBO("reparam", antithetic=True): for a quadratic log likelihood the
+    pair's mean gradient is the gradient at the mean, exactly, and the draws it hands
+    NGVI have mean 0."""
+    torch.set_default_dtype(torch.float64)
+    data = torch.tensor([0.3, 1.2, -0.5])
+
+    def likelihood_only(data):  # a flat prior: the whole log joint is the likelihood
+        loc = pyro.sample("loc", dist.Normal(0.0, 1e6))
+        with pyro.plate("data", len(data)):
+            pyro.sample("obs", dist.Normal(loc, 1.0), obs=data)
+
+    guide = AutoNormal(likelihood_only, init_loc_fn=lambda site: torch.tensor(2.0))
+    elbo = CurvatureELBO("reparam", num_particles=3, antithetic=True)
+    guide(data)
+    elbo.loss_and_grads(likelihood_only, guide, data)
+    stats = pop_curvature(pyro.param("AutoNormal.locs.loc"))
+    assert float(stats.grad) == pytest.approx(float((2.0 - data).sum()), rel=1e-12)
+    assert float(stats.eps_mean) == pytest.approx(0.0, abs=1e-12)
+    assert float(stats.eps_sq_mean) > 0
+
+
+def test_averaging_removes_the_noise_floor_of_many_particles():
+    """Sixteen particles (no draw recoverable): the adaptive steps average the noisy
+    targets once progress stalls, so the error keeps shrinking where constant steps
+    (NGVI's former defaults) keep a floor."""
+    data = torch.tensor([0.3, 1.2, -0.5])
+    mean, std = float(data.sum() / 4), 0.5
+    errors = {}
+    for label, optim in (("adaptive", NGVI), ("constant", lambda: NGVI(lr=0.1, beta=0.05, averaging=False))):
+        total = 0.0
+        for seed in range(4):
+            pyro.clear_param_store()
+            pyro.set_rng_seed(seed)
+            guide = AutoNormal(exact_model)
+            train(exact_model, guide, optim(), Trace_ELBO(num_particles=16, vectorize_particles=True), 400, data)
+            loc, scale = (float(t.detach()) for t in guide._get_loc_and_scale("loc"))
+            total += abs(loc - mean) / std + abs(scale / std - 1)
+        errors[label] = total / 4
+    assert errors["adaptive"] < 0.02
+    assert errors["adaptive"] < errors["constant"] / 2
+
+
+def test_state_memory_is_at_most_three_latent_size_vectors():
+    """DESIGN: the mean-field update keeps at most three latent-size vectors per site."""
+    for momentum in (0.0, 0.9):
+        pyro.clear_param_store()
+        guide = AutoNormal(exact_batch_model)
+        optim = NGVI(momentum=momentum)
+        train(exact_batch_model, guide, optim, Trace_ELBO(), 5, torch.ones(7))
+        (site,) = optim.get_state()["ngvi"]["sites"].values()
+        vectors = [v for v in site.values() if torch.is_tensor(v) and v.numel() == 7]
+        assert len(vectors) <= 3
+
+
+def test_a_schedule_the_user_writes_runs_as_written():
+    """Callables for lr and beta override the adaptive steps: the update is the plain
+    one with exactly the scheduled values (no per-element counts are kept)."""
+    seen = []
+    guide = AutoNormal(exact_model)
+    optim = NGVI(lr=lambda t: seen.append(t) or 0.2, beta=lambda t: 0.1)
+    train(exact_model, guide, optim, Trace_ELBO(), 3, torch.ones(3))
+    assert seen == [0, 1, 2]
+    (site,) = optim.get_state()["ngvi"]["sites"].values()
+    assert site["count"] is None
+
+
+# ----------------------------------------------------------------- section 4
+def gmm_data():
+    g = torch.Generator().manual_seed(0)
+    return torch.cat([0.5 * torch.randn(30, generator=g) - 2.0, 0.5 * torch.randn(30, generator=g) + 3.0])
+
+
+@config_enumerate
+def gmm(data):
+    locs = pyro.sample("locs", dist.Normal(0.0, 10.0).expand([2]).to_event(1))
+    with pyro.plate("data", len(data)):
+        z = pyro.sample("z", dist.Categorical(torch.tensor([0.5, 0.5])))
+        pyro.sample("obs", dist.Normal(locs[z], 0.5), obs=data)
+
+
+def test_curvature_elbo_refuses_an_enumerated_site_and_names_the_way_that_works():
+    data = gmm_data()
+    guide = AutoNormal(poutine.block(gmm, hide=["z"]), init_loc_fn=lambda site: torch.tensor([-1.0, 1.0]))
+    with pytest.raises(NotImplementedError, match="'z'.*TraceEnum_ELBO"):
+        SVI(gmm, guide, NGVI(), CurvatureELBO("hessian")).step(data)
+    assert pop_curvature(pyro.param("AutoNormal.locs.locs")) is None  # nothing handed over
+    # the way the error names: NGVI with TraceEnum_ELBO sums z out
+    train(gmm, guide, NGVI(), TraceEnum_ELBO(max_plate_nesting=1), 150, data)
+    assert torch.allclose(guide.locs.locs.detach(), torch.tensor([-2.0, 3.0]), atol=0.25)
+
+
+def test_curvature_elbo_refuses_any_other_unguided_latent():
+    def model():
+        pyro.sample("a", dist.Normal(0.0, 1.0))
+        pyro.sample("b", dist.Normal(0.0, 1.0))
+
+    guide = AutoNormal(poutine.block(model, hide=["b"]))
+    with pytest.raises(NotImplementedError, match="'b' has none"):
+        SVI(model, guide, NGVI(), CurvatureELBO("hessian")).step()
+
+
+def diabetes():
+    from sklearn.datasets import load_diabetes
+
+    x, y = (torch.tensor(a) for a in load_diabetes(return_X_y=True))
+    return (x - x.mean(0)) / x.std(0), (y - y.mean()) / y.std()
+
+
+def diabetes_regression(x, y):
+    w = pyro.sample("w", dist.Normal(torch.zeros(x.shape[1]), 1.0).to_event(1))
+    with pyro.plate("data", len(x)):
+        pyro.sample("obs", dist.Normal(x @ w, 0.7), obs=y)
+
+
+def test_newton_safeguard_on_the_diabetes_regression():
+    """Recipe (b), NGVI(lr=1, beta=1) + exact curvature at the mean, is a diagonal
+    Newton (Jacobi) iteration, stable only for lr < 2 / lambda_max(D^-1 H) = 0.497 here:
+    without the safeguard it diverges to inf; with it, steps that raise F are undone
+    (with a warning), the step is damped, and it converges to the posterior mean."""
+    torch.set_default_dtype(torch.float64)
+    x, y = diabetes()
+    precision = x.T @ x / 0.49 + torch.eye(10)
+    mean = torch.linalg.solve(precision, x.T @ y / 0.49)
+    d = precision.diagonal()
+    assert 2 / torch.linalg.eigvalsh(precision / d.sqrt().outer(d.sqrt())).max() < 0.5
+
+    guide = AutoNormal(diabetes_regression)
+    unguarded = NGVI(lr=1.0, beta=1.0, safeguard=False)
+    train(diabetes_regression, guide, unguarded, CurvatureELBO("hessian", deterministic=True), 40, x, y)
+    assert (guide.locs.w.detach() - mean).abs().max() > 1e6  # diverging (inf after ~200 steps)
+
+    pyro.clear_param_store()
+    guide = AutoNormal(diabetes_regression)
+    optim = NGVI(lr=1.0, beta=1.0)
+    with pytest.warns(NGVIWarning, match="undid step"):
+        train(diabetes_regression, guide, optim, CurvatureELBO("hessian", deterministic=True), 400, x, y)
+    assert optim.num_rejected_steps > 0
+    assert (guide.locs.w.detach() - mean).abs().max() < 0.05
+    assert torch.allclose(guide._get_loc_and_scale("w")[1].detach(), d.rsqrt(), rtol=1e-6)
+
+
+def eight_schools(y, sigma):
+    mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+    tau = pyro.sample("tau", dist.HalfCauchy(5.0))
+    with pyro.plate("schools", 8):
+        theta = pyro.sample("theta", dist.Normal(mu, tau))  # centred
+        pyro.sample("obs", dist.Normal(theta, sigma), obs=y)
+
+
+def test_newton_safeguard_on_centred_eight_schools():
+    """One undamped Newton step sends log tau to about -48 (the curvature there is
+    nearly flat), where F is ~1e40: the safeguard undoes it, warns, and from then on
+    every step it keeps lowers F; the guide stays finite."""
+    torch.set_default_dtype(torch.float64)
+    y = torch.tensor([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
+    sigma = torch.tensor([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
+    guide = AutoNormal(eight_schools)
+    optim = NGVI(lr=1.0, beta=1.0)
+    svi = SVI(eight_schools, guide, optim, CurvatureELBO("hessian", deterministic=True))
+    svi.step(y, sigma)
+    assert guide.locs.tau.item() < -40  # the step the issue describes
+    with pytest.warns(NGVIWarning, match="undid step 1"):
+        svi.step(y, sigma)
+    assert guide.locs.tau.item() == 0.0  # back at the start
+    merits = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NGVIWarning)
+        for _ in range(10):
+            rejected = optim.num_rejected_steps
+            svi.step(y, sigma)
+            if optim.num_rejected_steps == rejected:
+                merits.append(optim._newton.reference)
+    assert all(torch.isfinite(p).all() for p in pyro.get_param_store().values())
+    assert all(b <= a + 1e-9 * abs(a) for a, b in zip(merits, merits[1:]))
+    assert guide.locs.tau.item() > -20
+
+
+def test_point_optimizer_default_fits_a_noise_scale():
+    """The point optimizer's default lr (0.01): a noise scale and an offset (pyro.param)
+    reach their maximum-likelihood values in 400 steps (Adam at the former 1e-3 needs
+    ~1500 steps to move the offset that far)."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(300, generator=g)
+    y = 1.5 + 2.0 * x + 0.3 * torch.randn(300, generator=g)
+
+    def model(x, y):
+        offset = pyro.param("offset", torch.tensor(0.0))
+        noise = pyro.param("noise", torch.tensor(1.0), constraint=dist.constraints.positive)
+        w = pyro.sample("w", dist.Normal(0.0, 10.0))
+        with pyro.plate("data", len(x)):
+            pyro.sample("obs", dist.Normal(offset + w * x, noise), obs=y)
+
+    design = torch.stack([torch.ones_like(x), x], 1)
+    coef = torch.linalg.lstsq(design, y[:, None]).solution.squeeze()
+    residual = (y - design @ coef).square().mean().sqrt()
+    train(model, AutoNormal(model), NGVI(), Trace_ELBO(), 400, x, y)
+    assert abs(float(pyro.param("offset").detach()) - float(coef[0])) < 0.05
+    assert abs(float(pyro.param("noise").detach()) / float(residual) - 1) < 0.05
+
+
+def test_skipped_step_warnings_count_attempted_steps():
+    def model():
+        b = pyro.sample("b", dist.Normal(0.0, 1.0))
+        pyro.sample("obs", dist.Normal(torch.sqrt(b), 1.0), obs=torch.tensor(1.0))
+
+    guide = AutoNormal(model)
+    pyro.param("AutoNormal.locs.b", torch.tensor(-5.0))  # sqrt of a negative: NaN
+    svi = SVI(model, guide, NGVI(), Trace_ELBO())
+    with pytest.warns(NGVIWarning) as record, pyro.validation_enabled(False), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Encountered NaN")
+        for _ in range(3):
+            svi.step()
+    messages = [str(w.message) for w in record if issubclass(w.category, NGVIWarning)]
+    assert [m.split(":")[0] for m in messages] == [f"NGVI skipped step {n} (0 taken)" for n in (1, 2, 3)]
+    assert math.isfinite(pyro.param("AutoNormal.locs.b").item())
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.5])
+def test_adaptive_steps_do_not_depend_on_how_sites_are_grouped(monkeypatch, momentum):
+    """The adaptive steps keep per-element counts and per-site pooled noise: sites of
+    several shapes (one masked, with and without known draws and a conjugate prior)
+    take the same steps whether they are updated as one flat vector, in small groups,
+    or alone."""
+    import pyro_ngvi.optim
+    from pyro_ngvi.family import attach_curvature
+    from pyro_ngvi.family import SiteCurvature
+
+    torch.set_default_dtype(torch.float64)
+    shapes = {"a": (3, 2), "b": (4,), "c": (2, 2), "d": (5,), "e": (3,), "f": (2,)}
+    config = {"a": (False, True, False), "b": (True, True, False), "c": (False, True, False),
+              "d": (True, True, True), "e": (False, True, False), "f": (False, False, False)}
+    # name: (conjugate prior, known draws, masked); a, c, e form one group when flat_max allows
+
+    def model():
+        for name, shape in shapes.items():
+            pyro.sample(name, dist.Normal(torch.zeros(shape), 1.0).to_event(len(shape)))
+
+    results = []
+    for flat_max in (1 << 16, 7, 4):
+        monkeypatch.setattr(pyro_ngvi.optim, "_FLAT_MAX", flat_max)
+        pyro.clear_param_store()
+        g = torch.Generator().manual_seed(3)
+        guide = AutoNormal(model)
+        guide()
+        store = pyro.get_param_store()
+        params = [store._params[n] for n in store.keys()]
+        optim = NGVI(momentum=momentum, guide=guide)
+        for _ in range(12):
+            for name, shape in shapes.items():
+                prior, known, masked = config[name]
+                eps = torch.randn(shape, generator=g)
+                curvature = torch.rand(shape, generator=g) * 4 + 0.5
+                grad = torch.randn(shape, generator=g) + curvature * eps * 0.3
+                mask = torch.tensor([True, False, True, True, False]) if masked else None
+                m0, lam0 = (torch.zeros(shape), torch.full(shape, 2.0)) if prior else (None, None)
+                attach_curvature(store._params[f"AutoNormal.locs.{name}"], SiteCurvature(
+                    grad, curvature * eps.square(), m0, lam0, mask=mask, sampled=True,
+                    eps_mean=eps if known else None, eps_sq_mean=eps.square() if known else None))
+            optim(params)
+        results.append({k: v.detach().clone() for k, v in store.items()})
+    for other in results[1:]:
+        for key, value in results[0].items():
+            assert torch.allclose(other[key], value, rtol=1e-12, atol=1e-14), key
