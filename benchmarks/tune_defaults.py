@@ -257,7 +257,7 @@ def main():
         line = []
         for name in args.models:
             for particles, steps in ((1, 600), (16, 200)):
-                runs = [steps_to_optimum(name, lambda: NGVI(lr=lr, beta=beta), particles, steps, seed,
+                runs = [steps_to_optimum(name, lambda: NGVI(lr=lr, beta=beta, averaging=True), particles, steps, seed,
                                          optima[name]) for seed in range(args.seeds)]
                 results += runs
                 line.append(f"{name}/K{particles}: {runs}")

@@ -108,8 +108,12 @@ class BackpackStep:
         curvatures: List[torch.Tensor] = []
         point_grads: List[torch.Tensor] = []
         nll, log_ratio = 0.0, 0.0
+        draws = None  # reparam: the sum over particles of eps and eps^2, for NGVI's control variate
         for particle in range(num_particles):
             weights, noise = self._sample_into_net(model, mean, scale, deterministic)
+            if curvature == "reparam":
+                draws = [noise.clone(), noise.square()] if draws is None else [
+                    draws[0].add_(noise), draws[1].addcmul_(noise, noise)]
             result = network_curvature(
                 twin, loss_module, x, target, source, mc_samples=mc_samples, loss_scale=loss_scale,
                 params=self.params,
@@ -136,6 +140,8 @@ class BackpackStep:
         factor = model.effective_num_data / len(x) / num_particles
         torch._foreach_mul_(grads, factor)
         torch._foreach_mul_(curvatures, factor)
+        eps_means, eps_sq_means = ([model._split(d.div_(num_particles)) for d in draws] if draws is not None
+                                   else ([None] * len(locs), [None] * len(locs)))
         for j, (loc, grad, curv, stddev) in enumerate(zip(locs, grads, curvatures, stddevs)):
             stats = SiteCurvature(
                 grad=grad,
@@ -146,6 +152,8 @@ class BackpackStep:
                 nonnegative=curvature != "reparam",
                 scale=stddev,
                 prior_scale_param=None if prior.params is None else prior.params[j],
+                eps_mean=eps_means[j],
+                eps_sq_mean=eps_sq_means[j],
             )
             attach_curvature(loc.unconstrained(), stats)
         for value, grad in zip(points, point_grads):
