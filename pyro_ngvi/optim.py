@@ -200,8 +200,10 @@ class NGVI(PyroOptim):
     numbers. The adaptive steps are on with the defaults (``NGVI()``); steps the
     user chose (numbers, unless ``averaging=True``, or a callable schedule) run as
     chosen, as in minibatch training of a network, where the gradient's noise is
-    not only the Monte-Carlo noise the adaptive steps average (measured: a BNN on
-    minibatches learns nothing with them). Without them, on a site's first step,
+    not only the Monte-Carlo noise the adaptive steps average (measured: a
+    BatchNorm CNN on minibatched digits, ``NGVI(lr=0.1, beta=0.05)`` with
+    ``CurvatureELBO("reparam")``, reached 38 % test accuracy with them and 88-95 %
+    without). Without them, on a site's first step,
     elements whose curvature target exceeds the precision take it at once (as
     VOGN initialises its precision from the first minibatch [2]).
 
@@ -217,7 +219,10 @@ class NGVI(PyroOptim):
     and at most ``max_step`` standard deviations while damped; NGVI warns when
     this engages. An undamped step that lowers :math:`F` passes untouched. Off
     with ``safeguard=False`` or a callable ``lr``; inactive under subsampled
-    plates (:math:`F` changes with the minibatch).
+    plates (:math:`F` changes with the minibatch), while learned prior params or
+    point-estimated parameters move with the guide (:math:`F` then compares more
+    than the guide's step), and on paths that do not hand :math:`F` over (a
+    model's own fast path, full-covariance sites).
 
     **Safeguards.** The new precision is kept in
     :math:`[\\text{tiny}, \\text{max}/4]` of the site's dtype, so the scale
