@@ -124,7 +124,6 @@ def variance_worker(args):
 
     import pyro
     from pyro.infer import SVI
-    from pyro.infer.autoguide import AutoNormal
 
     import distributed_bnn as example
 
@@ -143,7 +142,7 @@ def variance_worker(args):
         pyro.clear_param_store()
         pyro.set_rng_seed(args.seed)
         bnn = BayesianNet(task.make_net(), "categorical", num_data=task.num_data, prior=1.0)
-        guide = AutoNormal(bnn, init_loc_fn=bnn.init_loc_fn, init_scale=example.INIT_SCALE)
+        guide = bnn.guide()  # as the example builds it
         guide(x[:2], y[:2])
         store = pyro.get_param_store()
         store.load(args.guide)
@@ -155,7 +154,7 @@ def variance_worker(args):
                 store.set_state(copy.deepcopy(state))
                 before = _mean_precision(sites)
                 pyro.set_rng_seed(args.seed + 1 + 1000 * repeat + rank)
-                svi = SVI(bnn, guide, NGVI(**example.NGVI_EF, warm_start=False),
+                svi = SVI(bnn, guide, NGVI(warm_start=False),
                           CurvatureELBO("ef", num_particles=args.particles))
                 svi.step(x, y)
                 after = _mean_precision(sites)

@@ -121,7 +121,7 @@ def main():
 
     methods = {
         "NGVI ef (momentum 0.9)": lambda: harness.ngvi(task, "ef", lr=0.03, momentum=0.9),
-        "NGVI ef (no momentum)": lambda: harness.ngvi(task, "ef", lr=0.03),
+        "NGVI ef (no momentum)": lambda: harness.ngvi(task, "ef", lr=0.03, momentum=0.0),
         "NGVI ggn (momentum 0.9)": lambda: harness.ngvi(task, "ggn", lr=0.1, momentum=0.9, damping=30.0),
         "NGVI + Trace_ELBO (momentum 0.9)": lambda: harness.ngvi(task, None, lr=0.03, momentum=0.9),
         "Pyro SVI + Adam (BBB)": lambda: harness.bayes_by_backprop(task, lr=1e-2),

@@ -37,7 +37,6 @@ import torch.distributed as dist
 
 import pyro
 from pyro.infer import SVI, Predictive, Trace_ELBO
-from pyro.infer.autoguide import AutoNormal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
@@ -46,8 +45,6 @@ from pyro_ngvi import NGVI, BayesianNet, CurvatureELBO  # noqa: E402
 from pyro_ngvi.distributed import get_rank, get_world_size, seed_rank, shard  # noqa: E402
 
 NAME = "distributed_bnn"
-NGVI_EF = dict(lr=0.05, beta=0.1)  # as in examples/bnn_classification.py
-INIT_SCALE = 0.01
 
 
 def start_process_group(device: str, timeout: float) -> bool:
@@ -119,10 +116,10 @@ def _train(args, rank, world, device):
     pyro.clear_param_store()
     pyro.set_rng_seed(args.seed)  # the same network, hence the same guide, on every rank
     bnn = BayesianNet(task.make_net().to(device), "categorical", num_data=task.num_data, prior=1.0)
-    guide = AutoNormal(bnn, init_loc_fn=bnn.init_loc_fn, init_scale=INIT_SCALE)
+    guide = bnn.guide()  # the README's recipe: bnn.guide(), NGVI()
     guide(x_train[:2], y_train[:2])
     seed_rank(args.seed)  # ... and each rank's own weight samples
-    svi = SVI(bnn, guide, NGVI(**NGVI_EF), CurvatureELBO("ef", num_particles=args.particles))
+    svi = SVI(bnn, guide, NGVI(), CurvatureELBO("ef", num_particles=args.particles))
 
     if rank == 0:
         print(f"digits, MLP 64-100-10, {world} process(es) x {args.particles} sample(s), global batch "

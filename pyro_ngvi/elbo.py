@@ -116,6 +116,10 @@ class CurvatureELBO(ELBO):
       deterministic=, mc_samples=, **kwargs)``: does what :meth:`loss_and_grads`
       does (attach a :class:`~pyro_ngvi.family.SiteCurvature` to every guide
       site's ``loc``, set ``.grad`` of the other parameters) and returns the loss.
+    - ``model.statistics_hints(site, deterministic)`` (optional, also read on the
+      traced path): a dict of further :class:`~pyro_ngvi.family.SiteCurvature`
+      fields for the site (``num_data``, ``min_precision``: what NGVI's defaults
+      and the variational family follow).
 
     :class:`~pyro_ngvi.BayesianNet` is one: its network runs with the sampled
     weights and BackPACK computes the per-example quantities, with no Pyro
@@ -269,11 +273,13 @@ class CurvatureELBO(ELBO):
             p.grad = grad if p.grad is None else p.grad + grad
         store = pyro.get_param_store()
         sampled = self.curvature == "reparam"
+        hints = getattr(model, "statistics_hints", None)  # a model's own word on its statistics
         for name, (grad, curvature, count, eps, eps_sq, *objective) in totals.items():
             touched = count > 0
             denominator = count.clamp(min=1)
             prior_loc, prior_precision, learned = priors.get(name, (None, None, None))
             learned = learned or {}
+            hinted = {} if hints is None else hints(name, self.deterministic)
             attach_curvature(
                 store._params[f"{guide._pyro_name}.locs.{name}"],
                 SiteCurvature(
@@ -291,6 +297,8 @@ class CurvatureELBO(ELBO):
                     eps_sq_mean=torch.where(touched, eps_sq / denominator, 1.0) if sampled else None,
                     # deterministic (one draw, at the mean): the merit of NGVI's Newton safeguard
                     objective=objective[0] if objective else None,
+                    loss=loss,
+                    **hinted,
                 ),
             )
         return loss

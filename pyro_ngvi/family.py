@@ -51,6 +51,12 @@ from . import full_covariance
 from .kronecker import KroneckerNormal, KroneckerSite
 
 _CURVATURE_ATTR = "_pyro_ngvi_curvature"
+#: The curvature of the negative log-likelihood per example assumed before the data say
+#: otherwise, in the units of a likelihood whose curvature in its output is of order one
+#: (a softmax's is at most 1/2, a Bernoulli's 1/4, a standardised Gaussian's 1; ivon-opt's
+#: ``hess_init``): a minibatch-trained guide starts at precision N times it, and NGVI's mean
+#: step is damped by as much (see NGVI and BayesianNet.guide).
+CURVATURE_PER_EXAMPLE = 1.0
 _SUPPORTED = (
     "AutoNormal and AutoDiagonalNormal (mean-field), AutoMultivariateNormal (full "
     "covariance) and pyro_ngvi's KroneckerNormal (per-layer Kronecker factors) guides, alone "
@@ -130,6 +136,20 @@ class SiteCurvature:
         :math:`F(\\mu) = -\\log p(x, T(\\mu)) - \\log|\\det J_T(\\mu)|` there (the same
         for every site of the evaluation), whose Newton step the update is; NGVI's
         step safeguard compares it between steps. ``None`` otherwise.
+    :param int num_data: set when ``grad`` and ``curvature`` are minibatch
+        estimates of sums over ``num_data`` examples (a
+        :class:`~pyro_ngvi.BayesianNet`'s): :class:`~pyro_ngvi.NGVI` then resolves
+        its defaults for minibatch training, the damping relative to ``num_data``
+        included (``None``: full-batch statistics).
+    :param min_precision: the least precision :math:`\\lambda_{\\min}` the
+        variational family allows the site (a cap :math:`\\lambda_{\\min}^{-1/2}` on
+        its standard deviation; a tensor of the ``loc``'s shape), or ``None``:
+        :class:`~pyro_ngvi.NGVI` keeps :math:`\\lambda' \\ge \\lambda_{\\min}` (the
+        step projected on the family).
+    :param loss: the ELBO evaluation's loss (the negative ELBO estimate ``SVI.step``
+        returns; a 0-d tensor or a float, the same for every site of the
+        evaluation), for :class:`~pyro_ngvi.NGVI`'s watch on a worsening ELBO, or
+        ``None``.
     :param int handover: the ELBO evaluation that made these statistics
         (set by :func:`attach_curvature`).
     """
@@ -150,6 +170,9 @@ class SiteCurvature:
     eps_mean: Optional[torch.Tensor] = None
     eps_sq_mean: Optional[torch.Tensor] = None
     objective: Optional[float] = None
+    num_data: Optional[int] = None
+    min_precision: Optional[torch.Tensor] = None
+    loss: Optional[torch.Tensor] = None
 
     def prior_params(self) -> List[PriorParam]:
         """The learned prior params of this site (none, one or two)."""

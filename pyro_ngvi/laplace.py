@@ -266,7 +266,8 @@ def laplace(
     elbo = CurvatureELBO(curvature, deterministic=True)
 
     step_size = {"lr": float(lr)}
-    optim = NGVI(lr=lambda _: step_size["lr"], beta=1.0, momentum=momentum, max_step=None, warm_start=False)
+    optim = NGVI(lr=lambda _: step_size["lr"], beta=1.0, momentum=momentum, damping=0.0, max_step=None,
+                 warm_start=False)
     svi = SVI(model, guide, optim, elbo)
     window = _WINDOW if momentum else 1
     recent = [negative_log_joint(model, guide, *args, **kwargs)] if line_search and num_steps else []

@@ -21,16 +21,13 @@ from pyro.optim.optim import PyroOptim
 from . import full_covariance
 from .checkpoint import safe_load
 from .distributed import all_reduce_stats, is_distributed
-from .family import FullCovarianceSite, GaussianSite, SiteCurvature, calling_svi, end_handover, pop_curvature, split_params
+from .family import CURVATURE_PER_EXAMPLE, FullCovarianceSite, GaussianSite, SiteCurvature, calling_svi, end_handover
+from .family import pop_curvature, split_params
 from .kronecker import KroneckerCurvature, KroneckerSite, kronecker_step
+from .monitor import SKIPS_IN_A_ROW, ElboWatch, SpreadWatch, power_of_two, spread, stuck_message
 from .priors import update_learned_priors
 
 Schedule = Union[float, Callable[[int], float]]
-#: NGVI()'s (lr, beta): mean-field sites (with the adaptive steps, picked by
-#: benchmarks/tune_defaults.py) and full-covariance / Kronecker sites (constant steps,
-#: as measured in benchmarks/full_covariance.py; the adaptive steps are mean-field only).
-_DEFAULTS = (1.0, 0.5)
-_DENSE_DEFAULTS = (0.1, 0.05)
 _ONE_DRAW_ELBOS = (Trace_ELBO, JitTrace_ELBO)
 
 #: Sites are concatenated into one update up to this many elements: that saves
@@ -59,6 +56,41 @@ _INNOVATION_MAX = 9.0
 _PRECISION_RATIO = 4.0
 #: A recovered draw |eps| beyond this is float32 round-off, not a normal draw.
 _EPS_MAX = 8.0
+
+
+class Settings(NamedTuple):
+    """The step's hyperparameters for one kind of statistics (see :func:`defaults`)."""
+
+    lr: float
+    beta: float
+    momentum: float
+    damping: float
+
+
+#: NGVI()'s defaults for full-batch statistics of mean-field sites (with the adaptive
+#: steps, picked by benchmarks/tune_defaults.py).
+FULL_BATCH = Settings(lr=1.0, beta=0.5, momentum=0.0, damping=0.0)
+#: ... of full-covariance and Kronecker sites (constant steps, as measured in
+#: benchmarks/full_covariance.py; the adaptive steps are mean-field only).
+DENSE = Settings(lr=0.1, beta=0.05, momentum=0.0, damping=0.0)
+#: ... of minibatch statistics of a BayesianNet (SiteCurvature.num_data set; picked by
+#: benchmarks/bnn_suite.py): the damping is per example, ``damping = num_data * MINIBATCH.damping``.
+MINIBATCH = Settings(lr=0.3, beta=0.01, momentum=0.9, damping=CURVATURE_PER_EXAMPLE)
+
+
+def defaults(num_data: Optional[int] = None, dense: bool = False) -> Settings:
+    """
+    NGVI's default ``lr``, ``beta``, momentum and damping for a site's statistics:
+    minibatch estimates of sums over ``num_data`` examples (a BayesianNet's:
+    :data:`MINIBATCH`, the damping ``num_data`` :math:`\\times h_0` with :math:`h_0` =
+    :data:`~pyro_ngvi.family.CURVATURE_PER_EXAMPLE`), else full-batch statistics of
+    a full-covariance or Kronecker site (``dense``: :data:`DENSE`) or of a mean-field
+    site (:data:`FULL_BATCH`). Why each value is what it is: :class:`NGVI`'s
+    docstring and the README's "Training a BayesianNet".
+    """
+    if num_data is not None:
+        return MINIBATCH._replace(damping=num_data * MINIBATCH.damping)
+    return DENSE if dense else FULL_BATCH
 
 
 class NGVIWarning(UserWarning):
@@ -207,6 +239,45 @@ class NGVI(PyroOptim):
     elements whose curvature target exceeds the precision take it at once (as
     VOGN initialises its precision from the first minibatch [2]).
 
+    **Defaults follow the statistics.** ``lr``, ``beta``, ``momentum`` and
+    ``damping`` left at ``None`` are resolved per site from what its ELBO says
+    about its statistics (:func:`defaults`): full-batch statistics take the above
+    (:data:`FULL_BATCH`, :data:`DENSE`); minibatch statistics of a
+    :class:`~pyro_ngvi.BayesianNet` (:attr:`~pyro_ngvi.family.SiteCurvature.num_data`
+    set: estimates of sums over :math:`N` examples) take :data:`MINIBATCH`: ``lr``
+    0.3, ``beta`` 0.01, ``momentum`` 0.9 and ``damping`` :math:`N h_0`, with
+    :math:`h_0` = :data:`~pyro_ngvi.family.CURVATURE_PER_EXAMPLE` = 1, and neither
+    the adaptive steps nor the control variate (the precision there is started
+    above the curvature and floored below it, so :math:`\\lambda - \\lambda_0` is not
+    the curvature the control variate needs). Why: the damping bounds the mean
+    step by :math:`\\alpha \\bar g / (N h_0)`, an SGD step of ``lr`` on the loss per
+    example, wherever the data's curvature per example is below :math:`h_0`, and
+    leaves it a Newton step where the curvature is larger; it is what keeps
+    Gauss-Newton curvature, which vanishes on confidently wrong examples while
+    their gradient does not, from throwing the means out (the failure of an
+    undamped ``ggn`` on deep nets), and it scales with :math:`N` as the statistics
+    do, so no absolute value is picked per data set. ``beta`` 0.01 averages the
+    precision over about a hundred minibatches (one minibatch's curvature is a
+    noisy estimate); momentum 0.9 does the same for the gradient; these and ``lr``
+    0.3 were chosen on two tasks of ``benchmarks/bnn_suite.py`` and frozen. The
+    README's "Training a BayesianNet" says more; values given are used as given.
+
+    **The family's limits.** Where the statistics carry a
+    :attr:`~pyro_ngvi.family.SiteCurvature.min_precision` (a ``BayesianNet``'s
+    ``noise_limit``), the new precision is kept at least that,
+    :math:`\\lambda' \\leftarrow \\max(\\lambda', \\lambda_{\\min})`: the step projected
+    on a variational family whose standard deviations are bounded (the ELBO is
+    maximised within it).
+
+    **Watches** (:mod:`pyro_ngvi.monitor`). NGVI warns :class:`NGVIWarning`, once,
+    when a site's means grow without bound (tens of prior standard deviations,
+    doubling within ten steps) and when the training ELBO an ELBO hands over
+    (``CurvatureELBO``; ``Trace_ELBO`` hands none) keeps getting worse, window
+    after window, beyond its noise; skipped steps warn at the 1st, 2nd, 4th, ...;
+    :data:`~pyro_ngvi.monitor.SKIPS_IN_A_ROW` skipped steps in a row raise
+    ``RuntimeError``: every draw from the guide is then non-finite and nothing can
+    change it any more.
+
     **Statistics at the mean: the Newton-step safeguard.** With exact curvature at
     the mean (``CurvatureELBO(..., deterministic=True)``) and ``beta = 1`` a step is
     a diagonal Newton step on :math:`F(\\mu) = -\\log p(x, T(\\mu)) - \\log|\\det J_T(\\mu)|`:
@@ -294,15 +365,18 @@ class NGVI(PyroOptim):
     :param lr: step size :math:`\\alpha > 0` on the mean (under sampled statistics
         the starting value of the adaptive steps), or a callable of the step count
         returning it (a schedule of your own; torch LR schedulers need a torch
-        optimizer and do not apply) (default: 1 for mean-field sites, 0.1 for
-        full-covariance and Kronecker sites)
+        optimizer and do not apply) (default: None, resolved per site: 1 for
+        mean-field sites, 0.1 for full-covariance and Kronecker sites, 0.3 for a
+        ``BayesianNet``'s minibatch statistics; see "Defaults follow the statistics")
     :param beta: step :math:`\\beta \\in (0, 1]` of the precision moving average
         (under sampled statistics the rate the adaptive steps fall back to), or a
-        callable of the step count (default: 0.5 for mean-field sites, 0.05 for
-        full-covariance and Kronecker sites)
-    :param momentum: :math:`\\rho \\in [0, 1)` on the mean gradient (default: 0)
+        callable of the step count (default: None: 0.5 for mean-field sites, 0.05 for
+        full-covariance and Kronecker sites, 0.01 for minibatch statistics)
+    :param momentum: :math:`\\rho \\in [0, 1)` on the mean gradient (default: None:
+        0, or 0.9 for minibatch statistics)
     :param damping: :math:`\\gamma \\ge 0` added to the precision in the mean
-        step only (default: 0)
+        step only (default: None: 0, or :math:`N h_0` for minibatch statistics of
+        :math:`N` examples)
     :param tau: temperature :math:`\\tau > 0` (the KL weight), or a callable of
         the step count for a warm-up (default: 1)
     :param max_step: trust radius, in current standard deviations, of the mean
@@ -352,8 +426,8 @@ class NGVI(PyroOptim):
         self,
         lr: Optional[Schedule] = None,
         beta: Optional[Schedule] = None,
-        momentum: float = 0.0,
-        damping: float = 0.0,
+        momentum: Optional[float] = None,
+        damping: Optional[float] = None,
         tau: Schedule = 1.0,
         max_step: Optional[float] = 3.0,
         warm_start: bool = True,
@@ -364,17 +438,19 @@ class NGVI(PyroOptim):
         point_optim_args: Optional[Dict] = None,
         guide=None,
     ):
-        # None: the defaults, which differ between the mean-field and the dense steps
-        self._dense_lr, self._dense_beta = (_DENSE_DEFAULTS[0] if lr is None else None,
-                                            _DENSE_DEFAULTS[1] if beta is None else None)
-        self.lr = _check_schedule("lr", _DEFAULTS[0] if lr is None else lr, 0.0, math.inf)
-        self.beta = _check_schedule("beta", _DEFAULTS[1] if beta is None else beta, 0.0, 1.0)
-        self.momentum = _check_schedule("momentum", momentum, 0.0, 1.0, low_open=False)
-        if self.momentum == 1.0 or callable(momentum):
-            raise ValueError(f"momentum must lie in [0, 1), got {momentum!r}")
-        self.damping = _check_schedule("damping", damping, 0.0, math.inf, low_open=False)
-        if callable(damping):
-            raise ValueError("damping must be a number")
+        # None: the defaults, resolved per site from its statistics (defaults())
+        self.lr = None if lr is None else _check_schedule("lr", lr, 0.0, math.inf)
+        self.beta = None if beta is None else _check_schedule("beta", beta, 0.0, 1.0)
+        if momentum is not None:
+            momentum = _check_schedule("momentum", momentum, 0.0, 1.0, low_open=False)
+            if momentum == 1.0 or callable(momentum):
+                raise ValueError(f"momentum must lie in [0, 1), got {momentum!r}")
+        self.momentum = momentum
+        if damping is not None:
+            damping = _check_schedule("damping", damping, 0.0, math.inf, low_open=False)
+            if callable(damping):
+                raise ValueError("damping must be a number")
+        self.damping = damping
         self.tau = _check_schedule("tau", tau, 0.0, math.inf)
         if max_step is not None:
             max_step = _check_schedule("max_step", max_step, 0.0, math.inf)
@@ -405,6 +481,10 @@ class NGVI(PyroOptim):
         self._group_cache: Dict[tuple, List[_Group]] = {}
         self._signs: Dict[int, tuple] = {}  # id(group) -> (group, g > 0 at its last sampled step)
         self._safeguards: List[_Safeguards] = []  # last step's, read at the next sync
+        self._spread_watch = SpreadWatch()  # means growing without bound (pyro_ngvi.monitor)
+        self._elbo_watch = ElboWatch()  # a training ELBO that keeps getting worse
+        self._elbo_flag: Optional[torch.Tensor] = None  # the watch's last flag, read at the next sync
+        self._skips_in_a_row = 0
 
     @property
     def num_rejected_steps(self) -> int:
@@ -413,11 +493,23 @@ class NGVI(PyroOptim):
     #: :class:`~pyro_ngvi.CurvatureELBO` hands its statistics to an optimizer that says so.
     consumes_curvature = True
 
-    def _hyper(self, name: str, low: float, high: float) -> float:
+    def _hyper(self, name: str, low: float, high: float) -> Optional[float]:
+        """The value of ``name`` at this step (``None``: its default, resolved per site)."""
         value = getattr(self, name)
         if callable(value):
             value = _check_schedule(f"{name}({self.num_steps})", value(self.num_steps), low, high)
         return value
+
+    def _settings(self, stats, lr: Optional[float], beta: Optional[float], dense: bool = False) -> Settings:
+        """``lr``, ``beta``, momentum and damping for a site with statistics ``stats``: the
+        values given, else the defaults for their kind (:func:`defaults`)."""
+        default = defaults(getattr(stats, "num_data", None), dense)
+        return Settings(
+            default.lr if lr is None else lr,
+            default.beta if beta is None else beta,
+            default.momentum if self.momentum is None else self.momentum,
+            default.damping if self.damping is None else self.damping,
+        )
 
     # ---------------------------------------------------------------- the step
     def __call__(self, params, *args, **kwargs) -> None:
@@ -480,22 +572,35 @@ class NGVI(PyroOptim):
         finite += [_finite(p.grad) for p in others_with_grad]
         finite += [_finite(*_statistics(stats[site.key])) for site in full_sites]
         safeguards, self._safeguards = self._safeguards, []
-        checks = torch.stack(finite + [f for s in safeguards for f in s.flags()]).tolist()  # one device sync
+        elbo_flag, self._elbo_flag = self._elbo_flag, None
+        flags = [f for s in safeguards for f in s.flags()] + ([] if elbo_flag is None else [elbo_flag])
+        checks = torch.stack(finite + flags).tolist()  # one device sync
         finite, engaged = checks[: len(finite)], checks[len(finite):]
         self._report(safeguards, engaged)
+        if elbo_flag is not None and engaged[-1]:
+            message = self._elbo_watch.message(self.num_steps)
+            if message:
+                warnings.warn(message, NGVIWarning, stacklevel=3)
         if not all(finite):
             bad = [site.name for site, ok in zip(sites, self._sites_finite(stats)) if not ok]
             bad += [_param_label(p) for p, ok in zip(others_with_grad, finite[len(groups):]) if not ok]
             self.num_skipped_steps += 1
-            attempted = self.num_steps + self.num_skipped_steps + self.num_rejected_steps
-            warnings.warn(
-                f"NGVI skipped step {attempted} ({self.num_steps} taken): non-finite gradient or curvature "
-                f"at {', '.join(repr(b) for b in bad)}; the guide is unchanged "
-                f"({self.num_skipped_steps} skipped so far).",
-                NGVIWarning,
-                stacklevel=3,
-            )
+            self._skips_in_a_row += 1
+            if self._skips_in_a_row >= SKIPS_IN_A_ROW:
+                largest = max((float(site.mean.abs().max()) for site in sites), default=math.nan)
+                raise RuntimeError(stuck_message(self._skips_in_a_row, ", ".join(repr(b) for b in bad), largest))
+            if power_of_two(self.num_skipped_steps):
+                attempted = self.num_steps + self.num_skipped_steps + self.num_rejected_steps
+                warnings.warn(
+                    f"NGVI skipped step {attempted} ({self.num_steps} taken): non-finite gradient or curvature "
+                    f"at {', '.join(repr(b) for b in bad)}; the guide is unchanged "
+                    f"({self.num_skipped_steps} skipped so far; warned at the 1st, 2nd, 4th, 8th, ...; "
+                    f"{SKIPS_IN_A_ROW} in a row raise).",
+                    NGVIWarning,
+                    stacklevel=3,
+                )
             return False
+        self._skips_in_a_row = 0
         lr = self._hyper("lr", 0.0, math.inf)
         beta = self._hyper("beta", 0.0, 1.0)
         tau = self._hyper("tau", 0.0, math.inf)
@@ -504,8 +609,8 @@ class NGVI(PyroOptim):
         # new precision is not positive definite skips the whole step
         full_steps = []
         for site in full_sites:
-            step = self._full_step(site, stats[site.key], self._dense_lr or lr, self._dense_beta or beta, tau,
-                                   state_of[site.key])
+            settings = self._settings(stats[site.key], lr, beta, dense=True)
+            step = self._full_step(site, stats[site.key], settings, tau, state_of[site.key])
             if step is None:
                 self.num_skipped_steps += 1
                 attempted = self.num_steps + self.num_skipped_steps + self.num_rejected_steps
@@ -517,26 +622,30 @@ class NGVI(PyroOptim):
                     stacklevel=3,
                 )
                 return False
-            full_steps.append(step)
+            full_steps.append((step, settings.momentum))
+        newton = 1.0
         if guarded:  # the point to come back to, and the Newton step damped by the safeguard
             self._newton.keep(mean_field, objective)
-            lr = lr / self._newton.factor
+            newton = self._newton.factor
         self._predicted = 0.0 if guarded else None
         new_scales = {}  # sigma after the update, for the prior M-step
         for group, st, (grad, curvature) in zip(groups, group_stats, flats):
             group_states = [state_of[site.key] for site in group.sites]
-            clamped, far, sigma = self._update_group(group, st, grad, curvature, lr, beta, tau, group_states)
-            self._safeguards.append(_Safeguards(group, group_states, clamped, far))
+            settings = self._settings(st[0], lr, beta)
+            settings = settings._replace(lr=settings.lr / newton)
+            clamped, far, sigma, spreading = self._update_group(group, st, grad, curvature, settings, tau,
+                                                                group_states)
+            self._safeguards.append(_Safeguards(group, group_states, clamped, far, spreading))
             if learned and sigma is not None:
                 new_scales.update((site.key, piece.view_as(site.loc))
                                   for site, piece in zip(group.sites, sigma.split(group.sizes)))
         if guarded:
             self._newton.predicted = float(self._predicted)
-        for site, (step, momentum) in zip(full_sites, full_steps):
+        for site, ((step, momentum), rho) in zip(full_sites, full_steps):
             site.write(*step)
             state = state_of[site.key]
             state.started = True
-            if self.momentum:
+            if rho:
                 state.momentum = momentum
         if learned:
             update_learned_priors([(site.mean, new_scales[site.key] if site.key in new_scales else site.scale,
@@ -544,8 +653,20 @@ class NGVI(PyroOptim):
                                    if isinstance(site, GaussianSite) and stats[site.key].prior_params()])
         if others:
             super().__call__(others, *args, **kwargs)
+        self._watch_elbo(stats, tau)
         self.num_steps += 1
         return True
+
+    def _watch_elbo(self, stats, tau: float) -> None:
+        """Feed the ELBO watch (:mod:`pyro_ngvi.monitor`) the loss this step's ELBO handed over;
+        at another temperature than 1 that loss is not the objective: start again."""
+        loss = next((s.loss for s in stats.values() if getattr(s, "loss", None) is not None), None)
+        if loss is None:
+            return
+        if tau != 1:
+            self._elbo_watch.reset()
+            return
+        self._elbo_flag = self._elbo_watch.add(loss)
 
     def _report(self, safeguards: List["_Safeguards"], engaged: List[bool]) -> None:
         """Warn about the safeguards that engaged at the last step (read at this step's sync)."""
@@ -564,6 +685,10 @@ class NGVI(PyroOptim):
                     NGVIWarning,
                     stacklevel=4,
                 )
+            if record.spreading is not None and next(engaged):
+                message = self._spread_watch.message(record.group, names, self.num_steps - 1)
+                if message:
+                    warnings.warn(message, NGVIWarning, stacklevel=4)
             if record.far is None:
                 continue
             far = next(engaged)
@@ -667,8 +792,8 @@ class NGVI(PyroOptim):
 
     def _groups(self, sites: List[GaussianSite], stats: Dict[str, SiteCurvature]) -> List["_Group"]:
         """:func:`_group_sites` for these sites and kinds of statistics, remembered."""
-        key = tuple((s.mask is None, s.sampled, s.nonnegative, s.prior_precision is None, s.eps_mean is None)
-                    for s in (stats[site.key] for site in sites))
+        key = tuple((s.mask is None, s.sampled, s.nonnegative, s.prior_precision is None, s.eps_mean is None,
+                     s.num_data, s.min_precision is None) for s in (stats[site.key] for site in sites))
         groups = self._group_cache.get(key)
         if groups is None:
             groups = self._group_cache[key] = [_Group.of(group) for group in _group_sites(sites, stats)]
@@ -730,26 +855,29 @@ class NGVI(PyroOptim):
 
     @torch.no_grad()
     def _update_group(self, group: "_Group", stats: List[SiteCurvature],
-                      grad: torch.Tensor, curvature: torch.Tensor, lr, beta, tau,
+                      grad: torch.Tensor, curvature: torch.Tensor, settings: Settings, tau,
                       states: List["_SiteState"]):
         """
         The update of the class docstring for ``sites`` at once, as one flat
         vector (one kernel per operation rather than one per site and operation);
         ``grad`` and ``curvature`` are the sites' ``g`` and ``h`` so flattened.
         The sites share the scale constraint, ``sampled``, ``nonnegative``, whether
-        a prior is given, whether draws are known, and either have no ``mask`` or
-        are a single masked site.
+        a prior is given, whether draws are known, ``num_data``, whether a
+        ``min_precision`` is given, and either have no ``mask`` or are a single
+        masked site.
 
         :returns: 0-d bool tensors (no device sync): whether the precision was
             clamped, and, for sampled curvature (else ``None``), whether most
             elements' gradient exceeds ``_FAR`` standard deviations with the
-            sign it had at the group's last step; and the new :math:`\\sigma` as a
-            flat vector (``None`` for a masked site).
+            sign it had at the group's last step; the new :math:`\\sigma` as a
+            flat vector (``None`` for a masked site); and the flag of the watch on
+            growing means (:mod:`pyro_ngvi.monitor`; ``None`` without a prior).
         """
         # In-place wherever a value is not needed again (``grad`` and ``curvature``
         # are this step's, the optimizer's to overwrite): besides the flat copies of
         # a multi-site group, the update holds about five vectors at its peak.
         first, sites, transform = stats[0], group.sites, group.transform
+        lr, beta, rho = settings.lr, settings.beta, settings.momentum
         mean = _flat([site.loc for site in sites])
         if all(s.scale is not None for s in stats):  # the sigma the ELBO read this step
             precision = _flat([s.scale for s in stats]).pow(-2)
@@ -757,13 +885,17 @@ class NGVI(PyroOptim):
             precision = transform(_flat([site.raw_scale for site in sites])).pow_(-2)
         mask = None if first.mask is None else first.mask.reshape(-1)
         prior_precision = None if first.prior_precision is None else _flat([s.prior_precision for s in stats])
-        adaptive = first.sampled and self._adaptive
+        # minibatch statistics (a BayesianNet's) run the recipe's steps: their noise is the
+        # data's as much as the draws', which the adaptive steps would average away
+        adaptive = first.sampled and self._adaptive and first.num_data is None
         grad = grad.div_(tau) if tau != 1 else grad  # from here g / tau and h / tau
         curvature = curvature.div_(tau) if tau != 1 else curvature
         if adaptive:
             count = self._buffer(group, states, "count", self._first_count(beta))
-            drift = self._buffer(group, states, "momentum" if self.momentum else "drift", 0.0)
-        if self.control_variate and first.eps_mean is not None:
+            drift = self._buffer(group, states, "momentum" if rho else "drift", 0.0)
+        # the control variate takes lambda - lambda_0 for the curvature: not where the precision is
+        # started above it and floored below it (the minibatch recipe)
+        if self.control_variate and first.eps_mean is not None and first.num_data is None:
             if adaptive:
                 known, baseline = count > self._first_count(beta), drift
             else:
@@ -776,13 +908,19 @@ class NGVI(PyroOptim):
         if adaptive:  # a sampled target beyond (1 +- _INNOVATION_MAX) lambda is an outlier
             target = torch.clamp(target, min=precision * (1.0 - _INNOVATION_MAX),
                                  max=precision * (1.0 + _INNOVATION_MAX))
-        direction = self._momentum(group, states, grad, mask)
-        pull = None  # the exact prior's gradient, lambda_0 (mu - m_0)
+        direction = self._momentum(group, states, grad, mask, rho)
+        pull = spreading = None  # the exact prior's gradient, lambda_0 (mu - m_0)
         if prior_precision is not None:
-            pull = (mean - _flat([s.prior_loc for s in stats])).mul_(prior_precision)
+            deviation = mean - _flat([s.prior_loc for s in stats])
+            if mask is None:  # the watch on growing means (pyro_ngvi.monitor)
+                pull = deviation * prior_precision
+                spreading = self._spread_watch.flag(group, spread(deviation, pull), self.num_steps)
+            else:
+                pull = deviation.mul_(prior_precision)
+            del deviation
         if adaptive:
             step_beta, step_lr = self._adaptive_rates(group, states, grad, direction, drift, pull, target,
-                                                      precision, count, lr, beta, mask)
+                                                      precision, count, lr, beta, mask, rho)
         elif self.warm_start and not all(state.started for state in states):
             fresh = _flat([torch.full_like(site.loc, not state.started, dtype=torch.bool)
                            for site, state in zip(sites, states)])
@@ -803,7 +941,10 @@ class NGVI(PyroOptim):
             new_precision = torch.maximum(new_precision, lower, out=new_precision)
             del upper, lower
         clamped = _clamp_precision_(new_precision)
-        denominator = new_precision + self.damping if self.damping else new_precision
+        if first.min_precision is not None:  # the family's floor: lambda' >= lambda_min
+            torch.maximum(new_precision, _flat([s.min_precision for s in stats]), out=new_precision)
+        damping = settings.damping
+        denominator = new_precision + damping if damping else new_precision
         del prior_precision
 
         far = None
@@ -857,7 +998,7 @@ class NGVI(PyroOptim):
             new_scale = None  # untouched rows keep their old scale
         for state in states:
             state.started = True
-        return clamped, far, new_scale
+        return clamped, far, new_scale, spreading
 
     def _first_count(self, beta: float) -> float:
         """The count a new element starts from: 0 (its first step takes the curvature
@@ -890,7 +1031,7 @@ class NGVI(PyroOptim):
             curvature.sub_(baseline.masked_fill(~known, 0.0).mul_(eps_mean).div_(sigma))
 
     def _adaptive_rates(self, group, states, grad, direction, drift, pull, target, precision, count, lr,
-                        beta, mask):
+                        beta, mask, momentum):
         """
         Per-element steps from the measured signal-to-noise ratio of the two
         natural-gradient innovations: :math:`\\hat g` and :math:`(\\hat h - \\lambda)/\\lambda`.
@@ -923,13 +1064,13 @@ class NGVI(PyroOptim):
         hdrift = self._buffer(group, states, "hdrift", 0.0)
         deviations = torch.stack([torch.sub(grad, drift).mul_(sigma), innovation - hdrift])
         low, high = self._pooled_noise(group, states, deviations.square_(), seen)
-        if self.momentum:
-            drift, drift_rate = direction, 1.0 - self.momentum
+        if momentum:
+            drift, drift_rate = direction, 1.0 - momentum
         else:
             drift, drift_rate = torch.lerp(drift, grad, rate), rate
         hdrift = torch.lerp(hdrift, innovation, rate)
         if fresh is not None:
-            drift = drift if self.momentum else torch.where(fresh, grad, drift)
+            drift = drift if momentum else torch.where(fresh, grad, drift)
             hdrift = torch.where(fresh, innovation, hdrift)
         total = drift if pull is None else drift + pull  # the whole gradient, exact prior included
         signal = torch.stack([(total * sigma).square_().div_(drift_rate), hdrift.square().div_(rate)])
@@ -943,11 +1084,11 @@ class NGVI(PyroOptim):
         if mask is not None:
             new_count = torch.where(mask, new_count, count)
             hdrift = torch.where(mask, hdrift, self._buffer(group, states, "hdrift", 0.0))
-            if not self.momentum:
+            if not momentum:
                 drift = torch.where(mask, drift, self._buffer(group, states, "drift", 0.0))
         self._keep(group, states, "count", new_count)
         self._keep(group, states, "hdrift", hdrift)
-        if not self.momentum:
+        if not momentum:
             self._keep(group, states, "drift", drift)
         step_beta = torch.where(new_count > 0, new_count.reciprocal(), beta)
         step_lr = (new_count - base).clamp_(min=0.0).mul_(lr).add_(1.0).reciprocal_().mul_(lr)
@@ -1025,7 +1166,7 @@ class NGVI(PyroOptim):
         for state, piece in zip(states, _unflatten_dense_tensors(flat, [site.loc for site in group.sites])):
             setattr(state, name, piece)
 
-    def _full_step(self, site, stats, lr, beta, tau, state: "_SiteState"):
+    def _full_step(self, site, stats, settings: Settings, tau, state: "_SiteState"):
         """
         The step of :func:`~pyro_ngvi.full_covariance.natural_step` for a
         full-covariance site (of :func:`~pyro_ngvi.kronecker.kronecker_step` for a
@@ -1035,33 +1176,35 @@ class NGVI(PyroOptim):
         first-step warm start as the mean-field update (a Kronecker layer's first
         step takes its factors from the data, as noisy K-FAC initialises them).
         """
+        lr, beta, rho, damping = settings
         grad = stats.grad / tau if tau != 1 else stats.grad
         momentum = grad
-        if self.momentum and state.momentum is not None:
-            momentum = torch.lerp(grad, state.momentum, self.momentum)
+        if rho and state.momentum is not None:
+            momentum = torch.lerp(grad, state.momentum, rho)
         if isinstance(site, KroneckerSite):
             step = kronecker_step(site.mean, site.row_factor, site.col_factor, momentum, stats, lr, beta,
-                                  tau, self.damping, first=not state.started)
+                                  tau, damping, first=not state.started)
             return None if step is None else (tuple(step), momentum)
         step = full_covariance.natural_step(
-            site.mean, site.factor, momentum, stats.curvature, lr, beta, tau, self.damping,
+            site.mean, site.factor, momentum, stats.curvature, lr, beta, tau, damping,
             stats.prior_loc, stats.prior_precision,
             max_step=self.max_step if stats.sampled else None,
             warm=self.warm_start and not state.started, whitened=stats.whitened,
         )
         return None if step is None else ((step.mean, step.factor), momentum)
 
-    def _momentum(self, group: "_Group", states: List["_SiteState"], grad: torch.Tensor, mask) -> torch.Tensor:
+    def _momentum(self, group: "_Group", states: List["_SiteState"], grad: torch.Tensor, mask,
+                  rho: float) -> torch.Tensor:
         """
         :math:`\\bar g \\leftarrow \\rho \\bar g + (1 - \\rho) g` (a site's first step
         takes g), as one flat vector; each site's buffer is kept as a view of it.
         """
-        if self.momentum == 0:
+        if rho == 0:
             return grad
         sites = group.sites
         if all(state.momentum is not None for state in states):
             old = _flat([state.momentum for state in states])
-            new = torch.lerp(grad, old, self.momentum)
+            new = torch.lerp(grad, old, rho)
             if mask is not None:
                 new = torch.where(mask, new, old)
         else:  # some site's first step: its buffer starts at g
@@ -1070,7 +1213,7 @@ class NGVI(PyroOptim):
                          for state, piece in zip(states, pieces)])
             started = _flat([torch.full_like(piece, state.momentum is not None, dtype=torch.bool)
                              for state, piece in zip(states, pieces)])
-            new = torch.where(started, torch.lerp(grad, old, self.momentum), grad)
+            new = torch.where(started, torch.lerp(grad, old, rho), grad)
         for state, piece in zip(states, _unflatten_dense_tensors(new, [site.loc for site in sites])):
             state.momentum = piece  # shaped like the site's loc
         return new
@@ -1123,6 +1266,7 @@ class NGVI(PyroOptim):
         self._states = {}
         self._safeguards = []
         self._signs = {}
+        self._elbo_watch, self._elbo_flag, self._skips_in_a_row = ElboWatch(), None, 0
         self._pending_states = {name: dict(entry) for name, entry in ngvi["sites"].items()}
         store = pyro.get_param_store()
         for p in [p for p in self.optim_objs if store.param_name(p) in point]:
@@ -1244,9 +1388,11 @@ class _Safeguards(NamedTuple):
     states: List[_SiteState]
     clamped: torch.Tensor
     far: Optional[torch.Tensor]
+    spreading: Optional[torch.Tensor] = None  # means growing without bound (pyro_ngvi.monitor)
 
     def flags(self) -> List[torch.Tensor]:
-        return [self.clamped] if self.far is None else [self.clamped, self.far]
+        """In the order :meth:`NGVI._report` reads them."""
+        return [f for f in (self.clamped, self.spreading, self.far) if f is not None]
 
 
 def _clamp_precision_(precision: torch.Tensor) -> torch.Tensor:
@@ -1279,7 +1425,8 @@ def _fit_to_site(stats: SiteCurvature, site: GaussianSite) -> SiteCurvature:
     is refused, before anything is written.
     """
     loc, converted = site.loc, {}
-    for name in ("grad", "curvature", "prior_loc", "prior_precision", "mask", "scale", "eps_mean", "eps_sq_mean"):
+    for name in ("grad", "curvature", "prior_loc", "prior_precision", "mask", "scale", "min_precision",
+                 "eps_mean", "eps_sq_mean"):
         value = getattr(stats, name)
         if value is None:
             continue
@@ -1428,7 +1575,7 @@ def _group_sites(sites: List[GaussianSite], stats: Dict[str, SiteCurvature]) -> 
         else:
             constraint = id(pyro.get_param_store()._constraints[site.scale_name])
             key = (constraint, site.loc.dtype, site.loc.device, s.sampled, s.nonnegative,
-                   s.prior_precision is None, s.eps_mean is None)
+                   s.prior_precision is None, s.eps_mean is None, s.num_data, s.min_precision is None)
             if sizes.get(key, 0) + site.loc.numel() > _FLAT_MAX:  # start another group
                 groups[key + (len(groups),)] = groups.pop(key)
                 sizes[key] = 0

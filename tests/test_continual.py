@@ -385,7 +385,7 @@ def test_chained_bayesian_net_runs_the_fast_path_with_the_new_priors(net_task, m
     guide_2 = start_task(AutoNormal(bnn_2, init_loc_fn=bnn_2.init_loc_fn, init_scale=init_scale),
                          priors, x, y, carry=False)
     start = {site: guide_2._get_loc_and_scale(site)[0].detach().clone() for site in bnn.latent_sites}
-    svi = SVI(bnn_2, guide_2, NGVI(lr=lr, beta=beta, warm_start=False),
+    svi = SVI(bnn_2, guide_2, NGVI(lr=lr, beta=beta, momentum=0.0, damping=0.0, warm_start=False),
               CurvatureELBO("ggn", deterministic=True))
     svi.step(x, y)
     assert calls == [bnn_2]  # CurvatureELBO dispatched to BayesianNet.curvature_step

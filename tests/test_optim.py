@@ -413,8 +413,8 @@ def test_precision_stays_positive_and_finite(beta, precision, curvature, first):
     site = GaussianSite("x", store._params["g.locs.x"], store._params["g.scales.x"], "g.scales.x")
     optim = NGVI(lr=1.0, beta=beta, warm_start=first)
     stats = SiteCurvature(torch.ones(1, dtype=torch.float64), torch.full((1,), curvature, dtype=torch.float64))
-    optim._update_group(_Group.of([site]), [stats], stats.grad, stats.curvature, 1.0, beta, 1.0,
-                        [optim._state(site)])
+    optim._update_group(_Group.of([site]), [stats], stats.grad, stats.curvature,
+                        optim._settings(stats, 1.0, beta), 1.0, [optim._state(site)])
     new = site.precision
     assert torch.isfinite(new).all() and (new > 0).all()
     assert torch.isfinite(loc).all()

@@ -14,14 +14,14 @@ The experiment harness of the examples (the readable face) and the benchmarks
 
 from .cli import make_parser, parse_bnn_args, seed, session
 from .methods import (
-    IVON, MAP, HandVOGN, Method, Posterior, PyroSVI, annealed, bayes_by_backprop, decaying, ivon_installed, ngvi,
+    IVON, MAP, HandVOGN, Method, Posterior, PyroSVI, annealed, bayes_by_backprop, decaying, ivon_installed, ngvi, ngvi_recipe,
     sample_outputs,
 )
 from .report import (
     markdown_table, mean_sd, plot_elbo_curves, plot_entropy, plot_reliability, plot_training, plt, save_figure,
 )
 from .task import Split, Task, make_split, minibatches, nll, predictive_metrics, regression_metrics
-from .tasks import diabetes_mlp, digits_mlp, mlp, sklearn_task
+from .tasks import diabetes_mlp, digits_mlp, mlp, sklearn_task, suite_tasks
 from .train import (
     History, compare, elbo, evaluator, fit, gaussian_kl, log_spaced, precise_elbo, run_full_batch, steps_to_within,
     trace_elbo, train,
@@ -30,9 +30,9 @@ from .train import (
 __all__ = [
     # task.py, tasks.py
     "Split", "Task", "make_split", "minibatches", "nll", "predictive_metrics", "regression_metrics",
-    "mlp", "sklearn_task", "digits_mlp", "diabetes_mlp",
+    "mlp", "sklearn_task", "digits_mlp", "diabetes_mlp", "suite_tasks",
     # methods.py
-    "Method", "Posterior", "PyroSVI", "ngvi", "bayes_by_backprop", "MAP", "IVON", "HandVOGN", "sample_outputs",
+    "Method", "Posterior", "PyroSVI", "ngvi", "ngvi_recipe", "bayes_by_backprop", "MAP", "IVON", "HandVOGN", "sample_outputs",
     "ivon_installed", "annealed", "decaying",
     # train.py
     "History", "train", "fit", "compare", "evaluator", "elbo", "gaussian_kl", "trace_elbo",

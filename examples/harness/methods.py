@@ -95,11 +95,14 @@ class PyroSVI(Method):
     can live in one process.
     """
 
-    def __init__(self, task: Task, optim, loss, init_scale: float = 0.1, name: str = "Pyro SVI"):
+    def __init__(self, task: Task, optim, loss, init_scale: Optional[float] = 0.1, name: str = "Pyro SVI"):
         super().__init__(task)
         self.name = name
         self.bnn = BayesianNet(self.net, task.likelihood, num_data=task.num_data, prior=task.prior_scale)
-        self.guide = AutoNormal(self.bnn, init_loc_fn=self.bnn.init_loc_fn, init_scale=init_scale)
+        if init_scale is None:  # the model's own guide: its data-relative initial scale
+            self.guide = self.bnn.guide()
+        else:
+            self.guide = AutoNormal(self.bnn, init_loc_fn=self.bnn.init_loc_fn, init_scale=init_scale)
         self.optim = optim
         self.svi = SVI(self.bnn, self.guide, optim, loss)
         self._store = {"params": {}, "constraints": {}}
@@ -144,6 +147,19 @@ def ngvi(task: Task, curvature: Optional[str] = "ef", num_particles: int = 1, in
     else:
         loss = CurvatureELBO(curvature, num_particles=num_particles)
     return PyroSVI(task, NGVI(**ngvi_args), loss, init_scale, name or f"NGVI {curvature or 'Trace_ELBO'}")
+
+
+def ngvi_recipe(task: Task, curvature: str = "ggn", name: Optional[str] = None, **overrides) -> PyroSVI:
+    """
+    NGVI as the README documents it for a :class:`~pyro_ngvi.BayesianNet`:
+    ``bnn.guide()``, ``NGVI()`` and ``CurvatureELBO(curvature)``, nothing else set
+    (``overrides``: NGVI's arguments, for development only).
+    """
+    model_args = {key: overrides.pop(key) for key in ("learn_prior", "noise_limit") if key in overrides}
+    method = PyroSVI(task, NGVI(**overrides), CurvatureELBO(curvature), None, name or f"NGVI {curvature}")
+    for key, value in model_args.items():
+        setattr(method.bnn, key, value)
+    return method
 
 
 def bayes_by_backprop(task: Task, lr: float = 1e-3, init_scale: float = 0.1, num_particles: int = 1,

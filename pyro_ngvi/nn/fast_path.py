@@ -142,6 +142,13 @@ class BackpackStep:
         torch._foreach_mul_(curvatures, factor)
         eps_means, eps_sq_means = ([model._split(d.div_(num_particles)) for d in draws] if draws is not None
                                    else ([None] * len(locs), [None] * len(locs)))
+        nll = self._full_nll(model, nll / num_particles, loss_scale, noise_scale, target, len(x))
+        if deterministic:
+            loss = (nll + self._kl(prior, mean, scale)).detach()
+        else:  # the particle average of sum [lambda_0 (w - m_0)^2 - eps^2] / 2 - log sigma + log s_0
+            log_ratio = log_ratio / num_particles - scale.log().sum() + prior.log_scale_total
+            loss = (nll + log_ratio).detach()
+        floors = None if deterministic else model._noise_floor()  # as statistics_hints says
         for j, (loc, grad, curv, stddev) in enumerate(zip(locs, grads, curvatures, stddevs)):
             stats = SiteCurvature(
                 grad=grad,
@@ -154,17 +161,15 @@ class BackpackStep:
                 prior_scale_param=None if prior.params is None else prior.params[j],
                 eps_mean=eps_means[j],
                 eps_sq_mean=eps_sq_means[j],
+                num_data=model.effective_num_data,
+                min_precision=None if floors is None else floors[j],
+                loss=loss,
             )
             attach_curvature(loc.unconstrained(), stats)
         for value, grad in zip(points, point_grads):
             _accumulate_grad(value.unconstrained(), grad.mul_(factor))
 
-        nll = self._full_nll(model, nll / num_particles, loss_scale, noise_scale, target, len(x))
-        if deterministic:
-            return (nll + self._kl(prior, mean, scale)).detach()
-        # the particle average of sum [lambda_0 (w - m_0)^2 - eps^2] / 2 - log sigma + log s_0
-        log_ratio = log_ratio / num_particles - scale.log().sum() + prior.log_scale_total
-        return (nll + log_ratio).detach()
+        return loss
 
     def _begin(self, model):
         """

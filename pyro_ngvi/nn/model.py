@@ -20,9 +20,10 @@ from torch.func import functional_call
 import pyro
 import pyro.distributions as dist
 from pyro.distributions import constraints
+from pyro.infer.autoguide import AutoNormal
 from pyro.infer.autoguide.initialization import init_to_feasible
 
-from ..family import PriorParam, live_handover, on_rejected
+from ..family import CURVATURE_PER_EXAMPLE, PriorParam, live_handover, on_rejected
 from ..kronecker import KroneckerLayer
 from ..priors import _weight_prior_loc_scale
 from .fast_path import LOSS_MODULES, BackpackStep
@@ -154,6 +155,14 @@ class BayesianNet(nn.Module):
         evidence, starting at ``prior`` (default: False).
     :param float augmentation_factor: :math:`\\rho > 0`, the effective data size
         is ``round(rho * num_data)`` (default: 1.0).
+    :param noise_limit: :math:`v > 0`, the most variance the guide's weight noise
+        may add to the network's output, relative to the signal, for unit-variance
+        inputs: each of the :math:`L` layers with a fan-in (``Linear``, ``Conv*``)
+        may add :math:`v / L` (noise compounds through the layers), so the
+        standard deviation of each weight of a layer with fan-in :math:`n` is at
+        most :math:`\\sqrt{v / (L n)}` (:class:`~pyro_ngvi.NGVI` keeps the precision
+        at least :math:`L n / v`); ``None`` lifts the limit (default: 1.0). See the
+        README's "Training a BayesianNet" for why.
     """
 
     #: Curvature sources :meth:`curvature_step` supports.
@@ -170,6 +179,7 @@ class BayesianNet(nn.Module):
         name: str = "",
         learn_prior: bool = False,
         augmentation_factor: float = 1.0,
+        noise_limit: Optional[float] = 1.0,
     ):
         super().__init__()
         if not isinstance(net, nn.Module):
@@ -189,6 +199,8 @@ class BayesianNet(nn.Module):
             raise ValueError(f"learn_prior must be True or False, got {learn_prior!r}")
         self.net = net
         self.likelihood = likelihood
+        self._noise_floor_cache = None
+        self.noise_limit = noise_limit
         self.num_data = num_data
         self.augmentation_factor = augmentation_factor
         self.learn_prior = learn_prior
@@ -220,6 +232,90 @@ class BayesianNet(nn.Module):
         self._latent_params = [w.param for w in self._latents]
         self._prior_cache = self._flat_prior_cache = self._prior_index_cache = None
         self._set_priors(prior)
+
+    @property
+    def noise_limit(self) -> Optional[float]:
+        """:math:`v`, the variance the weight noise may add to a unit (``None``: no limit; may be set)."""
+        return self._noise_limit
+
+    @noise_limit.setter
+    def noise_limit(self, value) -> None:
+        self._noise_limit = None if value is None else _positive_finite("noise_limit", value)
+        self._noise_floor_cache = None
+
+    def max_scale(self, site: str) -> Optional[float]:
+        """
+        The largest standard deviation :attr:`noise_limit` allows the weights of
+        ``site``, :math:`\\sqrt{v / (L n)}` with :math:`n` the fan-in of its layer and
+        :math:`L` the number of layers with a fan-in (``None`` when unlimited, or
+        when the layer has no fan-in: a weight of fewer than two dimensions, an
+        embedding).
+        """
+        weight = self._latents[self.latent_sites.index(site)]
+        fan_in = _fan_in(weight.module)
+        if self.noise_limit is None or fan_in is None:
+            return None
+        layers = len({id(w.module) for w in self._latents if _fan_in(w.module) is not None})
+        return math.sqrt(self.noise_limit / (layers * fan_in))
+
+    def _noise_floor(self) -> Optional[List[torch.Tensor]]:
+        """Per site, the least precision :math:`n / v` the guide may have (a tensor of the
+        weight's shape, views of one flat vector; infinite scale allowed: 0), or ``None``."""
+        if self.noise_limit is None:
+            return None
+        if self._noise_floor_cache is None:
+            floors = []
+            for weight in self._latents:
+                cap = self.max_scale(weight.site)
+                floors.append(torch.full((weight.param.numel(),), 0.0 if cap is None else cap**-2,
+                                         dtype=weight.param.dtype, device=weight.param.device))
+            self._noise_floor_cache = self._split(torch.cat(floors))
+        return self._noise_floor_cache
+
+    def statistics_hints(self, site: str, deterministic: bool = False) -> Dict[str, object]:
+        """
+        What the curvature statistics of ``site`` should tell
+        :class:`~pyro_ngvi.NGVI` besides :math:`g, h` (the protocol
+        :class:`~pyro_ngvi.CurvatureELBO` reads, on this model's fast path and on the
+        traced path alike): ``num_data``, the effective data size the minibatch
+        stands for (NGVI's defaults for a ``BayesianNet`` follow from it), and, for
+        sampled statistics, ``min_precision``, the floor :attr:`noise_limit` puts on
+        the precision (``None`` at the mean, ``deterministic``: no weight noise
+        is injected there, and Laplace's precision is the curvature's).
+        """
+        floors = None if deterministic else self._noise_floor()
+        index = self.latent_sites.index(site)
+        return {"num_data": self.effective_num_data, "min_precision": None if floors is None else floors[index]}
+
+    def initial_scale(self) -> float:
+        """
+        The guide's initial standard deviation for minibatch training, relative to
+        the data: :math:`(\\lambda_{0} + N h_0)^{-1/2}` with :math:`N` the effective
+        data size, :math:`\\lambda_0` the largest prior precision and :math:`h_0` =
+        :data:`~pyro_ngvi.family.CURVATURE_PER_EXAMPLE` (the precision a Gaussian
+        posterior has after :math:`N` examples of unit curvature each; ivon-opt's
+        ``ess * hess_init``), and at most :meth:`max_scale` of every site.
+        """
+        prior_precision = max(float(self._prior_buffers(j)[2].max()) for j in range(len(self._latents)))
+        scale = (prior_precision + self.effective_num_data * CURVATURE_PER_EXAMPLE) ** -0.5
+        caps = [c for c in map(self.max_scale, self.latent_sites) if c is not None]
+        return min([scale] + caps)
+
+    def guide(self, init_scale: Optional[float] = None, **kwargs) -> AutoNormal:
+        """
+        The mean-field guide of the recipe: an
+        :class:`~pyro.infer.autoguide.AutoNormal` that starts each weight at the
+        network's own initialisation (:meth:`init_loc_fn`) with the
+        data-relative standard deviation :meth:`initial_scale`::
+
+            svi = SVI(bnn, bnn.guide(), NGVI(), CurvatureELBO("ggn"))
+
+        :param init_scale: another initial standard deviation (default: None,
+            :meth:`initial_scale`).
+        :param kwargs: other arguments of ``AutoNormal``.
+        """
+        init_scale = self.initial_scale() if init_scale is None else init_scale
+        return AutoNormal(self, init_loc_fn=self.init_loc_fn, init_scale=init_scale, **kwargs)
 
     @property
     def num_data(self) -> int:
@@ -352,6 +448,7 @@ class BayesianNet(nn.Module):
     def _apply(self, fn, *args, **kwargs):
         # .to(), .double(), ... replace the buffers
         self._prior_cache = self._flat_prior_cache = self._prior_index_cache = None
+        self._noise_floor_cache = None
         module = super()._apply(fn, *args, **kwargs)
         self._fast_path.refresh()  # the shared parameter dicts may hold new tensors
         self._latent_params = [w.param for w in self._latents]
@@ -385,8 +482,8 @@ class BayesianNet(nn.Module):
 
         Sites not named in ``priors`` keep their prior (a learned one at its
         current value: the new model's priors are fixed, ``learn_prior=False``);
-        ``num_data``, ``augmentation_factor``, the likelihood, the noise scale
-        and the name are kept (``num_data`` is a plain attribute: set it when
+        ``num_data``, ``augmentation_factor``, ``noise_limit``, the likelihood, the
+        noise scale and the name are kept (``num_data`` is a plain attribute: set it when
         the next task has another size).
 
         Each prior must be the law a site of this model could have: a Normal in
@@ -425,6 +522,7 @@ class BayesianNet(nn.Module):
             init_noise_scale=self.init_noise_scale,
             name=self.prefix[:-1],
             augmentation_factor=self.augmentation_factor,
+            noise_limit=self.noise_limit,
         )
         new.training = self.training  # not .train(): that would also set the shared net
         return new
@@ -710,6 +808,15 @@ def _as_loc_scale(spec, weight: _Weight) -> Tuple[torch.Tensor, torch.Tensor]:
     if not (torch.isfinite(scale) & (scale > 0)).all():
         raise ValueError(f"Prior of site {weight.site!r}: the scale must be positive and finite")
     return loc, scale
+
+
+def _fan_in(module: nn.Module) -> Optional[int]:
+    """The fan-in of a layer with a weight of two or more dimensions (``Linear``, ``Conv*``:
+    the inputs each output sums over), else ``None``."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() < 2 or isinstance(module, nn.Embedding):
+        return None
+    return weight[0].numel()
 
 
 def _positive_finite(name: str, value) -> float:

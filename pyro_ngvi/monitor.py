@@ -1,0 +1,165 @@
+"""
+What :class:`~pyro_ngvi.NGVI` watches while it trains, so that a run that has gone
+wrong says so instead of ending in a guide that predicts nothing (issue 19):
+
+* **means growing without bound**: a site's means, measured in prior standard
+  deviations, :math:`z^2 = \\mathrm{mean}\\,\\lambda_0(\\mu - m_0)^2`, beyond
+  :data:`SPREAD_LIMIT` and at least doubled since a reference step (taken every
+  :data:`SPREAD_EVERY` steps; measured every step, one dot product). A Normal prior puts
+  :math:`e^{-z^2/2}` of its density there, so no posterior goes there but one whose
+  mean steps are unstable (Gauss-Newton curvature vanishes on confidently wrong
+  examples, while their gradient does not);
+* **a training ELBO that keeps getting worse**: the negative ELBO the ELBO
+  evaluations hand over (:attr:`~pyro_ngvi.family.SiteCurvature.loss`), averaged
+  over windows of :data:`ELBO_WINDOW` accepted steps, rising from each window to
+  the next :data:`ELBO_RISES` times in a row, by more than
+  :data:`ELBO_SIGNIFICANCE` standard errors in all (the minibatch and sampling
+  noise of a window's mean is estimated from its own steps) and by more than
+  :math:`10^{-6}` of its value (round-off of a deterministic run);
+* **a guide that can only produce non-finite predictions**: every step skipped
+  for non-finite statistics, :data:`SKIPS_IN_A_ROW` times in a row; nothing can
+  change the guide any more, so NGVI raises.
+
+Each warns once (the skipped steps at the 1st, 2nd, 4th, 8th, ...), with what
+happened and what to change. Checks ride on the device sync NGVI does once a step
+anyway (a flag computed at one step is read at the next).
+"""
+
+import math
+from typing import List, Optional, Tuple
+
+import torch
+
+#: Steps between two reference measurements of a site's spread.
+SPREAD_EVERY = 10
+#: The spread :math:`\mathrm{mean}\,\lambda_0(\mu - m_0)^2` beyond which growing means are
+#: reported (root-mean-square 10 prior standard deviations).
+SPREAD_LIMIT = 100.0
+#: Accepted steps whose losses make one window mean of the ELBO watch.
+ELBO_WINDOW = 100
+#: Window means rising in a row before the ELBO watch reports.
+ELBO_RISES = 3
+#: Total rise over those windows, in standard errors of the difference, needed to report.
+ELBO_SIGNIFICANCE = 4.0
+#: Skipped steps in a row after which NGVI raises.
+SKIPS_IN_A_ROW = 50
+
+
+def spread(deviation: torch.Tensor, pull: torch.Tensor) -> torch.Tensor:
+    """:math:`\\mathrm{mean}\\,\\lambda_0(\\mu - m_0)^2` from the flat ``deviation`` :math:`\\mu - m_0`
+    and ``pull`` :math:`\\lambda_0(\\mu - m_0)`, as a 0-d tensor (no device sync)."""
+    return torch.dot(pull, deviation) / deviation.numel()
+
+
+def power_of_two(count: int) -> bool:
+    """Whether ``count`` is 1, 2, 4, 8, ...: when a repeated event is worth a warning."""
+    return count > 0 and count & (count - 1) == 0
+
+
+class SpreadWatch:
+    """Each group's spread at its last reference step (every :data:`SPREAD_EVERY` steps), to tell
+    growth from a large but steady value."""
+
+    def __init__(self):
+        self.reference = {}  # id(group) -> (group, spread at the reference step)
+        self.latest = {}  # id(group) -> spread at the latest step
+        self.warned = set()  # ids of groups already reported
+
+    def flag(self, group, value: torch.Tensor, step: int) -> torch.Tensor:
+        """Whether ``value`` is beyond the limit and at least twice the reference (0-d bool);
+        at every :data:`SPREAD_EVERY`-th step ``value`` becomes the reference."""
+        reference = self.reference.get(id(group))
+        self.latest[id(group)] = value
+        if reference is None or reference[0] is not group:
+            flag = value > math.inf
+        else:
+            flag = (value > SPREAD_LIMIT) & (value > 2 * reference[1])
+        if reference is None or reference[0] is not group or step % SPREAD_EVERY == 0:
+            self.reference[id(group)] = (group, value)
+        return flag
+
+    def message(self, group, names: str, step: int) -> Optional[str]:
+        """The warning for ``group`` (``None`` when it has been given already)."""
+        if id(group) in self.warned:
+            return None
+        self.warned.add(id(group))
+        now = math.sqrt(float(self.latest[id(group)]))
+        return (
+            f"NGVI: the means of {names} grow without bound: their root-mean-square distance from "
+            f"the prior mean reached {now:.3g} prior standard deviations at step {step}, more than "
+            f"doubling its square within {SPREAD_EVERY} steps. The mean steps are unstable: with "
+            "Gauss-Newton curvature ('ggn', 'ggn_mc'), which vanishes on confidently wrong examples "
+            "while their gradient does not, the step lr * g / (precision + damping) has nothing to "
+            "bound it. Lower lr or raise damping; for a BayesianNet, NGVI()'s defaults damp the mean "
+            "step by N (the data size) and start the guide at bnn.guide()."
+        )
+
+
+class ElboWatch:
+    """Window means of the negative ELBO handed over by accepted steps, and their standard errors."""
+
+    def __init__(self):
+        self.sum = self.squares = None
+        self.count = 0
+        self.windows: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (mean, squared standard error)
+        self.warned = False
+
+    def reset(self) -> None:
+        """Forget the windows (the objective changed: a temperature other than 1)."""
+        self.sum = self.squares = None
+        self.count = 0
+        self.windows = []
+
+    def add(self, loss) -> Optional[torch.Tensor]:
+        """
+        Count one accepted step's ``loss``; at the end of a window, the flag (0-d bool)
+        that the last :data:`ELBO_RISES` + 1 window means rose each time and by more
+        than :data:`ELBO_SIGNIFICANCE` standard errors in all, else ``None``.
+        """
+        if self.warned:
+            return None
+        loss = torch.as_tensor(loss, dtype=torch.float64).detach()
+        if self.sum is None:
+            self.sum, self.squares = loss.clone(), loss.square()
+        else:
+            self.sum, self.squares = self.sum + loss, self.squares + loss.square()
+        self.count += 1
+        if self.count < ELBO_WINDOW:
+            return None
+        mean = self.sum / self.count
+        variance = (self.squares / self.count - mean.square()).clamp(min=0.0)
+        self.windows = (self.windows + [(mean, variance / self.count)])[-(ELBO_RISES + 1):]
+        self.sum = self.squares = None
+        self.count = 0
+        if len(self.windows) <= ELBO_RISES:
+            return None
+        means = torch.stack([m for m, _ in self.windows])
+        rising = torch.all(means[1:] > means[:-1])
+        (first, first_se2), (last, last_se2) = self.windows[0], self.windows[-1]
+        noise = torch.maximum(ELBO_SIGNIFICANCE * (first_se2 + last_se2).sqrt(), 1e-6 * first.abs())
+        return rising & (last - first > noise)
+
+    def message(self, step: int) -> Optional[str]:
+        if self.warned:
+            return None
+        self.warned = True
+        means = ", ".join(f"{float(m):.6g}" for m, _ in self.windows)
+        return (
+            f"NGVI: the training ELBO has kept getting worse up to step {step}: the negative ELBO, "
+            f"averaged over windows of {ELBO_WINDOW} steps, rose {ELBO_RISES} times in a row "
+            f"({means}), beyond its minibatch and sampling noise. The steps overshoot: lower lr "
+            "(or beta, or raise damping); for a BayesianNet, NGVI()'s defaults and bnn.guide() are "
+            "the documented recipe. (Watched only at temperature 1, where the loss is the ELBO NGVI "
+            "maximises.)"
+        )
+
+
+def stuck_message(skipped: int, sites: str, largest_mean: float) -> str:
+    """The error when every step is skipped: the guide can only produce non-finite predictions."""
+    return (
+        f"NGVI skipped the last {skipped} steps in a row: every draw from the guide gave a non-finite "
+        f"gradient or curvature at {sites}, so nothing can change the guide any more and its "
+        f"predictions are non-finite too (the largest |mean| is {largest_mean:.3g}). The run has "
+        "diverged: start again with a smaller lr or more damping (for a BayesianNet, NGVI()'s "
+        "defaults and bnn.guide()), or check the data for non-finite values."
+    )

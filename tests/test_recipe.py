@@ -1,0 +1,291 @@
+"""
+The BayesianNet recipe (issue 19): NGVI's defaults resolved from what the
+statistics say (full batch, or minibatch estimates for N examples), the guide's
+data-relative start, the noise limit of the variational family; and the watches
+that keep a run from failing silently (pyro_ngvi.monitor), each on a run built
+to trigger it, and a healthy deep run that stays quiet.
+"""
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import pyro
+import pyro.distributions as dist
+from pyro.infer import SVI, Trace_ELBO
+from pyro.infer.autoguide import AutoNormal
+
+from pyro_ngvi import NGVI, BayesianNet, CurvatureELBO, NGVIWarning
+from pyro_ngvi import monitor
+from pyro_ngvi.family import CURVATURE_PER_EXAMPLE, SiteCurvature, pop_curvature
+from pyro_ngvi.optim import FULL_BATCH, MINIBATCH, defaults
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread: the deep runs below are many small kernels, which threads only slow."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def mlp(*widths, seed=0):
+    torch.manual_seed(seed)
+    layers = []
+    for fan_in, fan_out in zip(widths, widths[1:]):
+        layers += [nn.Linear(fan_in, fan_out), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+def classification(n=1024, d=10, classes=4, seed=0):
+    """Classes from a noisy linear map of Gaussian inputs."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=generator)
+    w = torch.randn(d, classes, generator=generator)
+    y = (x @ w + 0.5 * torch.randn(n, classes, generator=generator)).argmax(-1)
+    return x, y
+
+
+def train(svi, x, y, steps, batch=128, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        index = torch.randint(0, len(x), (batch,), generator=generator)
+        losses.append(svi.step(x[index], y[index]))
+    return losses
+
+
+def accuracy(bnn, guide, x, y):
+    with torch.no_grad():
+        means = {site: pyro.param(f"{guide._pyro_name}.locs.{site}") for site in bnn.latent_sites}
+        return float((torch.func.functional_call(bnn.net, means, (x,)).argmax(-1) == y).float().mean())
+
+
+# ------------------------------------------------------------------ the defaults
+def test_defaults_follow_the_kind_of_statistics():
+    assert defaults() == FULL_BATCH
+    resolved = defaults(500)
+    assert (resolved.lr, resolved.beta, resolved.momentum) == (MINIBATCH.lr, MINIBATCH.beta, MINIBATCH.momentum)
+    assert resolved.damping == 500 * CURVATURE_PER_EXAMPLE
+    optim = NGVI(lr=0.2, damping=3.0)
+    stats = SiteCurvature(torch.zeros(2), torch.zeros(2), num_data=500)
+    assert optim._settings(stats, 0.2, None) == (0.2, MINIBATCH.beta, MINIBATCH.momentum, 3.0)
+    assert optim._settings(SiteCurvature(torch.zeros(2), torch.zeros(2)), 0.2, None) == (
+        0.2, FULL_BATCH.beta, FULL_BATCH.momentum, 3.0)
+
+
+@pytest.mark.parametrize("source", ["ggn", "ef"])
+def test_a_bayesian_net_step_follows_the_minibatch_recipe_elementwise(source):
+    """One NGVI() step on a BayesianNet, against the update written out with the minibatch
+    defaults: damping N, the warm start, the family's floor on the precision."""
+    x, y = classification(n=64)
+    bnn = BayesianNet(mlp(10, 8, 4).double(), "categorical", num_data=300)
+    x = x.double()
+    guide = bnn.guide()
+    guide(x, y)
+    loss = CurvatureELBO(source, deterministic=True)
+    loss.loss_and_grads(bnn, guide, x, y)  # the statistics the step will see (at the mean)
+    expected = {}
+    lr, beta, _, damping = defaults(bnn.effective_num_data)
+    for site in bnn.latent_sites:
+        stats = pop_curvature(pyro.param(f"AutoNormal.locs.{site}").unconstrained())
+        mu = pyro.param(f"AutoNormal.locs.{site}").detach()
+        precision = pyro.param(f"AutoNormal.scales.{site}").detach() ** -2
+        target = stats.curvature + stats.prior_precision
+        new_precision = torch.where(target > precision, target, torch.lerp(precision, target, beta))
+        new_precision = torch.maximum(new_precision, torch.tensor(bnn.max_scale(site) ** -2, dtype=torch.float64))
+        step = (stats.grad + stats.prior_precision * (mu - stats.prior_loc)) / (new_precision + damping)
+        expected[site] = (mu - lr * step, new_precision.rsqrt())
+    SVI(bnn, guide, NGVI(), loss).step(x, y)
+    for site, (mu, sigma) in expected.items():
+        torch.testing.assert_close(pyro.param(f"AutoNormal.locs.{site}").detach(), mu, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(pyro.param(f"AutoNormal.scales.{site}").detach(), sigma, rtol=1e-9, atol=1e-12)
+
+
+def test_traced_full_batch_steps_keep_their_own_defaults():
+    """A model without a fast path hands full-batch statistics: NGVI() takes FULL_BATCH there."""
+    x = torch.randn(20, dtype=torch.float64)
+
+    def model(x):
+        mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0))
+        with pyro.plate("data", len(x)):
+            pyro.sample("obs", dist.Normal(mu, 1.0), obs=x)
+
+    guide = AutoNormal(model)
+    guide(x)
+    elbo = CurvatureELBO("hessian", deterministic=True)
+    elbo.loss_and_grads(model, guide, x)
+    stats = pop_curvature(pyro.param("AutoNormal.locs.mu").unconstrained())
+    assert stats.num_data is None and stats.min_precision is None
+    mu = pyro.param("AutoNormal.locs.mu").detach()
+    precision = pyro.param("AutoNormal.scales.mu").detach() ** -2
+    target = stats.curvature + stats.prior_precision
+    new_precision = torch.where(target > precision, target, torch.lerp(precision, target, FULL_BATCH.beta))
+    new_mu = mu - FULL_BATCH.lr * (stats.grad + stats.prior_precision * mu) / new_precision
+    SVI(model, guide, NGVI(), elbo).step(x)
+    torch.testing.assert_close(pyro.param("AutoNormal.locs.mu").detach(), new_mu)
+
+
+# ------------------------------------------------------------------ the guide and the noise limit
+def test_guide_starts_at_the_network_with_a_data_relative_scale():
+    net = mlp(10, 32, 32, 4)
+    bnn = BayesianNet(net, "categorical", num_data=5000, prior=2.0)
+    x, y = classification(n=8)
+    guide = bnn.guide()
+    guide(x, y)
+    expected = (0.25 + 5000 * CURVATURE_PER_EXAMPLE) ** -0.5
+    assert bnn.initial_scale() == pytest.approx(expected)
+    for name, p in net.named_parameters():
+        torch.testing.assert_close(pyro.param(f"AutoNormal.locs.{name}").detach(), p.detach())
+        torch.testing.assert_close(pyro.param(f"AutoNormal.scales.{name}").detach(),
+                                   torch.full_like(p, expected))
+    small = BayesianNet(mlp(10, 32, 32, 4), "categorical", num_data=3)  # 1/sqrt(1 + 3) > the cap
+    assert small.initial_scale() == pytest.approx(small.max_scale("4.weight"))
+
+
+def test_noise_limit_caps_each_layer_by_its_fan_in_and_the_depth():
+    bnn = BayesianNet(mlp(10, 32, 64, 4), "categorical", num_data=100, noise_limit=0.6)
+    for site, fan_in in (("0.weight", 10), ("0.bias", 10), ("2.weight", 32), ("4.bias", 64)):
+        assert bnn.max_scale(site) == pytest.approx(math.sqrt(0.6 / (3 * fan_in)))
+    bnn.noise_limit = None
+    assert bnn.max_scale("2.weight") is None and bnn._noise_floor() is None
+    for bad in (0.0, -1.0, math.inf, "1"):
+        with pytest.raises(ValueError, match="noise_limit"):
+            BayesianNet(mlp(10, 4), "categorical", num_data=100, noise_limit=bad)
+
+
+def test_training_keeps_every_scale_below_the_limit_and_without_it_they_pass_it():
+    """Few data for many weights: the mean-field optimum puts most scales near the prior's
+    (1), far above 1/sqrt(L n); the family's floor holds them at the limit."""
+    x, y = classification(n=64)
+    scales = {}
+    for limit in (1.0, None):
+        pyro.clear_param_store()
+        bnn = BayesianNet(mlp(10, 64, 4), "categorical", num_data=64, noise_limit=limit)
+        guide = bnn.guide()
+        train(SVI(bnn, guide, NGVI(beta=0.2), CurvatureELBO("ggn")), x, y, 60, batch=64)
+        scales[limit] = {site: pyro.param(f"AutoNormal.scales.{site}").detach() for site in bnn.latent_sites}
+        if limit is not None:
+            for site, scale in scales[limit].items():
+                assert float(scale.max()) <= bnn.max_scale(site) * (1 + 1e-5)
+                assert float(scale.max()) >= 0.99 * bnn.max_scale(site)  # the limit binds
+    bnn.noise_limit = 1.0
+    assert float(scales[None]["2.weight"].median()) > 3 * bnn.max_scale("2.weight")
+
+
+# ------------------------------------------------------------------ deep nets: every source, no damping by hand
+DEEP = (10, 32, 32, 32, 32, 4)
+
+
+@pytest.mark.parametrize("source", ["ggn", "ggn_mc", "ef", "reparam"])
+def test_a_four_hidden_layer_mlp_trains_quietly_with_the_defaults(source):
+    """Issue 19, item 4: NGVI() with every source on a 4-hidden-layer MLP, no hand-picked
+    damping, 450 steps (the ELBO watch sees four windows); pytest turns any NGVIWarning into
+    an error, so this run is also the quiet run of every watch."""
+    x, y = classification(n=1000)
+    bnn = BayesianNet(mlp(*DEEP), "categorical", num_data=len(x))
+    guide = bnn.guide()
+    optim = NGVI()
+    losses = train(SVI(bnn, guide, optim, CurvatureELBO(source)), x, y, 450, batch=64)
+    assert optim.num_skipped_steps == 0
+    assert sum(losses[-50:]) < 0.8 * sum(losses[:50])
+    assert accuracy(bnn, guide, x, y) > 0.85
+    largest = max(float(pyro.param(f"AutoNormal.locs.{s}").detach().abs().max()) for s in bnn.latent_sites)
+    assert largest < 10
+
+
+# ------------------------------------------------------------------ the watches, each on a run built to trigger it
+def test_means_growing_without_bound_warn_once_then_a_stuck_guide_raises():
+    """The failure of issue 19: Gauss-Newton curvature with no damping on a deep net (the old
+    recipe without its hand-picked damping, at large steps). The means explode within a few
+    steps, the watch says so once, then every draw is non-finite and NGVI raises."""
+    x, y = classification(n=2000)
+    bnn = BayesianNet(mlp(10, 64, 64, 64, 64, 4), "categorical", num_data=len(x))
+    guide = AutoNormal(bnn, init_loc_fn=bnn.init_loc_fn, init_scale=0.1)
+    optim = NGVI(lr=1.0, beta=0.5, momentum=0.0, damping=0.0)
+    svi = SVI(bnn, guide, optim, CurvatureELBO("ggn"))
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(RuntimeError, match="in a row"):
+        warnings.simplefilter("always")
+        train(svi, x, y, 400)
+    messages = [str(w.message) for w in caught if issubclass(w.category, NGVIWarning)]
+    growing = [m for m in messages if "grow without bound" in m]
+    skipped = [m for m in messages if "skipped step" in m]
+    assert len(growing) == 1 and messages.index(growing[0]) == 0  # before the first skipped step
+    assert "damping" in growing[0]
+    assert len(skipped) == int(math.log2(monitor.SKIPS_IN_A_ROW - 1)) + 1  # at 1, 2, 4, ... only
+    assert optim.num_skipped_steps == monitor.SKIPS_IN_A_ROW
+
+
+def test_a_guide_that_can_only_predict_non_finite_values_raises():
+    x, y = classification(n=256)
+    bnn = BayesianNet(mlp(10, 16, 4), "categorical", num_data=len(x))
+    guide = bnn.guide()
+    optim = NGVI()
+    svi = SVI(bnn, guide, optim, CurvatureELBO("ef"))
+    train(svi, x, y, 3)
+    with torch.no_grad():
+        pyro.param("AutoNormal.locs.2.weight").unconstrained().fill_(1e30)  # finite, overflows the logits
+    before = pyro.param("AutoNormal.locs.0.weight").detach().clone()
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(RuntimeError) as error:
+        warnings.simplefilter("always")
+        train(svi, x, y, 100)
+    assert "skipped the last 50 steps in a row" in str(error.value) and "1e+30" in str(error.value)
+    assert len([w for w in caught if "skipped step" in str(w.message)]) == 6  # 1, 2, 4, 8, 16, 32
+    torch.testing.assert_close(pyro.param("AutoNormal.locs.0.weight").detach(), before)
+
+
+def test_a_training_elbo_that_keeps_getting_worse_warns_once():
+    """Targets that get noisier with every step: the model cannot follow and the negative
+    ELBO rises window after window. The watch warns once (and the means stay finite and
+    near the prior, so nothing else warns)."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 5, generator=generator)
+    w = torch.randn(5, 1, generator=generator)
+    bnn = BayesianNet(nn.Linear(5, 1), "gaussian", num_data=256, noise_scale=1.0)
+    guide = bnn.guide()
+    svi = SVI(bnn, guide, NGVI(), CurvatureELBO("ggn"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(800):
+            index = torch.randint(0, 256, (64,), generator=generator)
+            noise = (1 + step / 100) * torch.randn(64, generator=generator)
+            svi.step(x[index], (x[index] @ w).squeeze(-1) + noise)
+    messages = [str(w.message) for w in caught if issubclass(w.category, NGVIWarning)]
+    assert len(messages) == 1 and "training ELBO has kept getting worse" in messages[0]
+
+
+def test_a_stationary_noisy_elbo_never_warns():
+    """The same regression with steady targets, many windows: minibatch noise alone does not
+    set the ELBO watch off (pytest turns a warning into an error)."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(256, 5, generator=generator)
+    y = (x @ torch.randn(5, generator=generator)) + torch.randn(256, generator=generator)
+    bnn = BayesianNet(nn.Linear(5, 1), "gaussian", num_data=256, noise_scale=1.0)
+    svi = SVI(bnn, bnn.guide(), NGVI(), CurvatureELBO("reparam"))
+    train(svi, x, y, 2000, batch=16, seed=1)
+
+
+def test_the_watches_ignore_a_tempered_objective_and_plain_trace_elbo():
+    """At tau != 1 the handed loss is not the objective (the watch restarts); Trace_ELBO
+    hands no loss at all (nothing to watch): neither warns on a run whose ELBO worsens."""
+    optim = NGVI(tau=0.5)
+    optim._watch_elbo({"s": SiteCurvature(torch.zeros(1), torch.zeros(1), loss=torch.tensor(1.0))}, 0.5)
+    assert optim._elbo_watch.count == 0
+    watch = monitor.ElboWatch()
+    flags = [watch.add(float(k // monitor.ELBO_WINDOW)) for k in range(4 * monitor.ELBO_WINDOW)]
+    assert [f is not None for f in flags].count(True) == 1 and bool(flags[-1])
+    assert watch.message(1) and watch.message(2) is None  # once
+    x = torch.randn(30, dtype=torch.float64)
+
+    def model(x):
+        mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0))
+        with pyro.plate("data", len(x)):
+            pyro.sample("obs", dist.Normal(mu, 1.0), obs=x)
+
+    svi = SVI(model, AutoNormal(model), NGVI(), Trace_ELBO())
+    for step in range(500):
+        svi.step(x + step / 10)
