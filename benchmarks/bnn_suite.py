@@ -54,8 +54,6 @@ import harness  # noqa: E402  (examples/harness)
 #: the tasks the default settings were chosen on (issue 19: at most two)
 TUNING_TASKS = ("digits-300", "synth10")
 SOURCES = ("ef", "ggn", "ggn_mc", "reparam")
-MAP_WEIGHT_DECAYS = (None, 1e-4, 1e-3, 1e-2)  # None: the prior's 1/N
-CHECKPOINTS = 20
 #: development overrides of NGVI's arguments (--ngvi KEY=VALUE); empty for the reported runs
 NGVI_OVERRIDES: Dict[str, object] = {}
 
@@ -81,35 +79,11 @@ def scores_of(task: harness.Task, method: harness.Method, x, y, samples: int = 3
     return harness.predictive_metrics(task.likelihood, outputs, y, method.noise_scale)
 
 
-def selection_loss(task: harness.Task, scores: Dict[str, float]) -> float:
-    """What MAP's validation minimises: NLL, or the negative predictive log-likelihood."""
-    value = -scores["loglik"] if task.likelihood == "gaussian" else scores["nll"]
-    return math.inf if math.isnan(value) else value
-
-
 def run_map(task: harness.Task, epochs: int) -> Dict[str, float]:
-    """Every weight decay of the grid, checkpoints spread over the run; the test scores of
-    the (weight decay, epoch) with the best validation score."""
-    split = task.split
-    every = max(1, epochs // CHECKPOINTS)
-    checkpoints = sorted(set(range(every, epochs + 1, every)) | {epochs})
-    best = (math.inf, None)
-    start = time.perf_counter()
-    for decay in MAP_WEIGHT_DECAYS:
-        method = harness.MAP(task, prior_precision=None if decay is None else decay * task.num_data)
-
-        def evaluate(m):
-            valid = scores_of(task, m, split.x_valid, split.y_valid)
-            return {"valid": selection_loss(task, valid), **scores_of(task, m, split.x_test, split.y_test)}
-
-        history = harness.fit(method, epochs, evaluate, checkpoints)
-        for k, epoch in enumerate(history.epoch):
-            if history.scores["valid"][k] < best[0]:
-                best = (history.scores["valid"][k],
-                        {key: values[k] for key, values in history.scores.items()}
-                        | {"epoch": epoch, "weight_decay": decay or 1 / task.num_data})
-    result = dict(best[1])
-    result["seconds"] = time.perf_counter() - start
+    """MAP with weight decay and epoch chosen on the validation split (``harness.tuned_map``), its test scores."""
+    method = harness.tuned_map(task, epochs)
+    result = scores_of(task, method, task.split.x_test, task.split.y_test)
+    result.update(seconds=method.seconds, weight_decay=method.weight_decay, epoch=method.epoch)
     return result
 
 
@@ -144,29 +118,39 @@ def report(results: Dict[str, Dict[str, List[Dict]]], tasks: Dict, seeds: List[i
              f"torch {torch.__version__}, pyro {pyro.__version__}, {torch.get_num_threads()} thread(s)", ""]
     if NGVI_OVERRIDES:
         lines += [f"NGVI overrides (development): {NGVI_OVERRIDES}", ""]
-    lines += ["| task (N, net, epochs) | method | " + " | ".join(
-        f"{a} / {b} / {c}" for a, b, c in [("accuracy", "NLL", "ECE")]) + " / RMSE / log-lik / 90 % cov. | warnings | s |",
-        "|---|---|---|---:|---:|"]
-    lines = lines[:-2]
     for name, by_method in results.items():
         task = tasks[name][0](seeds[0])
         keys = metric_keys(task)
         widths = "-".join(str(m.in_features) for m in task.network() if hasattr(m, "in_features"))
-        title = f"{name}{' (tuning)' if name in TUNING_TASKS else ''} (N = {task.num_data}, {widths}-out, {tasks[name][1]} epochs)"
-        lines += ["", f"**{title}**", "",
+        tuning = " (tuning task)" if name in TUNING_TASKS else ""
+        lines += [f"**{name}**{tuning}: N = {task.num_data}, {task.likelihood}, MLP {widths}-out, "
+                  f"{tasks[name][1]} epochs", "",
                   "| method | " + " | ".join(h for _, h, _ in keys) + " | NGVI warnings / skipped steps | s per run |",
                   "|---|" + "---:|" * (len(keys) + 2)]
         for label, rows in by_method.items():
             cells = [harness.mean_sd([r[k] for r in rows], spec) for k, _, spec in keys]
-            warned = "—" if label == MAP_LABEL or label == "ivon-opt" else \
+            warned = "—" if label in (MAP_LABEL, "ivon-opt") else \
                 f"{sum(len(r['warnings']) for r in rows)} / {sum(r['skipped'] for r in rows)}"
             extra = ""
             if label == MAP_LABEL:
                 extra = " (wd " + ", ".join(f"{r['weight_decay']:.0e}@{r['epoch']}" for r in rows) + ")"
             lines.append(f"| {label}{extra} | " + " | ".join(cells) + f" | {warned} | "
                          f"{statistics.mean(r['seconds'] for r in rows):.1f} |")
-    lines += ["", targets(results, tasks, seeds)]
+        lines.append("")
+    lines += [targets(results, tasks, seeds)]
     return "\n".join(lines) + "\n"
+
+
+def constant_predictor(task: harness.Task) -> float:
+    """The test NLL (regression: log-likelihood) of predicting without the inputs, from the training
+    targets alone (class frequencies; N(0, 1) for the standardised regression targets): a run
+    scoring worse has learned nothing (counted as diverged)."""
+    y_train, y_test = task.split.y_train, task.split.y_test
+    if task.likelihood == "gaussian":
+        return float(torch.distributions.Normal(0.0, 1.0).log_prob(y_test).mean())
+    classes = int(y_train.max()) + 1 if task.likelihood == "categorical" else 2
+    frequencies = torch.bincount(y_train.long(), minlength=classes).double() / len(y_train)
+    return float(-frequencies[y_test.long()].log().mean())
 
 
 def targets(results, tasks, seeds) -> str:
@@ -179,12 +163,16 @@ def targets(results, tasks, seeds) -> str:
         sign = -1 if regression else 1  # lower is better: NLL, -loglik
         ivon = by_method.get("ivon-opt")
         mapped = by_method.get(MAP_LABEL)
+        out.append(f"- {name}: a predictor without inputs scores {'log-lik' if regression else 'NLL'} "
+                   f"{constant_predictor(task):.3f} (worse counts as diverged)")
         for label, rows in by_method.items():
             if not label.startswith("NGVI"):
                 continue
             notes = []
-            failed = [r for r in rows if any(math.isnan(r[k]) for k, _, _ in metric_keys(task))]
-            notes.append("diverged in " + str(len(failed)) + " seed(s)" if failed else "no divergence")
+            floor = constant_predictor(task)
+            failed = [r for r in rows if any(math.isnan(r[k]) for k, _, _ in metric_keys(task))
+                      or sign * r[nll_key] > sign * floor]
+            notes.append(f"diverged in {len(failed)} seed(s)" if failed else "no divergence")
             if ivon:
                 nll, ivon_nll = sign * mean_of(rows, nll_key), sign * mean_of(ivon, nll_key)
                 notes.append(f"{'NLL' if not regression else '-loglik'} {nll:.3f} vs ivon {ivon_nll:.3f} "

@@ -54,15 +54,28 @@ def assert_figures(tmp_path, names):
 def test_bnn_classification_quick_run_beats_chance(tmp_path, capsys):
     rows, printed = run_quick("bnn_classification", tmp_path, capsys)
     assert_figures(tmp_path, ["training_curves.png", "reliability.png", "entropy.png"])
-    methods = ["NGVI (ef)", "NGVI (ggn)", "BBB (Adam)", "MAP (Adam)"]
-    assert_table(printed, ["test acc", "test NLL", "ECE", "Brier"], methods)
+    methods = ["NGVI (ggn)", "BBB (Adam)", "ivon-opt", "MAP (tuned)"]
+    assert_table(printed, ["test acc", "test NLL", "ECE", "Brier", "OOD AUROC"], methods)
     by_method = {row["method"]: row for row in rows}
     for method in methods:
         row = by_method[method]
         assert row["accuracy"] > 0.2, row  # ten classes: chance is 0.1
         assert math.isfinite(row["nll"]) and 0 <= row["ece"] <= 1 and 0 <= row["brier"] <= 2, row
-    for method in ("NGVI (ef)", "NGVI (ggn)", "BBB (Adam)"):
+        assert 0 <= row["ood_auroc"] <= 1, row
+    for method in ("NGVI (ggn)", "BBB (Adam)", "ivon-opt"):
         assert math.isfinite(by_method[method]["elbo"]), method
+    assert by_method["MAP (tuned)"]["epoch"] in (1, 2)
+
+
+def test_bnn_recipe_quick_run_shows_the_tuning_path_and_the_samples(tmp_path, capsys):
+    (rows, table), printed = run_quick("bnn_recipe", tmp_path, capsys)
+    assert_figures(tmp_path, ["num_samples.png"])
+    assert [row["run"].split(",")[0] for row in rows] == [
+        "OGN (deterministic)", "then VOGN", "VOGN from the start"]
+    for row in rows:
+        assert row["accuracy"] > 0.2 and math.isfinite(row["nll"]), row
+    assert [row["samples"] for row in table] == [1, 2, 5]
+    assert all(math.isfinite(row["nll"]) and 0 <= row["accuracy"] <= 1 for row in table)
 
 
 def test_bnn_regression_quick_run_has_sane_uncertainty(tmp_path, capsys):

@@ -21,21 +21,25 @@ from .report import (
     markdown_table, mean_sd, plot_elbo_curves, plot_entropy, plot_reliability, plot_training, plt, save_figure,
 )
 from .task import Split, Task, make_split, minibatches, nll, predictive_metrics, regression_metrics
-from .tasks import diabetes_mlp, digits_mlp, mlp, sklearn_task, suite_tasks
+from .tasks import (
+    diabetes_mlp, digits_cnn, digits_cnn_net, digits_mlp, digits_split, mlp, random_shift, sklearn_task, suite_tasks,
+)
 from .train import (
-    History, compare, elbo, evaluator, fit, gaussian_kl, log_spaced, precise_elbo, run_full_batch, steps_to_within,
-    trace_elbo, train,
+    MAP_WEIGHT_DECAYS, History, compare, elbo, evaluator, fit, gaussian_kl, log_spaced, precise_elbo, run_full_batch,
+    steps_to_within, trace_elbo, train, tuned_map, validation_loss,
 )
 
 __all__ = [
     # task.py, tasks.py
     "Split", "Task", "make_split", "minibatches", "nll", "predictive_metrics", "regression_metrics",
-    "mlp", "sklearn_task", "digits_mlp", "diabetes_mlp", "suite_tasks",
+    "mlp", "sklearn_task", "digits_mlp", "diabetes_mlp", "suite_tasks", "digits_split", "digits_cnn",
+    "digits_cnn_net", "random_shift",
     # methods.py
     "Method", "Posterior", "PyroSVI", "ngvi", "ngvi_recipe", "bayes_by_backprop", "MAP", "IVON", "HandVOGN", "sample_outputs",
     "ivon_installed", "annealed", "decaying",
     # train.py
-    "History", "train", "fit", "compare", "evaluator", "elbo", "gaussian_kl", "trace_elbo",
+    "History", "train", "fit", "compare", "evaluator", "elbo", "gaussian_kl", "trace_elbo", "tuned_map",
+    "validation_loss", "MAP_WEIGHT_DECAYS",
     "run_full_batch", "precise_elbo", "log_spaced", "steps_to_within",
     # report.py, cli.py
     "markdown_table", "mean_sd", "save_figure", "plt", "plot_training", "plot_elbo_curves", "plot_reliability",

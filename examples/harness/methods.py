@@ -40,13 +40,18 @@ def sample_outputs(net: nn.Module, posterior: Dict[str, Tuple[torch.Tensor, Opti
     if all(posterior[name][1] is None for name in names):
         num_samples = 1
     outputs = []
-    for _ in range(num_samples):
-        weights = {}
-        for name in names:
-            mean, std = posterior[name]
-            noise = torch.randn(mean.shape, generator=generator, dtype=mean.dtype)
-            weights[name] = mean if std is None else mean + std * noise
-        outputs.append(functional_call(net, weights, (x,)))
+    training = net.training
+    net.eval()  # BatchNorm predicts with its running statistics
+    try:
+        for _ in range(num_samples):
+            weights = {}
+            for name in names:
+                mean, std = posterior[name]
+                noise = torch.randn(mean.shape, generator=generator, dtype=mean.dtype)
+                weights[name] = mean if std is None else mean + std * noise
+            outputs.append(functional_call(net, weights, (x,)))
+    finally:
+        net.train(training)
     return torch.stack(outputs)
 
 
@@ -82,8 +87,7 @@ class Method:
     def predict(self, x: torch.Tensor, num_samples: int, generator: Optional[torch.Generator] = None) -> torch.Tensor:
         posterior = self.posterior()
         if posterior is None:
-            with torch.no_grad():
-                return self.net(x).unsqueeze(0)
+            posterior = {name: (p.detach(), None) for name, p in self.net.named_parameters()}
         return sample_outputs(self.net, posterior, x, num_samples, generator)
 
 
@@ -98,7 +102,8 @@ class PyroSVI(Method):
     def __init__(self, task: Task, optim, loss, init_scale: Optional[float] = 0.1, name: str = "Pyro SVI"):
         super().__init__(task)
         self.name = name
-        self.bnn = BayesianNet(self.net, task.likelihood, num_data=task.num_data, prior=task.prior_scale)
+        self.bnn = BayesianNet(self.net, task.likelihood, num_data=task.num_data, prior=task.prior_scale,
+                               augmentation_factor=task.augmentation_factor)
         if init_scale is None:  # the model's own guide: its data-relative initial scale
             self.guide = self.bnn.guide()
         else:
@@ -126,9 +131,16 @@ class PyroSVI(Method):
         self.svi.step(x, y)
 
     def posterior(self) -> Posterior:
+        """The guide's Gaussians, and the model's point estimates (BatchNorm) as they are in the
+        param store (the traced path never copies them into the network)."""
         with self.active(), torch.no_grad():
-            return {site: tuple(t.detach().clone() for t in self.guide._get_loc_and_scale(site))
-                    for site in self.bnn.latent_sites}
+            posterior = {site: tuple(t.detach().clone() for t in self.guide._get_loc_and_scale(site))
+                         for site in self.bnn.latent_sites}
+            store = pyro.get_param_store()
+            for name, _ in self.net.named_parameters():
+                if name not in posterior and name in store:
+                    posterior[name] = (store[name].detach().clone(), None)
+            return posterior
 
     @property
     def noise_scale(self):
@@ -218,7 +230,8 @@ def ivon_installed() -> bool:
 class IVON(_PlainNet):
     """
     ivon-opt's ``IVON`` (Shen et al. 2024) in its usual loop: the minibatch's mean
-    loss, ``ess = N`` and ``weight_decay`` :math:`= \\lambda_0 / N`, so that its
+    loss, ``ess = N`` (times the task's augmentation factor) and ``weight_decay``
+    :math:`= \\lambda_0 / N`, so that its
     posterior :math:`\\mathcal{N}(m, 1 / (\\mathrm{ess}\\,(h + \\mathrm{weight\\_decay})))`
     has the task's prior. ``hess_init`` is :math:`h` at the start, a Hessian of the
     loss *per datum*: the initial posterior precision is about ``N * hess_init``.
@@ -233,8 +246,9 @@ class IVON(_PlainNet):
 
         super().__init__(task)
         self.name = name
-        self.optim = ivon.IVON(self.net.parameters(), lr=lr, ess=task.num_data, hess_init=hess_init,
-                               weight_decay=task.prior_precision / task.num_data, **ivon_args)
+        ess = task.effective_num_data
+        self.optim = ivon.IVON(self.net.parameters(), lr=lr, ess=ess, hess_init=hess_init,
+                               weight_decay=task.prior_precision / ess, **ivon_args)
         self.noise_optim = None if self.log_noise is None else torch.optim.Adam([self.log_noise], lr=noise_lr)
 
     def step(self, x, y):

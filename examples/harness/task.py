@@ -32,12 +32,13 @@ class Split:
 
 
 def make_split(x, y, likelihood: str, test_size: float = 0.2, validation_size: float = 0.0,
-               seed: int = 0) -> Split:
+               seed: int = 0, per_feature: bool = True) -> Split:
     """
     Arrays ``x, y`` (a scikit-learn data set, or generated data) split into train
     and test, and a ``validation_size`` fraction of the training part held out for
     validation (stratified for classification); features standardised with the
-    training part's mean and standard deviation. Targets as ``likelihood`` takes
+    training part's mean and standard deviation (each feature's; with
+    ``per_feature=False`` one for all, as for images). Targets as ``likelihood`` takes
     them: class indices (int64) for ``"categorical"``, 0 / 1 (float32) for
     ``"bernoulli"``, standardised like the features (float32) for ``"gaussian"``.
     """
@@ -52,10 +53,13 @@ def make_split(x, y, likelihood: str, test_size: float = 0.2, validation_size: f
     x_train, x_test, y_train, y_test = cut(x, y, test_size)
     if validation_size:
         x_train, x_valid, y_train, y_valid = cut(x_train, y_train, validation_size)
-    scaler = StandardScaler().fit(x_train)
+    # per_feature=False: one mean and standard deviation for all features (images: a shift
+    # moves a pixel's value to where the same scale applies)
+    scaler = StandardScaler().fit(x_train if per_feature else x_train.reshape(-1, 1))
 
     def features(x_part):
-        return torch.as_tensor(scaler.transform(x_part), dtype=torch.float32)
+        scaled = scaler.transform(x_part if per_feature else x_part.reshape(-1, 1)).reshape(x_part.shape)
+        return torch.as_tensor(scaled, dtype=torch.float32)
 
     def targets(y_part):
         if likelihood == "categorical":
@@ -83,7 +87,8 @@ class Task:
     the plain network, ``likelihood`` is that of :class:`~pyro_ngvi.BayesianNet`
     (``"categorical"``, ``"bernoulli"`` or ``"gaussian"`` with a learned noise
     scale), the prior is :math:`\\mathcal{N}(0, s_0^2)` on every weight, and
-    ``seed`` fixes the initial weights, the training noise and the minibatch order.
+    ``seed`` fixes the initial weights, the training noise and the minibatch order
+    (and the draws of ``augment``).
     """
 
     name: str
@@ -93,6 +98,12 @@ class Task:
     prior_scale: float = 1.0
     batch_size: int = 128
     seed: int = 0
+    #: ``augment(x, generator)``: a random transform of each training minibatch (data
+    #: augmentation, the same draws for every method), or ``None``
+    augment: Optional[Callable] = None
+    #: the factor by which augmentation multiplies the data (BayesianNet's
+    #: ``augmentation_factor``; ivon-opt's ``ess``)
+    augmentation_factor: float = 1.0
 
     @property
     def num_data(self) -> int:
@@ -102,6 +113,11 @@ class Task:
     @property
     def prior_precision(self) -> float:
         return self.prior_scale**-2
+
+    @property
+    def effective_num_data(self) -> int:
+        """The data size the Bayesian methods use: ``num_data`` times the augmentation factor."""
+        return max(1, round(self.num_data * self.augmentation_factor))
 
     def network(self) -> nn.Module:
         """The network with the task's initial weights; seeds every RNG, so each method starts alike."""

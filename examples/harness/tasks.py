@@ -37,6 +37,59 @@ def diabetes_mlp(seed: int = 0, test_size: float = 0.2, hidden: int = 50, batch_
                         batch_size=batch_size, **options)
 
 
+def digits_split(seed: int = 0, valid: int = 180, test: int = 360, per_feature: bool = True):
+    """scikit-learn's digits cut into 1,257 training, 180 validation and 360 test images (stratified)."""
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    return make_split(x, y, "categorical", test / len(x), valid / (len(x) - test), seed=seed,
+                      per_feature=per_feature)
+
+
+def digits_cnn_net() -> nn.Sequential:
+    """A small convnet for 8x8 digits: two 3x3 convolutions with BatchNorm and 2x2 max pooling, a Linear."""
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(128, 10),
+    )
+
+
+def random_shift(x, generator, max_shift: int = 1):
+    """Each image of ``x`` (``(B, 1, H, W)``) shifted by up to ``max_shift`` pixels in each direction,
+    the vacated border filled with the image's background (its minimum)."""
+    import torch
+
+    out = torch.empty_like(x)
+    shifts = torch.randint(-max_shift, max_shift + 1, (len(x), 2), generator=generator).tolist()
+    background = x.amin(dim=(1, 2, 3), keepdim=True)
+    for i, (dy, dx) in enumerate(shifts):
+        shifted = torch.roll(x[i], (dy, dx), dims=(1, 2))
+        if dy > 0:
+            shifted[:, :dy] = background[i]
+        elif dy < 0:
+            shifted[:, dy:] = background[i]
+        if dx > 0:
+            shifted[:, :, :dx] = background[i]
+        elif dx < 0:
+            shifted[:, :, dx:] = background[i]
+        out[i] = shifted
+    return out
+
+
+def digits_cnn(seed: int = 0, augmentation_factor: float = 1.0, **options) -> Task:
+    """
+    The digits as 8x8 images (all pixels standardised alike), :func:`digits_cnn_net`,
+    each training minibatch shifted at random by up to one pixel (:func:`random_shift`);
+    ``augmentation_factor`` is the data size the Bayesian methods take it for (``rho N``).
+    """
+    split = digits_split(per_feature=False)
+    for part in ("x_train", "x_valid", "x_test"):
+        setattr(split, part, getattr(split, part).reshape(-1, 1, 8, 8))
+    return Task("digits-cnn", split, digits_cnn_net, "categorical", seed=seed, augment=random_shift,
+                augmentation_factor=augmentation_factor, **options)
+
+
 # ------------------------------------------------------------------ the robustness suite (benchmarks/bnn_suite.py)
 def _split_task(name: str, x, y, likelihood: str, widths, test: int, valid: int, seed: int,
                 batch_size: int = 128) -> Task:

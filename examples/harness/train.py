@@ -3,6 +3,7 @@ The training loop (timed steps, scored checkpoints, a progress bar) and the
 one evaluation every method is scored by.
 """
 
+import copy
 import math
 import statistics
 import time
@@ -18,7 +19,7 @@ from pyro.infer.autoguide import AutoNormal
 
 from pyro_ngvi import BayesianNet, start_task
 
-from .methods import Method, Posterior
+from .methods import MAP, Method, Posterior
 from .task import Task, minibatches, nll, predictive_metrics
 
 
@@ -94,7 +95,10 @@ def fit(method: Method, epochs: int, evaluate: Optional[Callable[[Method], Dict[
     generator = torch.Generator().manual_seed(task.seed)
 
     def batches():
-        return minibatches(task.split.x_train, task.split.y_train, task.batch_size, generator)
+        epoch = minibatches(task.split.x_train, task.split.y_train, task.batch_size, generator)
+        if task.augment is None:
+            return epoch
+        return [(task.augment(x, generator), y) for x, y in epoch]
 
     with method.active():
         return train(method.name, method.step, batches, epochs,
@@ -111,12 +115,63 @@ def compare(factories: Dict[str, Callable[[], Method]], epochs: int,
     return runs
 
 
+# ------------------------------------------------------------------ MAP, tuned on the validation split
+#: Weight decays per datum MAP's search tries (``None``: the prior's, ``lambda_0 / N``).
+MAP_WEIGHT_DECAYS = (None, 1e-4, 1e-3, 1e-2)
+
+
+def validation_loss(task: Task, method: Method, num_samples: int = 32) -> float:
+    """What MAP's search minimises on the validation split: the NLL, or for regression the negative
+    predictive log-likelihood (``inf`` for a diverged run)."""
+    outputs = method.predict(task.split.x_valid, num_samples, torch.Generator().manual_seed(task.seed))
+    scores = predictive_metrics(task.likelihood, outputs, task.split.y_valid, method.noise_scale)
+    value = -scores["loglik"] if task.likelihood == "gaussian" else scores["nll"]
+    return math.inf if math.isnan(value) else value
+
+
+def tuned_map(task: Task, epochs: int, weight_decays=MAP_WEIGHT_DECAYS, checkpoints: int = 20,
+              lr: float = 1e-3):
+    """
+    MAP with its weight decay and epoch chosen on the task's validation split: Adam
+    (``lr``) for every weight decay per datum of ``weight_decays``, scored every
+    ``epochs / checkpoints`` epochs; returns the :class:`~harness.methods.MAP` holding
+    the network of the best (weight decay, epoch), with ``weight_decay``, ``epoch`` and
+    ``seconds`` (training time of the whole search) set on it.
+    """
+    every = max(1, epochs // checkpoints)
+    eval_epochs = sorted(set(range(every, epochs + 1, every)) | {epochs})
+    best = (math.inf, None, None, None)
+    seconds = 0.0
+    for decay in weight_decays:
+        method = MAP(task, lr=lr, prior_precision=None if decay is None else decay * task.num_data,
+                     name="MAP (tuned)")
+        states = {}
+
+        def evaluate(m):
+            states[len(states)] = copy.deepcopy(m.net.state_dict()), copy.deepcopy(m.log_noise)
+            return {"valid": validation_loss(task, m)}
+
+        history = fit(method, epochs, evaluate, eval_epochs)
+        seconds += sum(history.step_times)
+        for k, (epoch, value) in enumerate(zip(history.epoch, history.scores["valid"])):
+            if value < best[0]:
+                best = (value, method.weight_decay, epoch, states[k])
+    _, decay, epoch, (state, log_noise) = best
+    method = MAP(task, lr=lr, name="MAP (tuned)")
+    method.net.load_state_dict(state)
+    method.log_noise = log_noise
+    method.weight_decay, method.epoch, method.seconds = decay, epoch, seconds
+    return method
+
+
 # ------------------------------------------------------------------ scoring a method
 def gaussian_kl(posterior: Posterior, prior_scale: float) -> float:
     """:math:`\\mathrm{KL}(q \\| p_0)` of a mean-field Gaussian from :math:`\\mathcal{N}(0, s_0^2)`,
     summed over every weight."""
     total = 0.0
     for mean, std in posterior.values():
+        if std is None:  # a point estimate (BatchNorm): not a latent
+            continue
         ratio = (std / prior_scale).square()
         total += float(0.5 * (ratio + (mean / prior_scale).square() - 1 - ratio.log()).sum())
     return total
@@ -169,7 +224,8 @@ def trace_elbo(task: Task, posterior: Posterior, noise_scale: Optional[float] = 
     with pyro.get_param_store().scope(), torch.no_grad():
         bnn = BayesianNet(task.make_net(), task.likelihood, num_data=task.num_data, prior=task.prior_scale,
                           noise_scale=noise_scale)
-        priors = {site: torch.distributions.Normal(mean, std) for site, (mean, std) in posterior.items()}
+        priors = {site: torch.distributions.Normal(mean, std) for site, (mean, std) in posterior.items()
+                  if std is not None}
         guide = start_task(AutoNormal(bnn), priors, split.x_train[:2], split.y_train[:2], carry=True)
         return -Trace_ELBO(num_particles=num_particles).loss(bnn, guide, split.x_train, split.y_train)
 

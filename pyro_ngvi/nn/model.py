@@ -129,7 +129,21 @@ class BayesianNet(nn.Module):
     the fit this is the same as tempering the prior by :math:`1/\\rho`
     (``NGVI(tau=1 / rho)``); the ELBO's value differs by the factor.
 
-    **Fast path.** :meth:`curvature_step` does what an ELBO does for this model
+    **Training recipe** (the README's "Training a BayesianNet" says why)::
+
+        guide = bnn.guide()                       # the network's weights, sigma = (lambda_0 + N)^-1/2
+        svi = SVI(bnn, guide, NGVI(), CurvatureELBO("ggn"))   # or "ef", "ggn_mc", "reparam"
+
+    The statistics the fast path hands over say that they are minibatch
+    estimates for :math:`N` examples, and NGVI's defaults follow from that
+    (:func:`pyro_ngvi.optim.defaults`: the mean step damped by :math:`N`). The
+    variational family is limited by ``noise_limit``: the weight noise may add at
+    most :math:`v` of the signal's variance along the network (:meth:`max_scale`),
+    because a mean-field Gaussian whose scales sit at a wide prior's, as the
+    unrestricted optimum's do for weights the data pin down only jointly, swamps
+    every unit with noise and predicts little better than chance.
+
+        **Fast path.** :meth:`curvature_step` does what an ELBO does for this model
     with an :class:`~pyro.infer.autoguide.AutoNormal` guide, without Pyro's
     tracing: sample, forward, backward under BackPACK, and attach gradient and
     curvature of the likelihood to each site (see there). As it never evaluates
