@@ -24,7 +24,6 @@ Usage::
 """
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -147,14 +146,7 @@ def main(argv=None):
                     print(f"{name:14s} seed {seed} {label:12s} {shown}  {kept['seconds']:.1f} s  "
                           f"[{time.perf_counter() - start:.0f} s]", flush=True)
     text = report(results, seeds)
-    print()
-    print(text)
-    if args.out_md:
-        with open(args.out_md, "w") as f:
-            f.write(text)
-    if args.out_json:
-        with open(args.out_json, "w") as f:
-            json.dump(results, f)
+    harness.publish(text, results, args.out_md, args.out_json)
 
 
 if __name__ == "__main__":

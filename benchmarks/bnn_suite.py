@@ -32,7 +32,6 @@ Usage::
 """
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -232,14 +231,7 @@ def main(argv=None):
                     for message in result.get("warnings", [])[:3]:
                         print("    " + message)
     text = report(results, tasks, seeds)
-    print()
-    print(text)
-    if args.out_md:
-        with open(args.out_md, "w") as f:
-            f.write(text)
-    if args.out_json:
-        with open(args.out_json, "w") as f:
-            json.dump(results, f)
+    harness.publish(text, results, args.out_md, args.out_json)
 
 
 if __name__ == "__main__":

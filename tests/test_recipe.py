@@ -106,6 +106,26 @@ def test_a_bayesian_net_step_follows_the_minibatch_recipe_elementwise(source):
         torch.testing.assert_close(pyro.param(f"AutoNormal.scales.{site}").detach(), sigma, rtol=1e-9, atol=1e-12)
 
 
+def test_the_traced_path_of_a_bayesian_net_hands_the_same_hints():
+    """A source the fast path does not serve ("hessian") runs traced; the model's
+    statistics_hints still reach NGVI: N, and the floor for sampled statistics only."""
+    x, y = classification(n=16)
+    bnn = BayesianNet(mlp(10, 6, 4).double(), "categorical", num_data=300)
+    x = x.double()
+    guide = bnn.guide()
+    guide(x, y)
+    for deterministic in (False, True):
+        CurvatureELBO("hessian", deterministic=deterministic).loss_and_grads(bnn, guide, x, y)
+        for site in bnn.latent_sites:
+            stats = pop_curvature(pyro.param(f"AutoNormal.locs.{site}").unconstrained())
+            assert stats.num_data == 300
+            if deterministic:
+                assert stats.min_precision is None
+            else:
+                torch.testing.assert_close(stats.min_precision,
+                                           torch.full_like(stats.grad, bnn.max_scale(site) ** -2))
+
+
 def test_traced_full_batch_steps_keep_their_own_defaults():
     """A model without a fast path hands full-batch statistics: NGVI() takes FULL_BATCH there."""
     x = torch.randn(20, dtype=torch.float64)

@@ -18,7 +18,7 @@ from .methods import (
     sample_outputs,
 )
 from .report import (
-    markdown_table, mean_sd, plot_elbo_curves, plot_entropy, plot_reliability, plot_training, plt, save_figure,
+    markdown_table, mean_sd, plot_elbo_curves, publish, plot_entropy, plot_reliability, plot_training, plt, save_figure,
 )
 from .task import Split, Task, make_split, minibatches, nll, predictive_metrics, regression_metrics
 from .tasks import (
@@ -42,6 +42,6 @@ __all__ = [
     "validation_loss", "MAP_WEIGHT_DECAYS",
     "run_full_batch", "precise_elbo", "log_spaced", "steps_to_within",
     # report.py, cli.py
-    "markdown_table", "mean_sd", "save_figure", "plt", "plot_training", "plot_elbo_curves", "plot_reliability",
+    "markdown_table", "mean_sd", "publish", "save_figure", "plt", "plot_training", "plot_elbo_curves", "plot_reliability",
     "plot_entropy", "make_parser", "parse_bnn_args", "session", "seed",
 ]

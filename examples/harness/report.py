@@ -27,6 +27,20 @@ def markdown_table(rows: Sequence[Dict], columns: Sequence[Tuple[str, str, str]]
     return "\n".join(lines)
 
 
+def publish(text: str, results, out_md: Optional[str] = None, out_json: Optional[str] = None) -> None:
+    """Print a benchmark's report; write it (markdown) and its raw results (JSON) where asked."""
+    import json
+
+    print()
+    print(text)
+    if out_md:
+        with open(out_md, "w") as f:
+            f.write(text)
+    if out_json:
+        with open(out_json, "w") as f:
+            json.dump(results, f)
+
+
 def mean_sd(values: Sequence[Optional[float]], spec: str = ".3f") -> str:
     """``mean ± sd`` over seeds (one value alone; ``—`` for none, ``diverged`` for a NaN)."""
     values = [v for v in values if v is not None]
