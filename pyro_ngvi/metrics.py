@@ -330,8 +330,9 @@ def auroc(scores_negative, scores_positive) -> torch.Tensor:
     :rtype: torch.Tensor
     """
     negative = _check_scores(scores_negative, "scores_negative")
-    positive = _check_scores(scores_positive, "scores_positive").to(negative)
-    scores = torch.cat([negative, positive])
+    positive = _check_scores(scores_positive, "scores_positive").to(negative.device)
+    dtype = torch.promote_types(negative.dtype, positive.dtype)  # ranks of the scores as given
+    scores = torch.cat([negative.to(dtype), positive.to(dtype)])
     order = scores.argsort()
     _, inverse, counts = scores[order].unique_consecutive(return_inverse=True, return_counts=True)
     # average rank (1-based) of each group of tied scores
@@ -371,9 +372,12 @@ def ood_auroc(probs_in, probs_out, score: str = "entropy") -> torch.Tensor:
     :param str score: ``"entropy"`` or ``"max_prob"`` (default: ``"entropy"``)
     :rtype: torch.Tensor
     """
-    if score not in OOD_SCORES:
+    if not isinstance(score, str) or score not in OOD_SCORES:
         raise ValueError(f"score must be one of {list(OOD_SCORES)}, got {score!r}")
     probs_in, probs_out = _check_probs(probs_in, "probs_in"), _check_probs(probs_out, "probs_out")
+    for name, probs in (("probs_in", probs_in), ("probs_out", probs_out)):
+        if probs.shape[0] == 0:
+            raise ValueError(f"{name} must hold at least one example")
     if probs_in.shape[1] != probs_out.shape[1]:
         raise ValueError(
             f"probs_in and probs_out must have the same number of classes, got "
@@ -427,14 +431,18 @@ def metrics_by_num_samples(
     :rtype: dict
     """
     logits = _sample_stack(logits, "logits")
+    if bool(torch.any(torch.isnan(logits) | (logits == math.inf))):
+        raise ValueError("logits must not be NaN or +inf (-inf is a probability of 0)")
     total = logits.shape[0]
-    sizes = list(num_samples)
+    sizes = list(num_samples) if isinstance(num_samples, (list, tuple, range, torch.Tensor)) else None
     if not sizes or any(isinstance(s, bool) or int(s) != s or not 1 <= s <= total for s in sizes):
         raise ValueError(
             f"num_samples must be a non-empty list of integers in [1, {total}] "
             f"(the number of samples in logits), got {num_samples!r}"
         )
     metrics = DEFAULT_SAMPLE_METRICS if metrics is None else metrics
+    if not isinstance(metrics, dict) or not metrics or not all(callable(m) for m in metrics.values()):
+        raise ValueError(f"metrics must be a non-empty dict of name -> metric(probs, y), got {metrics!r}")
     results = {name: [] for name in metrics}
     for size in map(int, sizes):
         groups = total // size
@@ -442,7 +450,10 @@ def metrics_by_num_samples(
         for group in logits[: groups * size].split(size):
             probs = predictive_probs_from_logits(group)
             for name, metric in metrics.items():
-                scores[name] = scores[name] + torch.as_tensor(metric(probs, y), dtype=probs.dtype)
+                score = torch.as_tensor(metric(probs, y), dtype=probs.dtype)
+                if score.numel() != 1:
+                    raise ValueError(f"metric {name!r} must return one number, got shape {tuple(score.shape)}")
+                scores[name] = scores[name] + score.reshape(())
         for name in metrics:
             results[name].append(scores[name] / groups)
     return {name: torch.stack(values) for name, values in results.items()}
@@ -546,7 +557,9 @@ def rmse(pred_mean, y) -> torch.Tensor:
 
 
 def _check_scores(scores, name: str) -> torch.Tensor:
-    scores = _as_float(scores)
+    scores = torch.as_tensor(scores)
+    # integers as float64: float32 would merge those above 2^24 into ties
+    scores = scores if scores.is_floating_point() else scores.to(torch.float64)
     if scores.dim() != 1 or scores.shape[0] == 0:
         raise ValueError(f"{name} must have shape (n,) with n >= 1, got {tuple(scores.shape)}")
     if not bool(torch.isfinite(scores).all()):

@@ -1,6 +1,8 @@
 """Kronecker-factored Gaussians for BayesianNet layers (noisy K-FAC)."""
 
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -294,6 +296,9 @@ def test_unsupported_uses_of_the_kronecker_guide_are_refused():
         KroneckerNormal(conv)
     with pytest.raises(NotImplementedError, match="kronecker_layers"):
         KroneckerNormal(lambda: pyro.sample("z", dist.Normal(0.0, 1.0)))
+    for bad in (0.0, -1.0, math.inf, math.nan, 1):
+        with pytest.raises(ValueError, match="init_scale"):
+            KroneckerNormal(bnn, init_scale=bad)
     per_element = tiny_bnn(prior={"0.weight": torch.rand(4, 3, dtype=F64) + 0.5, "0.bias": 1.0,
                                   "2.weight": 1.0, "2.bias": 1.0})
     with pytest.raises(NotImplementedError, match="one prior scale"):

@@ -453,3 +453,37 @@ def test_metrics_by_num_samples_custom_metric_and_errors():
     for bad in ([], [0], [5], [1.5]):
         with pytest.raises(ValueError, match="num_samples"):
             metrics.metrics_by_num_samples(logits, torch.tensor([0, 1]), bad)
+
+
+def test_auroc_ranks_scores_as_given_whatever_their_dtypes():
+    """Scores of mixed precision, or integers beyond 2^24, are ranked as given: casting to the
+    negatives' float32 (or to the default float) would merge them into ties (0.5, not 0 or 1)."""
+    low = torch.tensor([0.1], dtype=torch.float32)
+    high = low.double() + 1e-12  # the same number in float32
+    assert metrics.auroc(low, high) == 1.0 and metrics.auroc(high, low) == 0.0
+    assert metrics.auroc(torch.tensor([16777217]), torch.tensor([16777216])) == 0.0
+    assert metrics.auroc(torch.tensor([16777216]), torch.tensor([16777217])) == 1.0
+
+
+def test_ood_auroc_and_metrics_by_num_samples_name_the_bad_argument():
+    with pytest.raises(ValueError, match="score must be one of"):
+        metrics.ood_auroc(PROBS, PROBS, score=["entropy"])
+    with pytest.raises(ValueError, match="probs_in must hold at least one example"):
+        metrics.ood_auroc(PROBS[:0], PROBS)
+    with pytest.raises(ValueError, match="probs_out must hold at least one example"):
+        metrics.ood_auroc(PROBS, PROBS[:0])
+    logits, y = torch.zeros(4, 2, 3), torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="num_samples"):
+        metrics.metrics_by_num_samples(logits, y, 2)
+    for bad in ({}, {"a": 3}, [brier_score]):
+        with pytest.raises(ValueError, match="metrics must be"):
+            metrics.metrics_by_num_samples(logits, y, [1], bad)
+    with pytest.raises(ValueError, match="metric 'mean' must return one number"):
+        metrics.metrics_by_num_samples(logits, y, [1, 2], {"mean": lambda probs, y: probs.mean(0)})
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="logits must not be NaN"):
+            metrics.metrics_by_num_samples(torch.full((4, 2, 3), bad), y, [1])
+    # -inf is a probability of 0, single-class labels are labels
+    logits[:, :, 2] = -math.inf
+    result = metrics.metrics_by_num_samples(logits, torch.tensor([0, 0]), [1, 4])
+    assert_close(result["nll"], torch.full((2,), math.log(2.0)), rtol=1e-6, atol=0)
