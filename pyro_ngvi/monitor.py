@@ -45,6 +45,13 @@ ELBO_SIGNIFICANCE = 4.0
 SKIPS_IN_A_ROW = 50
 
 
+class NGVIWarning(UserWarning):
+    """Warned when :class:`~pyro_ngvi.NGVI` skips a step (non-finite gradient or curvature), a
+    safeguard engages (a precision clamped, a site whose mean stalls, a Newton step undone), a
+    watch above reports, or a :class:`~pyro_ngvi.BayesianNet` runs where NGVI cannot see its
+    recipe (inside another model)."""
+
+
 def spread(deviation: torch.Tensor, pull: torch.Tensor) -> torch.Tensor:
     """:math:`\\mathrm{mean}\\,\\lambda_0(\\mu - m_0)^2` from the flat ``deviation`` :math:`\\mu - m_0`
     and ``pull`` :math:`\\lambda_0(\\mu - m_0)`, as a 0-d tensor (no device sync)."""

@@ -24,7 +24,7 @@ from .distributed import all_reduce_stats, is_distributed
 from .family import CURVATURE_PER_EXAMPLE, FullCovarianceSite, GaussianSite, SiteCurvature, calling_svi, end_handover
 from .family import pop_curvature, split_params
 from .kronecker import KroneckerCurvature, KroneckerSite, kronecker_step
-from .monitor import SKIPS_IN_A_ROW, ElboWatch, SpreadWatch, power_of_two, spread, stuck_message
+from .monitor import SKIPS_IN_A_ROW, ElboWatch, NGVIWarning, SpreadWatch, power_of_two, spread, stuck_message
 from .priors import update_learned_priors
 
 Schedule = Union[float, Callable[[int], float]]
@@ -89,13 +89,10 @@ def defaults(num_data: Optional[int] = None, dense: bool = False) -> Settings:
     docstring and the README's "Training a BayesianNet".
     """
     if num_data is not None:
+        if isinstance(num_data, bool) or not isinstance(num_data, numbers.Integral) or num_data < 1:
+            raise ValueError(f"num_data must be a positive integer or None, got {num_data!r}")
         return MINIBATCH._replace(damping=num_data * MINIBATCH.damping)
     return DENSE if dense else FULL_BATCH
-
-
-class NGVIWarning(UserWarning):
-    """Warned when :class:`NGVI` skips a step (non-finite gradient or curvature), or a
-    safeguard engages (a precision clamped, a site whose mean stalls, a Newton step undone)."""
 
 
 def _check_schedule(name: str, value, low: float, high: float, low_open=True):

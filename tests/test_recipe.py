@@ -18,7 +18,7 @@ import pyro.distributions as dist
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 
-from pyro_ngvi import NGVI, BayesianNet, CurvatureELBO, NGVIWarning
+from pyro_ngvi import NGVI, BayesianNet, CurvatureELBO, NGVIWarning, load_param_store
 from pyro_ngvi import monitor
 from pyro_ngvi.family import CURVATURE_PER_EXAMPLE, SiteCurvature, pop_curvature
 from pyro_ngvi.optim import FULL_BATCH, MINIBATCH, defaults
@@ -309,3 +309,120 @@ def test_the_watches_ignore_a_tempered_objective_and_plain_trace_elbo():
     svi = SVI(model, AutoNormal(model), NGVI(), Trace_ELBO())
     for step in range(500):
         svi.step(x + step / 10)
+
+
+# ------------------------------------------------------------------ probes of the recipe's surface
+def test_recipe_arguments_set_later_and_given_to_the_guide_are_checked():
+    bnn = BayesianNet(mlp(10, 8, 4), "categorical", num_data=100)
+    for bad in ("no", 1, None):  # "no" would have switched the learned prior on
+        with pytest.raises(ValueError, match="learn_prior"):
+            bnn.learn_prior = bad
+    for bad in (-1.0, 0.0, math.inf, "2"):
+        with pytest.raises(ValueError, match="augmentation_factor"):
+            bnn.augmentation_factor = bad
+    assert bnn.learn_prior is False and bnn.effective_num_data == 100
+    bnn.augmentation_factor = 2.5
+    assert bnn.effective_num_data == 250
+    for bad in (0.0, -1.0, math.inf, math.nan, "0.1"):
+        with pytest.raises(ValueError, match="init_scale"):
+            bnn.guide(init_scale=bad)
+    x, y = classification(n=4)
+    guide = bnn.guide(init_scale=1, init_loc_fn=lambda site: torch.zeros(site["fn"].shape()))
+    guide(x, y)  # an int scale is a scale; an init_loc_fn given replaces the network's
+    assert float(pyro.param("AutoNormal.scales.0.weight").detach().max()) == pytest.approx(1.0)
+    assert float(pyro.param("AutoNormal.locs.0.weight").detach().abs().max()) == 0.0
+    for method in (bnn.max_scale, bnn.prior):
+        with pytest.raises(ValueError, match="'nope' is not a latent site"):
+            method("nope")
+    assert bnn.statistics_hints("nope") == {}  # another part of a bigger model: nothing to say
+    for bad in (0, -5, 2.5, "a", True):
+        with pytest.raises(ValueError, match="num_data"):
+            defaults(bad)
+
+
+def wrapped(bnn, kind):
+    if kind == "lambda":
+        return lambda x, y=None: bnn(x, y)
+
+    def bigger(x, y=None):  # the net and another latent
+        pyro.sample("temperature", dist.LogNormal(0.0, 0.1))
+        return bnn(x, y)
+    return bigger
+
+
+@pytest.mark.parametrize("kind", ["lambda", "bigger"])
+def test_a_net_inside_another_model_warns_that_it_loses_the_recipe_until_given_its_hints(kind):
+    """Wrapped, the ELBO sees the outer model, which has no statistics_hints: NGVI() took its
+    full-batch defaults (no damping) and the noise limit was lost, and the run diverged
+    (accuracy 0.25, 50 skipped steps) with no word on why. Now the net says so, once; with
+    the net's hints given to the outer model the run follows the recipe, quietly."""
+    x, y = classification(n=512)
+    bnn = BayesianNet(mlp(10, 16, 4), "categorical", num_data=len(x))
+    model = wrapped(bnn, kind)
+    guide = AutoNormal(model, init_loc_fn=bnn.init_loc_fn, init_scale=bnn.initial_scale())
+    svi = SVI(model, guide, NGVI(), CurvatureELBO("ggn"))
+    with pytest.warns(NGVIWarning, match="runs inside another model") as caught:
+        train(svi, x, y, 3, batch=64)
+    lost = [str(w.message) for w in caught if "inside another model" in str(w.message)]
+    assert len(lost) == 1 and "statistics_hints" in lost[0] and "noise limit" in lost[0]
+
+    pyro.clear_param_store()
+    bnn = BayesianNet(mlp(10, 16, 4), "categorical", num_data=len(x))
+    model = wrapped(bnn, kind)
+    model.statistics_hints = bnn.statistics_hints
+    guide = AutoNormal(model, init_loc_fn=bnn.init_loc_fn, init_scale=bnn.initial_scale())
+    train(SVI(model, guide, NGVI(), CurvatureELBO("ggn")), x, y, 60, batch=64)  # quiet
+    for site in bnn.latent_sites:  # the noise limit holds
+        assert float(pyro.param(f"AutoNormal.scales.{site}").detach().max()) <= bnn.max_scale(site) * (1 + 1e-5)
+    assert accuracy(bnn, guide, x, y) > 0.7  # chance 0.25, as the run without the hints ended
+
+
+def test_no_warning_where_nothing_is_lost():
+    """The bare net, Trace_ELBO (which reads no hints) and a wrapper whose every setting was given
+    with no noise limit stay quiet (pytest turns warnings into errors)."""
+    x, y = classification(n=256)
+    bnn = BayesianNet(mlp(10, 8, 4), "categorical", num_data=len(x))
+    train(SVI(bnn, bnn.guide(), NGVI(), CurvatureELBO("ggn")), x, y, 2, batch=64)
+    model = wrapped(bnn, "lambda")
+    train(SVI(model, AutoNormal(model), NGVI(), Trace_ELBO()), x, y, 2, batch=64)
+    pyro.clear_param_store()
+    bnn.noise_limit = None
+    explicit = NGVI(lr=0.3, beta=0.01, momentum=0.9, damping=256.0)
+    train(SVI(model, AutoNormal(model), explicit, CurvatureELBO("ggn")), x, y, 2, batch=64)
+
+
+def test_a_net_with_a_learned_prior_resumes_from_a_saved_param_store(tmp_path):
+    """A loaded param store holds unpickled copies of constraints.positive, not the singleton:
+    the learned prior scales were refused ("a learned prior scale of a BayesianNet is a positive
+    param") at the first step after resuming. Now the resumed run is bit-identical."""
+    x, y = classification(n=256)
+    generator = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, len(x), (64,), generator=generator) for _ in range(8)]
+
+    def run(resume):
+        pyro.clear_param_store()
+        torch.manual_seed(0)
+        bnn = BayesianNet(mlp(10, 8, 4), "categorical", num_data=len(x), learn_prior=True)
+        guide, optim = bnn.guide(), NGVI()
+        svi = SVI(bnn, guide, optim, CurvatureELBO("ef"))
+        for k, index in enumerate(batches):
+            if k == 4 and not resume:
+                pyro.get_param_store().save(tmp_path / "params.pt")
+                optim.save(tmp_path / "optim.pt")
+                torch.save(torch.get_rng_state(), tmp_path / "rng.pt")
+            if k == 4 and resume:
+                pyro.clear_param_store()
+                bnn = BayesianNet(mlp(10, 8, 4), "categorical", num_data=len(x), learn_prior=True)
+                guide, optim = bnn.guide(), NGVI()
+                load_param_store(tmp_path / "params.pt")
+                guide(x[:2], y[:2])  # set the guide up before restoring the RNG: its first run samples
+                optim.load(tmp_path / "optim.pt")
+                torch.set_rng_state(torch.load(tmp_path / "rng.pt"))
+                svi = SVI(bnn, guide, optim, CurvatureELBO("ef"))
+            svi.step(x[index], y[index])
+        return {name: value.detach().clone() for name, value in pyro.get_param_store().items()}
+
+    uninterrupted, resumed = run(False), run(True)
+    assert set(uninterrupted) == set(resumed) and "0.weight.prior_scale" in resumed
+    for name, value in uninterrupted.items():
+        assert torch.equal(resumed[name], value), name

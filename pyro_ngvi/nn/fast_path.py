@@ -410,7 +410,10 @@ class BackpackStep:
             raise ValueError("curvature_step needs the targets y")
         if not hasattr(guide, "_get_loc_and_scale") or not hasattr(guide, "prototype_trace"):
             raise NotImplementedError(
-                f"The BayesianNet fast path needs an AutoNormal guide, got {type(guide).__name__}"
+                f"The BayesianNet fast path needs an AutoNormal guide (or a KroneckerNormal), got "
+                f"{type(guide).__name__}. For another guide, CurvatureELBO's traced path computes the "
+                "statistics by autograd: give SVI a wrapper, model = lambda x, y=None: bnn(x, y), with "
+                "model.statistics_hints = bnn.statistics_hints (the recipe's defaults and noise limit)"
             )
 
     def _log_ratio(self, prior, weights, noise) -> torch.Tensor:

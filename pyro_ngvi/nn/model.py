@@ -10,6 +10,8 @@ way to its curvature (:meth:`BayesianNet.curvature_step`, the protocol of
 
 import math
 import numbers
+import sys
+import warnings
 from typing import Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
@@ -20,11 +22,13 @@ from torch.func import functional_call
 import pyro
 import pyro.distributions as dist
 from pyro.distributions import constraints
+from pyro.infer import SVI
 from pyro.infer.autoguide import AutoNormal
 from pyro.infer.autoguide.initialization import init_to_feasible
 
 from ..family import CURVATURE_PER_EXAMPLE, PriorParam, live_handover, on_rejected
 from ..kronecker import KroneckerLayer
+from ..monitor import NGVIWarning
 from ..priors import _weight_prior_loc_scale
 from .fast_path import LOSS_MODULES, BackpackStep
 
@@ -143,6 +147,10 @@ class BayesianNet(nn.Module):
     unrestricted optimum's do for weights the data pin down only jointly, swamps
     every unit with noise and predicts little better than chance.
 
+    Run inside another model (a lambda, a bigger Pyro model), the net's hints reach
+    the ELBO only through that model: ``model.statistics_hints = bnn.statistics_hints``
+    (the net warns :class:`~pyro_ngvi.NGVIWarning` once when NGVI would lose them).
+
         **Fast path.** :meth:`curvature_step` does what an ELBO does for this model
     with an :class:`~pyro.infer.autoguide.AutoNormal` guide, without Pyro's
     tracing: sample, forward, backward under BackPACK, and attach gradient and
@@ -206,11 +214,8 @@ class BayesianNet(nn.Module):
         if noise_scale is not None:
             noise_scale = _positive_finite("noise_scale", noise_scale)
         init_noise_scale = _positive_finite("init_noise_scale", init_noise_scale)
-        augmentation_factor = _positive_finite("augmentation_factor", augmentation_factor)
         if not isinstance(name, str):
             raise ValueError(f"name must be a string, got {name!r}")
-        if not isinstance(learn_prior, bool):
-            raise ValueError(f"learn_prior must be True or False, got {learn_prior!r}")
         self.net = net
         self.likelihood = likelihood
         self._noise_floor_cache = None
@@ -222,6 +227,8 @@ class BayesianNet(nn.Module):
         self.init_noise_scale = init_noise_scale
         self.prefix = name + "." if name else ""
         self._batch_norms = [m for m in net.modules() if isinstance(m, _BATCH_NORMS)]
+        self._outer_model_warned = False  # run inside another model without its hints: warned
+        self._outer_model_checked = None  # the hand-over (ELBO evaluation) last checked for that
         self._running_stats_handover = None  # the hand-over whose forward saved them
         self._checked_targets = set()  # (y shape, y dtype, output shape) seen valid
 
@@ -248,6 +255,26 @@ class BayesianNet(nn.Module):
         self._set_priors(prior)
 
     @property
+    def learn_prior(self) -> bool:
+        """Whether the prior scales are learned (read at every step; may be set, e.g. after a warm-up)."""
+        return self._learn_prior
+
+    @learn_prior.setter
+    def learn_prior(self, value) -> None:
+        if not isinstance(value, bool):  # a string "no" would switch it on
+            raise ValueError(f"learn_prior must be True or False, got {value!r}")
+        self._learn_prior = value
+
+    @property
+    def augmentation_factor(self) -> float:
+        """:math:`\\rho`, the effective data size is ``round(rho * num_data)`` (a positive number; may be set)."""
+        return self._augmentation_factor
+
+    @augmentation_factor.setter
+    def augmentation_factor(self, value) -> None:
+        self._augmentation_factor = _positive_finite("augmentation_factor", value)
+
+    @property
     def noise_limit(self) -> Optional[float]:
         """:math:`v`, the variance the weight noise may add to a unit (``None``: no limit; may be set)."""
         return self._noise_limit
@@ -264,8 +291,10 @@ class BayesianNet(nn.Module):
         :math:`L` the number of layers with a fan-in (``None`` when unlimited, or
         when the layer has no fan-in: a weight of fewer than two dimensions, an
         embedding).
+
+        :raises ValueError: when ``site`` is not one of :attr:`latent_sites`.
         """
-        weight = self._latents[self.latent_sites.index(site)]
+        weight = self._latents[self._latent_index(site)]
         fan_in = _fan_in(weight.module)
         if self.noise_limit is None or fan_in is None:
             return None
@@ -295,8 +324,14 @@ class BayesianNet(nn.Module):
         stands for (NGVI's defaults for a ``BayesianNet`` follow from it), and, for
         sampled statistics, ``min_precision``, the floor :attr:`noise_limit` puts on
         the precision (``None`` at the mean, ``deterministic``: no weight noise
-        is injected there, and Laplace's precision is the curvature's).
+        is injected there, and Laplace's precision is the curvature's). For a site
+        that is not one of :attr:`latent_sites` (another part of a bigger model):
+        ``{}``, nothing to say, so that the hints of a net inside a bigger model can
+        be given to that model (``model.statistics_hints = bnn.statistics_hints``, or
+        merged with another net's).
         """
+        if site not in self.latent_sites:
+            return {}
         floors = None if deterministic else self._noise_floor()
         index = self.latent_sites.index(site)
         return {"num_data": self.effective_num_data, "min_precision": None if floors is None else floors[index]}
@@ -324,12 +359,14 @@ class BayesianNet(nn.Module):
 
             svi = SVI(bnn, bnn.guide(), NGVI(), CurvatureELBO("ggn"))
 
-        :param init_scale: another initial standard deviation (default: None,
-            :meth:`initial_scale`).
-        :param kwargs: other arguments of ``AutoNormal``.
+        :param init_scale: another initial standard deviation, a positive finite
+            number (default: None, :meth:`initial_scale`).
+        :param kwargs: other arguments of ``AutoNormal`` (an ``init_loc_fn`` given
+            replaces :meth:`init_loc_fn`).
         """
-        init_scale = self.initial_scale() if init_scale is None else init_scale
-        return AutoNormal(self, init_loc_fn=self.init_loc_fn, init_scale=init_scale, **kwargs)
+        init_scale = self.initial_scale() if init_scale is None else _positive_finite("init_scale", init_scale)
+        kwargs.setdefault("init_loc_fn", self.init_loc_fn)
+        return AutoNormal(self, init_scale=init_scale, **kwargs)
 
     @property
     def num_data(self) -> int:
@@ -451,7 +488,7 @@ class BayesianNet(nn.Module):
             name = self._prior_scale_name(weight)
             if name not in store._params:
                 self._learned_scale(j)
-            if store._constraints[name] is not constraints.positive:
+            if not _is_positive(store._constraints[name]):
                 raise ValueError(
                     f"The param store holds '{name}' with constraint {store._constraints[name]}; "
                     "a learned prior scale of a BayesianNet is a positive param"
@@ -471,13 +508,19 @@ class BayesianNet(nn.Module):
     def prior(self, site: str) -> Tuple[torch.Tensor, torch.Tensor]:
         """Prior ``(loc, scale)`` of a latent site now, broadcastable to its shape (with
         ``learn_prior``, the learned scale's current value, detached)."""
-        index = [w.site for w in self._latents].index(site)
+        index = self._latent_index(site)
         return self._prior_buffers(index)[0], self._prior_scale(index).detach()
 
     @property
     def effective_num_data(self) -> int:
         """The data plate's size :math:`N`: ``round(num_data * augmentation_factor)`` (at least 1)."""
         return max(1, round(self.num_data * self.augmentation_factor))
+
+    def _latent_index(self, site: str) -> int:
+        sites = self.latent_sites
+        if site not in sites:
+            raise ValueError(f"site {site!r} is not a latent site of this BayesianNet; its latent sites are {sites}")
+        return sites.index(site)
 
     @property
     def latent_sites(self) -> List[str]:
@@ -621,6 +664,9 @@ class BayesianNet(nn.Module):
         :raises ValueError: for an empty batch, or ``y`` of another length than ``x``.
         """
         self._check_batch(x, y)
+        if not self._outer_model_warned and self._outer_model_checked != live_handover():
+            self._outer_model_checked = live_handover()  # once per ELBO evaluation
+            self._warn_if_inside_another_model()
         self._keep_running_stats_until_accepted()
         params = {}
         for index, weight in enumerate(self._latents):
@@ -637,6 +683,41 @@ class BayesianNet(nn.Module):
             pyro.deterministic(self._site("output"), output, event_dim=output.dim() - 1)
             pyro.sample(self._site("obs"), likelihood, obs=y)
         return output
+
+    def _warn_if_inside_another_model(self) -> None:
+        """
+        Warn once when this net runs inside another model (a lambda, a bigger Pyro
+        model, a poutine handler) under an ``SVI`` with :class:`~pyro_ngvi.NGVI` and
+        :class:`~pyro_ngvi.CurvatureELBO`, and that model offers no
+        ``statistics_hints``: the ELBO asks the model it is given for them, so NGVI
+        would take its full-batch defaults and ignore :attr:`noise_limit`. Nothing to
+        say when every setting the recipe resolves was given and there is no limit.
+        """
+        svi = _calling_svi()
+        if svi is None:
+            return
+        model, optim = svi.model, svi.optim
+        elbo = getattr(svi.loss_and_grads, "__self__", None)
+        if (model is self or getattr(model, "statistics_hints", None) is not None
+                or not getattr(elbo, "produces_curvature", False)
+                or not getattr(optim, "consumes_curvature", False)):
+            return
+        resolved = [name for name in ("lr", "beta", "momentum", "damping") if getattr(optim, name, 0) is None]
+        if not resolved and self.noise_limit is None:
+            return
+        self._outer_model_warned = True
+        lost = (f"NGVI resolves {', '.join(resolved)} for full-batch statistics (lr 1, beta 0.5, no damping: "
+                "minibatch training with them diverges) instead of the minibatch recipe" if resolved else "")
+        if self.noise_limit is not None:
+            lost += (" and " if lost else "") + f"the noise limit ({self.noise_limit:g}) is not applied"
+        warnings.warn(
+            f"BayesianNet ({', '.join(self.latent_sites[:2])}, ...) runs inside another model ({model!r}) "
+            f"that has no statistics_hints: CurvatureELBO reads the hints from the model SVI was given, "
+            f"so {lost}. Give that model the net's hints, model.statistics_hints = bnn.statistics_hints "
+            "(merged with other nets' for several), or train the BayesianNet itself.",
+            NGVIWarning,
+            stacklevel=3,
+        )
 
     # ------------------------------------------------------------ data
     def _check_batch(self, x, y) -> None:
@@ -822,6 +903,26 @@ def _as_loc_scale(spec, weight: _Weight) -> Tuple[torch.Tensor, torch.Tensor]:
     if not (torch.isfinite(scale) & (scale > 0)).all():
         raise ValueError(f"Prior of site {weight.site!r}: the scale must be positive and finite")
     return loc, scale
+
+
+def _calling_svi(depth: int = 64):
+    """The :class:`pyro.infer.SVI` whose ``step`` (or ``evaluate_loss``) is on the call stack, or ``None``."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, SVI):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def _is_positive(constraint) -> bool:
+    """Whether ``constraint`` is ``constraints.positive``, or a copy of it (a param store
+    loaded from a file holds unpickled copies, not the singleton)."""
+    return constraint is constraints.positive or (
+        type(constraint) is type(constraints.positive) and constraint.lower_bound == 0)
 
 
 def _fan_in(module: nn.Module) -> Optional[int]:
