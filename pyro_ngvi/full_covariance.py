@@ -215,6 +215,8 @@ def natural_step(
     max_step: Optional[float] = None,
     warm: bool = False,
     whitened: bool = False,
+    by_direction: bool = False,
+    max_ratio: Optional[float] = None,
 ) -> Optional[FullStep]:
     """
     One step of the Bayesian learning rule on :math:`q = \\mathcal{N}(\\mu, S^{-1})`
@@ -292,12 +294,17 @@ def natural_step(
         prior_precision = prior_precision.to(_WORK_DTYPE)
         target = target + _sym(whiten(factor, prior_precision))
     corrected = int(torch.linalg.cholesky_ex(target)[1]) != 0  # the target is not PD
-    if warm:
+    if warm or (corrected and by_direction) or max_ratio is not None:
         eigenvalues, vectors = torch.linalg.eigh(target)
         moved = (1 - beta) + beta * eigenvalues
         if corrected:
-            moved = moved + 0.5 * beta**2 * (1 - eigenvalues).square()
-        new_whitened = (vectors * torch.where(eigenvalues > 1, eigenvalues, moved)) @ vectors.T
+            correction = 0.5 * beta**2 * (1 - eigenvalues).square()
+            moved = moved + (torch.where(eigenvalues > 0, 0.0, correction) if by_direction else correction)
+        if warm:
+            moved = torch.where(eigenvalues > 1, eigenvalues, moved)
+        if max_ratio is not None:
+            moved = moved.clamp(1 / max_ratio, max_ratio)
+        new_whitened = (vectors * moved) @ vectors.T
     else:
         new_whitened = torch.lerp(identity, target, beta)
         if corrected:

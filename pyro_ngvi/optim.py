@@ -56,6 +56,15 @@ _INNOVATION_MAX = 9.0
 _PRECISION_RATIO = 4.0
 #: A recovered draw |eps| beyond this is float32 round-off, not a normal draw.
 _EPS_MAX = 8.0
+#: Adaptive steps of a full-covariance site under sampled curvature: the floor of its
+#: beta and lr (the longest memory, 1 / _DENSE_FLOOR steps, so a nonlinear model still
+#: tracks), and the rate of the running means of its drift test.
+_DENSE_FLOOR = 0.005
+_DENSE_RATE = 0.1
+#: ... and the factor by which a step may change its precision in any eigen-direction
+#: (4, the mean-field value, lets the upward bias of Lin et al.'s correction on
+#: noise-dominated directions inflate the precision at D = 100, K = 16: measured).
+_DENSE_RATIO = 1.25
 
 
 class Settings(NamedTuple):
@@ -73,26 +82,33 @@ FULL_BATCH = Settings(lr=1.0, beta=0.5, momentum=0.0, damping=0.0)
 #: ... of full-covariance and Kronecker sites (constant steps, as measured in
 #: benchmarks/full_covariance.py; the adaptive steps are mean-field only).
 DENSE = Settings(lr=0.1, beta=0.05, momentum=0.0, damping=0.0)
+#: ... of sampled (Price / Stein) curvature of a full-covariance site: the starting lr and
+#: the rate beta its adaptive steps fall back to (picked by benchmarks/full_covariance.py
+#: --tune on the D = 10 regression and Pyro's "exact" test model).
+DENSE_SAMPLED = Settings(lr=1.0, beta=0.5, momentum=0.0, damping=0.0)
 #: ... of minibatch statistics of a BayesianNet (SiteCurvature.num_data set; picked by
 #: benchmarks/bnn_suite.py): the damping is per example, ``damping = num_data * MINIBATCH.damping``.
 MINIBATCH = Settings(lr=0.3, beta=0.01, momentum=0.9, damping=CURVATURE_PER_EXAMPLE)
 
 
-def defaults(num_data: Optional[int] = None, dense: bool = False) -> Settings:
+def defaults(num_data: Optional[int] = None, dense: bool = False, sampled: bool = False) -> Settings:
     """
     NGVI's default ``lr``, ``beta``, momentum and damping for a site's statistics:
     minibatch estimates of sums over ``num_data`` examples (a BayesianNet's:
     :data:`MINIBATCH`, the damping ``num_data`` :math:`\\times h_0` with :math:`h_0` =
     :data:`~pyro_ngvi.family.CURVATURE_PER_EXAMPLE`), else full-batch statistics of
     a full-covariance or Kronecker site (``dense``: :data:`DENSE`) or of a mean-field
-    site (:data:`FULL_BATCH`). Why each value is what it is: :class:`NGVI`'s
-    docstring and the README's "Training a BayesianNet".
+    site (:data:`FULL_BATCH`); a full-covariance site's sampled statistics (``dense`` and
+    ``sampled``) take :data:`DENSE_SAMPLED`, the start of its adaptive steps. Why each
+    value is what it is: :class:`NGVI`'s docstring and the README's "Training a BayesianNet".
     """
     if num_data is not None:
         if isinstance(num_data, bool) or not isinstance(num_data, numbers.Integral) or num_data < 1:
             raise ValueError(f"num_data must be a positive integer or None, got {num_data!r}")
         return MINIBATCH._replace(damping=num_data * MINIBATCH.damping)
-    return DENSE if dense else FULL_BATCH
+    if dense:
+        return DENSE_SAMPLED if sampled else DENSE
+    return FULL_BATCH
 
 
 def _check_schedule(name: str, value, low: float, high: float, low_open=True):
@@ -497,10 +513,11 @@ class NGVI(PyroOptim):
             value = _check_schedule(f"{name}({self.num_steps})", value(self.num_steps), low, high)
         return value
 
-    def _settings(self, stats, lr: Optional[float], beta: Optional[float], dense: bool = False) -> Settings:
+    def _settings(self, stats, lr: Optional[float], beta: Optional[float], dense: bool = False,
+                  sampled: bool = False) -> Settings:
         """``lr``, ``beta``, momentum and damping for a site with statistics ``stats``: the
         values given, else the defaults for their kind (:func:`defaults`)."""
-        default = defaults(getattr(stats, "num_data", None), dense)
+        default = defaults(getattr(stats, "num_data", None), dense, sampled)
         return Settings(
             default.lr if lr is None else lr,
             default.beta if beta is None else beta,
@@ -606,8 +623,9 @@ class NGVI(PyroOptim):
         # new precision is not positive definite skips the whole step
         full_steps = []
         for site in full_sites:
-            settings = self._settings(stats[site.key], lr, beta, dense=True)
-            step = self._full_step(site, stats[site.key], settings, tau, state_of[site.key])
+            adaptive = self._dense_adaptive(site, stats[site.key])
+            settings = self._settings(stats[site.key], lr, beta, dense=True, sampled=adaptive)
+            step = self._full_step(site, stats[site.key], settings, tau, state_of[site.key], adaptive)
             if step is None:
                 self.num_skipped_steps += 1
                 attempted = self.num_steps + self.num_skipped_steps + self.num_rejected_steps
@@ -638,12 +656,14 @@ class NGVI(PyroOptim):
                                   for site, piece in zip(group.sites, sigma.split(group.sizes)))
         if guarded:
             self._newton.predicted = float(self._predicted)
-        for site, ((step, momentum), rho) in zip(full_sites, full_steps):
+        for site, ((step, momentum, kept), rho) in zip(full_sites, full_steps):
             site.write(*step)
             state = state_of[site.key]
             state.started = True
             if rho:
                 state.momentum = momentum
+            for name, value in kept.items():  # the adaptive steps' count and drift test
+                setattr(state, name, value)
         if learned:
             update_learned_priors([(site.mean, new_scales[site.key] if site.key in new_scales else site.scale,
                                     stats[site.key]) for site in sites
@@ -1163,15 +1183,74 @@ class NGVI(PyroOptim):
         for state, piece in zip(states, _unflatten_dense_tensors(flat, [site.loc for site in group.sites])):
             setattr(state, name, piece)
 
-    def _full_step(self, site, stats, settings: Settings, tau, state: "_SiteState"):
+    def _dense_adaptive(self, site, stats) -> bool:
+        """Whether a full-covariance site takes the adaptive steps (:meth:`_dense_rates`):
+        sampled statistics, with ``averaging`` on and no schedule of the user's."""
+        return self._adaptive and isinstance(site, FullCovarianceSite) and bool(stats.sampled)
+
+    @staticmethod
+    def _dense_rates(settings: Settings, state: "_SiteState") -> Tuple[float, float, float]:
+        """
+        ``(lr, beta, n)`` of a full-covariance site's adaptive step: with the site's
+        count :math:`n` (1 at its first step),
+
+        .. math:: \\beta_t = \\max(1/n, \\beta_{\\min}), \\qquad
+                  \\alpha_t = \\max\\big(\\alpha / (1 + \\alpha \\max(n - 1/\\beta, 0)),
+                  \\beta_{\\min}\\big),
+
+        :math:`\\beta_{\\min}` = ``_DENSE_FLOOR``: once :math:`n` passes :math:`1/\\beta`
+        the precision is the running mean of the curvature targets (for a Gaussian
+        target, of unbiased estimates of its Hessian) and the mean the Polyak-Ruppert
+        average of Newton steps.
+        """
+        lr, beta = settings.lr, settings.beta
+        n = 1.0 if state.count is None else float(state.count.reshape(-1)[0])
+        rate = max(1.0 / n, _DENSE_FLOOR)
+        step = max(lr / (1.0 + lr * max(n - 1.0 / beta, 0.0)), _DENSE_FLOOR)
+        return min(step, lr), min(rate, 1.0), n
+
+    @staticmethod
+    def _dense_count(settings: Settings, state: "_SiteState", n: float, newton: torch.Tensor) -> Dict:
+        """
+        The drift test of a full-covariance site's adaptive steps, on the Newton step
+        in the new guide's standard deviations, :math:`z = C'^\\top \\bar g`
+        (:math:`\\mathcal{N}(0, I/K)` at the optimum of a Gaussian target, :math:`K`
+        particles): with running means :math:`\\bar z` and :math:`v` of :math:`z` and
+        :math:`\\|z\\|^2` (rate :math:`\\rho` = ``_DENSE_RATE``, started at the first
+        step's), :math:`z^2 = \\|\\bar z\\|^2 (2 - \\rho) / (\\rho v)` is about 1 when
+        :math:`z` is pure noise and :math:`(2 - \\rho)/\\rho` = 19 while the mean is far.
+        The count grows to :math:`1/\\beta`, beyond that while :math:`z^2 <` 2, and falls
+        back to :math:`1/\\beta` above 12 (the mean-field thresholds). The state to keep.
+        """
+        rho = _DENSE_RATE
+        square = newton.square().sum()
+        if state.drift is None:
+            drift, power = newton, square
+        else:
+            drift = torch.lerp(state.drift.to(newton), newton, rho)
+            power = torch.lerp(state.noise.to(square), square, rho)
+        z2 = float(drift.square().sum() * (2 - rho) / (rho * power.clamp(min=_NOISE_FLOOR)))
+        fallback = 1.0 / settings.beta
+        grown = n + 1.0 if (n < fallback or z2 < _STALL_Z2) else n
+        if z2 > _DRIFT_Z2:
+            grown = min(grown, max(fallback, 1.0))
+        dtype = state.loc().dtype
+        return {"count": torch.full_like(newton, grown, dtype=dtype), "drift": drift.to(dtype),
+                "noise": power.to(dtype)}
+
+    def _full_step(self, site, stats, settings: Settings, tau, state: "_SiteState", adaptive: bool = False):
         """
         The step of :func:`~pyro_ngvi.full_covariance.natural_step` for a
         full-covariance site (of :func:`~pyro_ngvi.kronecker.kronecker_step` for a
-        Kronecker-factored layer), not yet written: ``(values to write, momentum)``,
-        or ``None`` when a new precision is not positive definite. Same ``lr``,
-        ``beta``, ``tau``, momentum, damping, trust region (sampled curvature) and
-        first-step warm start as the mean-field update (a Kronecker layer's first
-        step takes its factors from the data, as noisy K-FAC initialises them).
+        Kronecker-factored layer), not yet written: ``(values to write, momentum,
+        state to keep)``, or ``None`` when a new precision is not positive definite.
+        Same ``lr``, ``beta``, ``tau``, momentum, damping, trust region (sampled
+        curvature) and first-step warm start as the mean-field update (a Kronecker
+        layer's first step takes its factors from the data, as noisy K-FAC initialises
+        them). With ``adaptive`` (sampled curvature and NGVI's defaults) ``lr`` and
+        ``beta`` follow :meth:`_dense_rates`, Lin et al.'s correction is added only in
+        the eigen-directions whose target is not positive, and the precision changes by
+        at most a factor ``_DENSE_RATIO`` per step in each.
         """
         lr, beta, rho, damping = settings
         grad = stats.grad / tau if tau != 1 else stats.grad
@@ -1181,14 +1260,24 @@ class NGVI(PyroOptim):
         if isinstance(site, KroneckerSite):
             step = kronecker_step(site.mean, site.row_factor, site.col_factor, momentum, stats, lr, beta,
                                   tau, damping, first=not state.started)
-            return None if step is None else (tuple(step), momentum)
+            return None if step is None else (tuple(step), momentum, {})
+        count = None
+        if adaptive:
+            lr, beta, count = self._dense_rates(settings, state)
         step = full_covariance.natural_step(
             site.mean, site.factor, momentum, stats.curvature, lr, beta, tau, damping,
             stats.prior_loc, stats.prior_precision,
             max_step=self.max_step if stats.sampled else None,
             warm=self.warm_start and not state.started, whitened=stats.whitened,
+            by_direction=adaptive, max_ratio=_DENSE_RATIO if adaptive else None,
         )
-        return None if step is None else ((step.mean, step.factor), momentum)
+        if step is None:
+            return None
+        kept = {}
+        if adaptive:
+            newton = step.factor.T.to(momentum) @ momentum  # z = C'^T g
+            kept = self._dense_count(settings, state, count, newton)
+        return (step.mean, step.factor), momentum, kept
 
     def _momentum(self, group: "_Group", states: List["_SiteState"], grad: torch.Tensor, mask,
                   rho: float) -> torch.Tensor:

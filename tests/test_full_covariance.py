@@ -692,3 +692,70 @@ def test_curvature_elbo_scales_the_empirical_fisher_of_a_minibatch_to_the_data()
     torch.testing.assert_close(stats.curvature, 70 / 3 * per_example.T @ per_example)
     torch.testing.assert_close(stats.prior_precision, torch.eye(3, dtype=torch.float64))
     torch.testing.assert_close(stats.grad, 70 / 3 * per_example.sum(0))
+
+
+# --------------------------------------------------------------------------- #
+# NGVI()'s adaptive steps on sampled full-covariance curvature
+# --------------------------------------------------------------------------- #
+
+
+def sampled_run(optim, steps, seed=0):
+    model, data, mean, covariance = correlated_regression(num_features=3, num_data=20, noise=1.0,
+                                                          correlation=1.0)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(seed)
+    guide = AutoMultivariateNormal(model)
+    elbo = Trace_ELBO(num_particles=16, vectorize_particles=True, max_plate_nesting=1)
+    svi = SVI(model, guide, optim, elbo)
+    for _ in range(steps):
+        svi.step(*data)
+    site = site_of(guide)
+    std = covariance.diagonal().sqrt()
+    mean_error = float(((site.mean - mean) / std).abs().max())
+    correlation_error = float(((covariance_of(site) - covariance) / (std[:, None] * std[None, :])).abs().max())
+    return mean_error, correlation_error
+
+
+def test_default_steps_reach_the_exact_correlated_posterior_within_60_sampled_steps():
+    """NGVI() (adaptive steps, K = 16): over seeds 0-4 the largest errors after 60 steps are
+    0.10 (mean, in posterior sds) and 0.16 (correlation); the former defaults, lr 0.1 and
+    beta 0.05 as constant steps, are 0.22-0.86 sds away then."""
+    mean_error, correlation_error = sampled_run(NGVI(), 60)
+    assert mean_error < 0.15 and correlation_error < 0.2
+    optim = NGVI(lr=0.1, beta=0.05)  # values given run as given: constant steps
+    assert sampled_run(optim, 60)[0] > 0.5
+    (state,) = optim._states.values()
+    assert state.count is None and state.drift is None
+
+
+def test_default_steps_on_a_nonlinear_model_reach_the_variational_fixed_point():
+    """Logistic regression (no closed form): at the optimum of the ELBO over full-covariance
+    Gaussians, E_q[grad l] = 0 and E_q[hess l] = S (Opper and Archambeau). Checked in the
+    coordinates that whiten q, with 4000 draws, after 150 steps of NGVI() (K = 16)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(60, 3, generator=g, dtype=torch.float64)
+    x = x + 0.8 * x[:, :1]
+    y = torch.bernoulli(torch.sigmoid(x @ torch.tensor([1.5, -1.0, 0.5], dtype=torch.float64)), generator=g)
+
+    def model(x, y):
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=x.dtype), 1.0).to_event(1))
+        with pyro.plate("data", len(y)):
+            logits = w @ x.T  # (particles, 1, N) under vectorized particles
+            pyro.sample("obs", dist.Bernoulli(logits=logits.squeeze(-2) if w.dim() > 1 else logits), obs=y)
+
+    pyro.set_rng_seed(0)
+    guide = AutoMultivariateNormal(model)
+    svi = SVI(model, guide, NGVI(), Trace_ELBO(num_particles=16, vectorize_particles=True, max_plate_nesting=1))
+    for _ in range(150):
+        svi.step(x, y)
+    site = site_of(guide)
+    factor = site.factor.detach()
+    draws = site.mean.detach() + torch.randn(4000, 3, dtype=torch.float64, generator=g) @ factor.T
+    # -log p(x, y, w): gradient X^T (sigmoid(X w) - y) + w, Hessian X^T diag(p (1 - p)) X + I
+    probs = torch.sigmoid(draws @ x.T)  # (draws, data)
+    grads = (probs - y) @ x + draws
+    hessians = torch.einsum("sn,ni,nj->sij", probs * (1 - probs), x, x) + torch.eye(3, dtype=torch.float64)
+    whitened_grad = factor.T @ grads.mean(0)
+    whitened_hessian = factor.T @ hessians.mean(0) @ factor
+    assert whitened_grad.abs().max() < 0.1
+    assert (whitened_hessian - torch.eye(3, dtype=torch.float64)).abs().max() < 0.15
