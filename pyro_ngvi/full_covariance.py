@@ -280,6 +280,13 @@ def natural_step(
     :param max_step: trust radius in whitened coordinates, or None (default).
     :param bool warm: the warm start above (default: False).
     :param bool whitened: ``curvature`` is :math:`C^\\top H C` (default: False).
+    :param bool by_direction: add the correction only in the eigen-directions of
+        :math:`W` whose eigenvalue is not positive, :math:`(1-\\beta) + \\beta\\lambda_k
+        + \\tfrac{\\beta^2}{2}(1-\\lambda_k)^2` there and :math:`(1-\\beta) + \\beta\\lambda_k
+        > 0` elsewhere (positive definite all the same; the correction's upward bias stays
+        out of the directions that need none) (default: False).
+    :param max_ratio: trust region of the precision: each eigenvalue of :math:`S'_w` is
+        clamped to ``[1 / max_ratio, max_ratio]`` (default: None, none).
     :returns: a :class:`FullStep`, or ``None`` when the new precision is not
         numerically positive definite (the caller skips the step).
     """

@@ -79,8 +79,8 @@ class Settings(NamedTuple):
 #: NGVI()'s defaults for full-batch statistics of mean-field sites (with the adaptive
 #: steps, picked by benchmarks/tune_defaults.py).
 FULL_BATCH = Settings(lr=1.0, beta=0.5, momentum=0.0, damping=0.0)
-#: ... of full-covariance and Kronecker sites (constant steps, as measured in
-#: benchmarks/full_covariance.py; the adaptive steps are mean-field only).
+#: ... of full-covariance statistics that are not sampled and of Kronecker sites
+#: (constant steps, as measured in benchmarks/full_covariance.py).
 DENSE = Settings(lr=0.1, beta=0.05, momentum=0.0, damping=0.0)
 #: ... of sampled (Price / Stein) curvature of a full-covariance site: the starting lr and
 #: the rate beta its adaptive steps fall back to (picked by benchmarks/full_covariance.py
@@ -236,8 +236,9 @@ class NGVI(PyroOptim):
 
     The mean-field defaults ``lr = 1``, ``beta = 0.5`` and the thresholds were
     picked on the tuning models of ``benchmarks/tune_defaults.py`` (full-covariance
-    and Kronecker sites keep constant steps, ``lr = 0.1``, ``beta = 0.05`` by
-    default) and are reported on others:
+    sites take their own adaptive steps under sampled curvature, see "Full covariance";
+    other full-covariance statistics and Kronecker sites keep constant steps,
+    ``lr = 0.1``, ``beta = 0.05``, by default) and are reported on others:
     ports of Pyro's autoguide tests (``benchmarks/autoguide.py``) and the
     conjugate models (``benchmarks/conjugate.py``). State: three latent-size
     vectors per site (the count and the running means of the two innovations;
@@ -335,7 +336,22 @@ class NGVI(PyroOptim):
     curvature is the Price estimate recovered from the gradients w.r.t. ``scale``
     and ``scale_tril`` (:func:`~pyro_ngvi.full_covariance.price_curvature`); the
     new precision is written back through its Cholesky factor. :math:`O(D^3)` per
-    step. ``AutoLowRankMultivariateNormal`` is refused (its family is not closed
+    step. *Sampled curvature with the defaults* (``NGVI()``, Trace_ELBO): a scalar count
+    :math:`n` per site sets :math:`\\beta_t = \\max(1/n, 0.005)` and
+    :math:`\\alpha_t = \\max(1/(1 + \\max(n - 2, 0)), 0.005)` (:data:`DENSE_SAMPLED`: lr 1,
+    beta 0.5): past :math:`n = 2` the precision is the running mean of the Price targets
+    (for a Gaussian target, unbiased estimates of its Hessian: the error falls like
+    :math:`1/\\sqrt{n}`) and the mean the Polyak-Ruppert average of Newton steps. The
+    count grows while a drift test on the Newton step in the guide's standard deviations,
+    :math:`C'^\\top \\bar g`, finds only noise and falls back to 2 where it drifts
+    (:meth:`NGVI._dense_count`). Lin et al.'s correction is added only in the
+    eigen-directions whose target is not positive, and a step changes the precision by at
+    most a factor 1.25 in each: with :math:`D^2` entries estimated from :math:`K` draws the
+    target is indefinite (:math:`K < D`) and, far from the mean, dominated by noise, where
+    the correction's upward bias (it halves at most, the target may quadruple) inflated the
+    precision at :math:`D = 100, K = 16` until the mean stalled (measured with 4). Picked on
+    ``benchmarks/full_covariance.py``'s D = 10 regression and Pyro's "exact" model, the
+    ratio on D = 100 (seed 0); reported on the rest. ``AutoLowRankMultivariateNormal`` is refused (its family is not closed
     under the step; see :mod:`pyro_ngvi.family`). A
     :class:`~pyro_ngvi.kronecker.KroneckerNormal` layer takes the noisy K-FAC step
     of :func:`~pyro_ngvi.kronecker.kronecker_step` on the Kronecker factors a
@@ -379,12 +395,14 @@ class NGVI(PyroOptim):
         the starting value of the adaptive steps), or a callable of the step count
         returning it (a schedule of your own; torch LR schedulers need a torch
         optimizer and do not apply) (default: None, resolved per site: 1 for
-        mean-field sites, 0.1 for full-covariance and Kronecker sites, 0.3 for a
+        mean-field sites and sampled statistics of full-covariance sites, 0.1 for other
+        full-covariance and Kronecker statistics, 0.3 for a
         ``BayesianNet``'s minibatch statistics; see "Defaults follow the statistics")
     :param beta: step :math:`\\beta \\in (0, 1]` of the precision moving average
         (under sampled statistics the rate the adaptive steps fall back to), or a
-        callable of the step count (default: None: 0.5 for mean-field sites, 0.05 for
-        full-covariance and Kronecker sites, 0.01 for minibatch statistics)
+        callable of the step count (default: None: 0.5 for mean-field sites and sampled
+        statistics of full-covariance sites, 0.05 for other statistics of full-covariance
+        and Kronecker sites, 0.01 for minibatch statistics)
     :param momentum: :math:`\\rho \\in [0, 1)` on the mean gradient (default: None:
         0, or 0.9 for minibatch statistics)
     :param damping: :math:`\\gamma \\ge 0` added to the precision in the mean
@@ -398,7 +416,7 @@ class NGVI(PyroOptim):
     :param bool warm_start: take the first positive curvature target whole (with a
         schedule of your own: where it exceeds the precision) (default: True)
     :param bool averaging: adaptive steps for sampled statistics of mean-field
-        sites (default: None, on exactly when neither ``lr`` nor ``beta`` is given:
+        and full-covariance sites (default: None, on exactly when neither ``lr`` nor ``beta`` is given:
         steps you choose, e.g. for minibatch training of a network, where gradient
         noise is not only Monte-Carlo noise, run as chosen unless ``averaging=True``)
     :param bool control_variate: the control variate where draws are known
