@@ -59,6 +59,8 @@ from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
 
 from pyro_ngvi import NGVI
 
+import measure
+
 ADAM_LRS = (0.001, 0.01, 0.05, 0.1, 0.3)
 
 
@@ -319,12 +321,7 @@ def main():
             f"| {secs[best]:.2f} | {fmt(median[own], cap)} | {ratio:.2f} "
             f"| {'met' if ratio <= 0.5 else 'NOT met'} |"
         )
-    text = "\n".join(lines)
-    print(text)
-    print(f"\n(total {time.perf_counter() - started:.0f} s)")
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    measure.publish("\n".join(lines), started, args.out)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,9 @@ from pyro.infer.autoguide import AutoNormal
 
 from pyro_ngvi import NGVI, CurvatureELBO
 
+import measure
+from measure import steps_until
+
 TOLERANCE = 0.01  # 1 %
 SKIPPED = -1  # seed not run: more than half the seeds already failed
 CONFIRM = 20  # steps the criterion must keep holding after the first entry
@@ -157,45 +160,13 @@ def steps_to_tolerance(problem, method, seed, max_steps) -> Optional[int]:
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
     svi = make_svi(problem, method)
-    entry = None
-    for step in range(1, max_steps + CONFIRM + 1):
-        svi.step(*problem.args)
-        if within_tolerance(problem):
-            if entry is None:
-                if step > max_steps:
-                    break
-                entry = step
-            elif step - entry >= CONFIRM:
-                return entry
-        else:
-            entry = None
-    return None
+    return steps_until(lambda: svi.step(*problem.args), lambda: within_tolerance(problem), max_steps, CONFIRM)
 
 
 def ms_per_step(problem, makers: Dict[str, Callable], warmup=30, rounds=20, block=15):
     """Median wall-clock and CPU ms/step per method, the methods interleaved in short blocks."""
-    store = pyro.get_param_store()
-    states, svis = {}, {}
-    wall, cpu = {name: [] for name in makers}, {name: [] for name in makers}
-    pyro.set_rng_seed(0)
-    for name, method in makers.items():
-        with store.scope() as state:
-            svis[name] = make_svi(problem, method)
-            for _ in range(warmup):
-                svis[name].step(*problem.args)
-        states[name] = state
-    for _ in range(rounds):
-        for name, svi in svis.items():
-            with store.scope(states[name]):
-                for _ in range(block):
-                    start, start_cpu = time.perf_counter(), time.process_time()
-                    svi.step(*problem.args)
-                    cpu[name].append(time.process_time() - start_cpu)
-                    wall[name].append(time.perf_counter() - start)
-    return (
-        {name: 1e3 * statistics.median(t) for name, t in wall.items()},
-        {name: 1e3 * statistics.median(t) for name, t in cpu.items()},
-    )
+    return measure.ms_per_step({name: (lambda m=method: make_svi(problem, m)) for name, method in makers.items()},
+                               problem.args, warmup, rounds, block)
 
 
 # ------------------------------------------------------------------ report
@@ -293,12 +264,7 @@ def main():
         lines += rows
         verdicts.append(verdict)
     lines += [""] + verdicts
-    text = "\n".join(lines)
-    print(text)
-    print(f"\n(total {time.perf_counter() - started:.0f} s)")
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    measure.publish("\n".join(lines), started, args.out)
 
 
 if __name__ == "__main__":

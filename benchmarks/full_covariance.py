@@ -36,7 +36,7 @@ import argparse
 import math
 import statistics
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -46,6 +46,9 @@ from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoMultivariateNormal, AutoNormal
 
 from pyro_ngvi import NGVI, CurvatureELBO
+
+import measure
+from measure import steps_until
 
 DTYPE = torch.float64
 TOL = 0.01  # KL(q || p) per latent dimension, nats
@@ -146,50 +149,18 @@ def make_svi(problem, method):
 
 
 # ------------------------------------------------------------------ measuring
-def steps_until(step: Callable[[], None], converged: Callable[[], bool], max_steps: int) -> Optional[int]:
-    """The first step after which ``converged()`` holds for ``CONFIRM`` more steps
-    (``None`` if none by ``max_steps``)."""
-    entry = None
-    for count in range(1, max_steps + CONFIRM + 1):
-        step()
-        if converged():
-            if entry is None:
-                if count > max_steps:
-                    break
-                entry = count
-            elif count - entry >= CONFIRM:
-                return entry
-        else:
-            entry = None
-    return None
-
-
 def steps_to_kl(problem, method, seed, max_steps) -> Optional[int]:
     pyro.clear_param_store()
     pyro.set_rng_seed(seed)
     svi = make_svi(problem, method)
     return steps_until(lambda: svi.step(*problem.args),
-                       lambda: problem.kl(*guide_gaussian(svi.guide)) <= TOL * problem.dim, max_steps)
+                       lambda: problem.kl(*guide_gaussian(svi.guide)) <= TOL * problem.dim, max_steps, CONFIRM)
 
 
 def ms_per_step(problem, methods, warmup, rounds, block) -> Dict[str, float]:
-    store = pyro.get_param_store()
-    states, svis, times = {}, {}, {name: [] for name in methods}
-    pyro.set_rng_seed(0)
-    for name, method in methods.items():
-        with store.scope() as state:
-            svis[name] = make_svi(problem, method)
-            for _ in range(warmup):
-                svis[name].step(*problem.args)
-        states[name] = state
-    for _ in range(rounds):
-        for name, svi in svis.items():
-            with store.scope(states[name]):
-                for _ in range(block):
-                    start = time.perf_counter()
-                    svi.step(*problem.args)
-                    times[name].append(time.perf_counter() - start)
-    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+    """Median wall-clock ms/step per method, the methods interleaved (:func:`measure.ms_per_step`)."""
+    return measure.ms_per_step({name: (lambda m=method: make_svi(problem, m)) for name, method in methods.items()},
+                               problem.args, warmup, rounds, block)[0]
 
 
 # ------------------------------------------------------------------ Pyro's autoguide-test models
@@ -236,7 +207,7 @@ def steps_to_pyro_tolerance(name, model, make_optim, seed, max_steps) -> Optiona
         return bool((posterior.loc - mean).abs().max() < 0.05
                     and (posterior.variance.sqrt() / variance.sqrt() - 1).abs().max() < 0.05)
 
-    return steps_until(lambda: svi.step(data), within_pyro_tolerance, max_steps)
+    return steps_until(lambda: svi.step(data), within_pyro_tolerance, max_steps, CONFIRM)
 
 
 # ------------------------------------------------------------------ report
@@ -319,12 +290,8 @@ def main():
                                   for k in ("ngvi", "adam")) + " |")
         print(lines[-1], flush=True)
 
-    text = "\n".join(lines)
-    print("\n" + text)
-    print(f"\n(total {time.perf_counter() - started:.0f} s)")
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    print()
+    measure.publish("\n".join(lines), started, args.out)
 
 
 if __name__ == "__main__":
