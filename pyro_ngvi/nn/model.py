@@ -121,8 +121,10 @@ class BayesianNet(nn.Module):
     (about :math:`1/\\sqrt{\\text{fan-in}}` for PyTorch's layers): learned from
     the first step, the priors shrink before the data has moved the weights. The
     attribute ``learn_prior`` is read at every step, so it can be switched on
-    after a warm-up (``bnn.learn_prior = True`` after some epochs; the learned
-    scales then start at ``prior``).
+    later (``bnn.learn_prior = True``; the learned scales then start at
+    ``prior``), but with NGVI's minibatch defaults a warm-up does not prevent the
+    collapse: each tensor's scale falls to that of its weights, the means shrink,
+    and the network switches off (the README's "Training a BayesianNet").
 
     **Data augmentation.** Training on randomly transformed copies of the
     examples (shifts, rotations) presents more distinct data than ``num_data``:
