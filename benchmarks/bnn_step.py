@@ -1,37 +1,47 @@
 """
-Time per step of a Bayesian MLP on scikit-learn digits (issue #3, DESIGN §5).
+Time per step of Bayesian networks, NGVI against the loops it replaces (issues #3, #16).
 
-Setting: digits standardised, 70 % stratified training split (N = 1257),
-MLP 64-100-10 (ReLU), minibatches of 128, Categorical likelihood, prior N(0, 1),
-one torch thread for every method (``--threads``). Methods:
+Sections (``--sections``, default all):
 
-* NGVI on Pyro ``SVI`` with a :class:`~pyro_ngvi.BayesianNet` + ``AutoNormal`` and
-  ``CurvatureELBO("ef" | "ggn" | "ggn_mc" | "reparam")`` (the BackPACK fast path);
-* NGVI with a plain ``Trace_ELBO`` (curvature recovered from its gradients);
-* Pyro ``SVI`` + ``pyro.optim.Adam`` + ``Trace_ELBO`` on the same model and guide
-  (Bayes-by-Backprop), the reference of the ``reparam`` target;
-* VOGN written by hand in plain PyTorch + BackPACK (sampled weights copied into
-  the net, ``SumGradSquared`` / ``DiagGGNExact`` / ``DiagGGNMC``, the update in a
-  few lines), the reference of the BackPACK target;
-* MAP with ``torch.optim.Adam``; ``ivon.IVON`` (ivon-opt).
+* ``digits``: scikit-learn digits, MLP 64-100-10 (N = 1257), every method:
+  NGVI on Pyro ``SVI`` with a :class:`~pyro_ngvi.BayesianNet` + ``AutoNormal`` and
+  ``CurvatureELBO("ef" | "ggn" | "ggn_mc" | "reparam")`` (the BackPACK fast path), NGVI
+  with a plain ``Trace_ELBO``, Pyro ``SVI`` + ``pyro.optim.Adam`` + ``Trace_ELBO``
+  (Bayes-by-Backprop), VOGN written by hand in plain PyTorch + BackPACK (sampled weights
+  copied into the net, ``SumGradSquared`` / ``DiagGGNExact`` / ``DiagGGNMC``, the same
+  update in a few lines), MAP with ``torch.optim.Adam``, ``ivon.IVON`` (ivon-opt);
+* ``widths``: MLP 784-W-W-10 on synthetic data (N = 4096 standard-normal inputs, random
+  labels) for W in ``--widths`` (100 400 1600): NGVI with each BackPACK curvature, the
+  hand-written VOGN of the same curvature, MAP;
+* ``cnn``: the same methods on a small CNN (28 x 28 synthetic images, conv 5x5x16 - pool -
+  conv 5x5x32 - pool - linear 512-10);
+* ``traced``: a model with one 10^6-element latent site ``z ~ N(0, I)``,
+  ``x ~ N(z, I)`` observed, ``AutoNormal`` and ``Trace_ELBO``: NGVI against
+  ``pyro.optim.Adam``, the optimizer call alone (``SVI`` calls it with the tensors) and the
+  whole ``SVI.step``.
 
-All methods step through the same fixed sequence of full minibatches. After a
-warm-up they run interleaved in blocks of ``--block`` steps (so that load from
-other processes hits them alike); the table gives the median wall-clock (and
-CPU) time over ``--steps`` timed steps per method.
+Everything runs on one torch thread (``--threads``), minibatches of 128, Categorical
+likelihood, prior N(0, 1). Within a section the methods step through the same fixed
+batches; after a warm-up they run interleaved in blocks (so load from other processes hits
+them alike); the tables give the median wall-clock time, its interquartile range and the
+median CPU time (``time.process_time``, less sensitive to a busy machine) per step, and the
+ratios of wall-clock medians. The load average is printed with each section.
 
-Targets (DESIGN §5): a BackPACK-path step <= 1.3x the hand-written VOGN step
-with the same BackPACK extension; the ``reparam`` paths (``CurvatureELBO
-("reparam")`` and NGVI + ``Trace_ELBO``) <= 1.15x Pyro SVI + Adam.
+Targets: a BackPACK-path step <= 1.3x the hand-written VOGN step with the same extension
+on digits and <= 1.15x at widths 400 and 1600 and on the CNN; the ``reparam`` paths
+(``CurvatureELBO("reparam")`` and NGVI + ``Trace_ELBO``) <= 1.15x Pyro SVI + Adam on digits;
+on the traced site NGVI's optimizer call <= 1.5x Adam's and the whole step <= 1.1x.
 
 Usage::
 
-    python benchmarks/bnn_step.py [--steps 400] [--warmup 50] [--block 50]
+    python benchmarks/bnn_step.py [--sections digits widths cnn traced] [--steps 400]
+        [--warmup 50] [--block 50] [--widths 100 400 1600] [--traced-size 1000000]
         [--threads 1] [--no-validation] [--out FILE.md] [--profile METHOD]
 """
 
 import argparse
 import cProfile
+import io
 import os
 import platform
 import pstats
@@ -40,20 +50,25 @@ import sys
 import time
 import warnings
 from dataclasses import replace
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
 import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
 import pyro  # noqa: E402
+import pyro.distributions as dist  # noqa: E402
+from pyro.infer import SVI, Trace_ELBO  # noqa: E402
+from pyro.infer.autoguide import AutoNormal  # noqa: E402
 
-from pyro_ngvi import NGVIWarning  # noqa: E402
+from pyro_ngvi import NGVI, NGVIWarning  # noqa: E402
 
 import harness  # noqa: E402  (examples/harness)
 
 SVI_ADAM = "Pyro SVI + Adam (Trace_ELBO, BBB)"
 VOGN_REF = "hand-written VOGN (SumGradSquared)"
+MAP_ADAM = "MAP Adam (plain torch)"
 
 # Settings that stay finite over the timed steps for every curvature source (the
 # cost of a step does not depend on them; a non-finite step would take another
@@ -61,34 +76,79 @@ VOGN_REF = "hand-written VOGN (SumGradSquared)"
 NGVI_ARGS = dict(lr=0.01, beta=0.05, momentum=0.9, damping=30.0)
 VOGN_ARGS = NGVI_ARGS  # the same update (momentum included) by hand
 
+#: curvature source -> the hand-written step with the same BackPACK extension
+HAND = {"ef": VOGN_REF, "ggn": "hand-written VOGN (DiagGGNExact)", "ggn_mc": "hand-written VOGN (DiagGGNMC)"}
+
+
+def ngvi_label(curvature: str) -> str:
+    return f"NGVI + CurvatureELBO('{curvature}') (BackPACK)"
+
 
 def methods(task: harness.Task) -> Dict[str, Callable]:
-    """Label -> factory of the method; all start from the same network."""
-    return {
-        "NGVI + CurvatureELBO('ef') (BackPACK)": lambda: harness.ngvi(task, "ef", **NGVI_ARGS),
-        "NGVI + CurvatureELBO('ggn') (BackPACK)": lambda: harness.ngvi(task, "ggn", **NGVI_ARGS),
-        "NGVI + CurvatureELBO('ggn_mc') (BackPACK)": lambda: harness.ngvi(task, "ggn_mc", **NGVI_ARGS),
+    """Label -> factory of the method; all start from the same network (digits section)."""
+    makers = {ngvi_label(c): (lambda c=c: harness.ngvi(task, c, **NGVI_ARGS)) for c in HAND}
+    makers.update({
         "NGVI + CurvatureELBO('reparam')": lambda: harness.ngvi(task, "reparam", **NGVI_ARGS),
         "NGVI + Trace_ELBO (reparam from grads)": lambda: harness.ngvi(task, None, **NGVI_ARGS),
         SVI_ADAM: lambda: harness.bayes_by_backprop(task, lr=1e-3),
-        VOGN_REF: lambda: harness.HandVOGN(task, curvature="ef", **VOGN_ARGS),
-        "hand-written VOGN (DiagGGNExact)": lambda: harness.HandVOGN(task, curvature="ggn", **VOGN_ARGS),
-        "hand-written VOGN (DiagGGNMC)": lambda: harness.HandVOGN(task, curvature="ggn_mc", **VOGN_ARGS),
-        "MAP Adam (plain torch)": lambda: harness.MAP(task, lr=1e-3),
-        "ivon-opt IVON": lambda: harness.IVON(task, lr=0.1, hess_init=0.5),
-    }
+    })
+    makers.update({HAND[c]: (lambda c=c: harness.HandVOGN(task, curvature=c, **VOGN_ARGS)) for c in HAND})
+    makers[MAP_ADAM] = lambda: harness.MAP(task, lr=1e-3)
+    if harness.ivon_installed():
+        makers["ivon-opt IVON"] = lambda: harness.IVON(task, lr=0.1, hess_init=0.5)
+    return makers
 
 
-#: target: (method, reference, bound)
-TARGETS = [
-    ("NGVI + CurvatureELBO('ef') (BackPACK)", VOGN_REF, 1.3),
-    ("NGVI + CurvatureELBO('ggn') (BackPACK)", "hand-written VOGN (DiagGGNExact)", 1.3),
-    ("NGVI + CurvatureELBO('ggn_mc') (BackPACK)", "hand-written VOGN (DiagGGNMC)", 1.3),
+def curvature_methods(task: harness.Task) -> Dict[str, Callable]:
+    """NGVI with each BackPACK curvature, the hand-written step of the same curvature, MAP."""
+    makers = {ngvi_label(c): (lambda c=c: harness.ngvi(task, c, **NGVI_ARGS)) for c in HAND}
+    makers.update({HAND[c]: (lambda c=c: harness.HandVOGN(task, curvature=c, **VOGN_ARGS)) for c in HAND})
+    makers[MAP_ADAM] = lambda: harness.MAP(task, lr=1e-3)
+    return makers
+
+
+#: target: (method, reference, bound), digits section
+TARGETS = [(ngvi_label(c), HAND[c], 1.3) for c in HAND] + [
     ("NGVI + CurvatureELBO('reparam')", SVI_ADAM, 1.15),
     ("NGVI + Trace_ELBO (reparam from grads)", SVI_ADAM, 1.15),
 ]
 
 
+# --------------------------------------------------------------------------- tasks
+def synthetic_task(name: str, make_net: Callable[[], nn.Module], shape: Tuple[int, ...], num_data: int = 4096,
+                   seed: int = 0) -> harness.Task:
+    """Standard-normal inputs of ``shape`` and uniformly random labels of 10 classes (the cost of
+    a step does not depend on the data)."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn((num_data,) + shape, generator=generator)
+    y = torch.randint(0, 10, (num_data,), generator=generator)
+    split = harness.Split(x, y, x[:256], y[:256])
+    return harness.Task(name, split, make_net, "categorical", seed=seed)
+
+
+def mlp_task(width: int, seed: int = 0) -> harness.Task:
+    return synthetic_task(f"MLP 784-{width}-{width}-10", lambda: harness.mlp(784, width, width, 10), (784,),
+                          seed=seed)
+
+
+def small_cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 5), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 5), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(512, 10),
+    )
+
+
+def cnn_task(seed: int = 0) -> harness.Task:
+    return synthetic_task("CNN 1x28x28: conv5x5x16-pool-conv5x5x32-pool-linear512x10", small_cnn, (1, 28, 28),
+                          seed=seed)
+
+
+def latent_size(task: harness.Task) -> int:
+    return sum(p.numel() for p in task.make_net().parameters())
+
+
+# --------------------------------------------------------------------------- timing
 def fixed_batches(task: harness.Task, count: int):
     """``count`` full minibatches, drawn from successive shuffles of the data."""
     generator = torch.Generator().manual_seed(task.seed)
@@ -133,63 +193,192 @@ def profile(method, batches, steps: int, top: int = 25) -> str:
         for i in range(steps):
             method.step(*batches[i % len(batches)])
         profiler.disable()
-    import io
-
     stream = io.StringIO()
     stats = pstats.Stats(profiler, stream=stream).sort_stats(os.environ.get("PROFILE_SORT", "cumulative"))
     stats.print_stats(top)
     return stream.getvalue()
 
 
-def report(times, cpu_times, args, num_data) -> str:
-    ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
-    cpu_ms = {name: 1e3 * statistics.median(t) for name, t in cpu_times.items()}
-    spread = {
-        name: 1e3 * (statistics.quantiles(t, n=4)[2] - statistics.quantiles(t, n=4)[0])
-        for name, t in times.items()
-    }
+def summary(times: List[float]) -> Tuple[float, float]:
+    """Median and interquartile range, in ms."""
+    quartiles = statistics.quantiles(times, n=4)
+    return 1e3 * statistics.median(times), 1e3 * (quartiles[2] - quartiles[0])
+
+
+def load() -> str:
+    return "load average {:.2f} / {:.2f} / {:.2f}".format(*os.getloadavg())
+
+
+# --------------------------------------------------------------------------- reports
+def digits_report(times, cpu_times, args, num_data) -> str:
+    ms = {name: summary(t)[0] for name, t in times.items()}
     base, vogn = ms[SVI_ADAM], ms[VOGN_REF]
     lines = [
-        "## BNN step time: digits MLP 64-100-10, batch 128, prior N(0, 1)",
+        "## Digits MLP 64-100-10, batch 128, prior N(0, 1)",
         "",
-        f"torch {torch.__version__}, pyro {pyro.__version__}, {torch.get_num_threads()} thread(s), "
-        f"Pyro validation {'on' if pyro.infer.util.is_validation_enabled() else 'off'}, "
-        f"N = {num_data}, median of {args.steps} steps after {args.warmup} warm-up steps "
-        f"(blocks of {args.block}), {platform.processor() or platform.machine()}.",
+        f"N = {num_data}, median of {args.steps} steps after {args.warmup} warm-up steps (blocks of "
+        f"{args.block}); {load()} at the end.",
         "",
-        "Wall-clock medians; CPU time (``time.process_time``) is shown next to it because it is less "
-        "sensitive to other processes on a busy machine. Ratios are of wall-clock medians.",
-        "",
-        "| method | ms/step | IQR (ms) | CPU ms/step | ratio to Pyro SVI + Adam | ratio to hand-written VOGN |",
+        "| method | ms/step | IQR (ms) | CPU ms/step | ratio to Pyro SVI + Adam | ratio to hand-written VOGN (ef) |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for name in times:
-        lines.append(
-            f"| {name} | {ms[name]:.2f} | {spread[name]:.2f} | {cpu_ms[name]:.2f} | {ms[name] / base:.2f} "
-            f"| {ms[name] / vogn:.2f} |"
-        )
+        median, spread = summary(times[name])
+        cpu = summary(cpu_times[name])[0]
+        lines.append(f"| {name} | {median:.2f} | {spread:.2f} | {cpu:.2f} | {median / base:.2f} | {median / vogn:.2f} |")
     lines += ["", "| target | ratio | bound | met |", "|---|---:|---:|---|"]
     for name, reference, bound in TARGETS:
         ratio = ms[name] / ms[reference]
-        lines.append(
-            f"| {name} vs {reference} | {ratio:.2f} | <= {bound} | {'yes' if ratio <= bound else 'NO'} |"
-        )
+        lines.append(f"| {name} vs {reference} | {ratio:.2f} | <= {bound} | {'yes' if ratio <= bound else 'NO'} |")
     return "\n".join(lines) + "\n"
 
 
+def curvature_report(title: str, times, cpu_times, steps: int, bound: float, size: int) -> Tuple[str, List]:
+    """A section's table (NGVI vs hand-written VOGN of the same curvature, MAP) and its target rows."""
+    ms = {name: summary(t)[0] for name, t in times.items()}
+    lines = [
+        f"## {title}",
+        "",
+        f"{size:,} weights, batch 128; median of {steps} steps; {load()} at the end.",
+        "",
+        "| method | ms/step | IQR (ms) | CPU ms/step | ratio to hand-written VOGN (same curvature) | ratio to MAP |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    rows = []
+    for name in times:
+        median, spread = summary(times[name])
+        cpu = summary(cpu_times[name])[0]
+        reference = next((HAND[c] for c in HAND if name in (ngvi_label(c), HAND[c])), None)
+        ratio = "" if reference is None else f"{median / ms[reference]:.2f}"
+        lines.append(f"| {name} | {median:.2f} | {spread:.2f} | {cpu:.2f} | {ratio} | {median / ms[MAP_ADAM]:.2f} |")
+    for curvature, hand in HAND.items():
+        cpu_ratio = summary(cpu_times[ngvi_label(curvature)])[0] / summary(cpu_times[hand])[0]
+        rows.append((title, curvature, ms[ngvi_label(curvature)], ms[hand], ms[ngvi_label(curvature)] / ms[hand],
+                     cpu_ratio, bound))
+    return "\n".join(lines) + "\n", rows
+
+
+def scaling_table(rows) -> str:
+    lines = [
+        "## Scaling: NGVI (BackPACK fast path) over the hand-written VOGN step of the same curvature",
+        "",
+        "| network | curvature | NGVI ms | hand ms | ratio (wall) | ratio (CPU) | bound | met |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for title, curvature, ngvi_ms, hand_ms, ratio, cpu_ratio, bound in rows:
+        lines.append(f"| {title} | {curvature} | {ngvi_ms:.2f} | {hand_ms:.2f} | {ratio:.2f} | {cpu_ratio:.2f} | "
+                     f"<= {bound} | {'yes' if ratio <= bound else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- traced site
+def timed(optim):
+    """``optim`` with its calls timed (wall and CPU, lists ``optim.wall`` / ``optim.cpu``): its class
+    becomes a subclass whose ``__call__`` measures (SVI needs a ``PyroOptim``, and NGVI finds its
+    ``SVI`` by the optimizer's identity)."""
+
+    class Timed(type(optim)):
+        def __call__(self, *args, **kwargs):
+            start, cpu_start = time.perf_counter(), time.process_time()
+            out = super().__call__(*args, **kwargs)
+            self.wall.append(time.perf_counter() - start)
+            self.cpu.append(time.process_time() - cpu_start)
+            return out
+
+    optim.__class__ = Timed
+    optim.wall, optim.cpu = [], []
+    return optim
+
+
+class TracedSite:
+    """``z ~ N(0, I_n)``, ``x ~ N(z, I)`` observed, an ``AutoNormal`` guide, ``Trace_ELBO``, and an
+    optimizer, in a param-store scope of its own."""
+
+    def __init__(self, size: int, make_optim: Callable, seed: int = 0):
+        self.data = torch.randn(size, generator=torch.Generator().manual_seed(seed))
+        self.guide = AutoNormal(self.model)
+        self._store = {"params": {}, "constraints": {}}
+        with self.active():
+            self.guide()
+            self.optim = timed(make_optim(self.guide))
+            self.svi = SVI(self.model, self.guide, self.optim, Trace_ELBO())
+
+    def model(self):
+        z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([len(self.data)]).to_event(1))
+        pyro.sample("x", dist.Normal(z, 1.0).to_event(1), obs=self.data)
+
+    def active(self):
+        return pyro.get_param_store().scope(self._store)
+
+    def step(self):
+        self.svi.step()
+
+
+def traced(size: int, steps: int, warmup: int, block: int) -> str:
+    makers = {
+        "NGVI + Trace_ELBO": lambda: TracedSite(size, lambda guide: NGVI(guide=guide)),
+        "Pyro Adam + Trace_ELBO": lambda: TracedSite(size, lambda guide: pyro.optim.Adam({"lr": 1e-3})),
+    }
+    runs = {name: make() for name, make in makers.items()}
+    step_wall = {name: [] for name in runs}
+    step_cpu = {name: [] for name in runs}
+    for run in runs.values():
+        with run.active():
+            for _ in range(warmup):
+                run.step()
+        run.optim.wall.clear()
+        run.optim.cpu.clear()
+    while min(len(t) for t in step_wall.values()) < steps:
+        for name, run in runs.items():
+            with run.active():
+                for _ in range(block):
+                    start, cpu_start = time.perf_counter(), time.process_time()
+                    run.step()
+                    step_wall[name].append(time.perf_counter() - start)
+                    step_cpu[name].append(time.process_time() - cpu_start)
+    ngvi, adam = runs["NGVI + Trace_ELBO"], runs["Pyro Adam + Trace_ELBO"]
+    rows = [
+        ("optimizer call", ngvi.optim.wall, adam.optim.wall, ngvi.optim.cpu, adam.optim.cpu, 1.5),
+        ("whole SVI.step", step_wall["NGVI + Trace_ELBO"], step_wall["Pyro Adam + Trace_ELBO"],
+         step_cpu["NGVI + Trace_ELBO"], step_cpu["Pyro Adam + Trace_ELBO"], 1.1),
+    ]
+    lines = [
+        f"## Traced path: one AutoNormal site of {size:,} elements, Trace_ELBO",
+        "",
+        f"`z ~ N(0, I)`, `x ~ N(z, I)` observed; NGVI() with its defaults against `pyro.optim.Adam`; "
+        f"median of {steps} steps; {load()} at the end.",
+        "",
+        "| what | NGVI ms (IQR) | Adam ms (IQR) | ratio (wall) | CPU ms NGVI / Adam | ratio (CPU) | bound | met |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for what, ngvi_wall, adam_wall, ngvi_cpu, adam_cpu, bound in rows:
+        (n, n_iqr), (a, a_iqr) = summary(ngvi_wall), summary(adam_wall)
+        nc, ac = summary(ngvi_cpu)[0], summary(adam_cpu)[0]
+        lines.append(f"| {what} | {n:.2f} ({n_iqr:.2f}) | {a:.2f} ({a_iqr:.2f}) | {n / a:.2f} | {nc:.2f} / {ac:.2f} | "
+                     f"{nc / ac:.2f} | <= {bound} | {'yes' if n / a <= bound else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- main
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=400, help="timed steps per method (default 400)")
+    parser.add_argument("--sections", nargs="*", default=["digits", "widths", "cnn", "traced"],
+                        choices=["digits", "widths", "cnn", "traced"])
+    parser.add_argument("--steps", type=int, default=400, help="timed steps per method on digits (default 400)")
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--block", type=int, default=50)
+    parser.add_argument("--widths", type=int, nargs="*", default=[100, 400, 1600])
+    parser.add_argument("--sweep-steps", type=int, nargs="*", default=[200, 100, 40],
+                        help="timed steps per method at each width (the last repeats), and on the CNN the first")
+    parser.add_argument("--traced-size", type=int, default=10**6)
+    parser.add_argument("--traced-steps", type=int, default=60)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-validation", action="store_true",
                         help="pyro.enable_validation(False) (default: Pyro's default, on)")
-    parser.add_argument("--only", nargs="*", help="time only these methods (substring match)")
-    parser.add_argument("--profile", metavar="METHOD",
-                        help="also cProfile this method (substring of its label)")
-    parser.add_argument("--out", help="write the markdown table here")
+    parser.add_argument("--only", nargs="*", help="digits: time only these methods (substring match)")
+    parser.add_argument("--profile", metavar="METHOD", help="digits: also cProfile this method (substring of its label)")
+    parser.add_argument("--out", help="write the markdown tables here")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -197,35 +386,64 @@ def main(argv=None):
         pyro.enable_validation(False)
     warnings.simplefilter("error", NGVIWarning)  # a diverging run would time another code path
     warnings.filterwarnings("ignore", "Full backward hook is firing")  # BackPACK's first layer
-    task = replace(harness.digits_mlp(), seed=args.seed)
-    batches = fixed_batches(task, 50)
-    makers = methods(task)
-    if args.only:
-        keep = {SVI_ADAM, VOGN_REF}
-        keep |= {n for n in makers if any(s in n for s in args.only)}
-        keep |= {reference for name, reference, _ in TARGETS if name in keep}
-        makers = {n: m for n, m in makers.items() if n in keep}
-    runs, times, cpu_times = time_steps(makers, batches, args.steps, args.warmup, args.block, args.seed)
-    if args.only:
-        text = report_subset(times, args, task.num_data)
-    else:
-        text = report(times, cpu_times, args, task.num_data)
-    print(text)
+    header = (
+        f"# Time per step\n\ntorch {torch.__version__}, pyro {pyro.__version__}, {torch.get_num_threads()} "
+        f"thread(s), Pyro validation {'on' if pyro.infer.util.is_validation_enabled() else 'off'}, "
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; {load()} at the start. "
+        "Wall-clock medians; CPU time (`time.process_time`) beside it is less sensitive to other "
+        "processes. Ratios are of wall-clock medians unless marked CPU.\n"
+    )
+    print(header, flush=True)
+    parts, rows = [header], []
+
+    def emit(text):
+        print(text, flush=True)
+        parts.append(text)
+
+    if "digits" in args.sections:
+        task = replace(harness.digits_mlp(), seed=args.seed)
+        batches = fixed_batches(task, 50)
+        makers = methods(task)
+        if args.only:
+            keep = {SVI_ADAM, VOGN_REF} | {n for n in makers if any(s in n for s in args.only)}
+            keep |= {reference for name, reference, _ in TARGETS if name in keep}
+            makers = {n: m for n, m in makers.items() if n in keep}
+        runs, times, cpu_times = time_steps(makers, batches, args.steps, args.warmup, args.block, args.seed)
+        if not args.only:
+            emit(digits_report(times, cpu_times, args, task.num_data))
+            ms = {name: summary(t)[0] for name, t in times.items()}
+            for curvature, hand in HAND.items():
+                name = ngvi_label(curvature)
+                rows.append(("digits MLP 64-100-10", curvature, ms[name], ms[hand], ms[name] / ms[hand],
+                             summary(cpu_times[name])[0] / summary(cpu_times[hand])[0], 1.3))
+        else:
+            emit("\n".join(f"{n}: {summary(t)[0]:.2f} ms" for n, t in times.items()) + "\n")
+        if args.profile:
+            name = next(n for n in makers if args.profile in n)
+            print(f"### cProfile, {name}, {args.steps} steps\n")
+            print(profile(runs[name], batches, args.steps))
+    sweep = []
+    if "widths" in args.sections:
+        sweep += [(mlp_task(width, args.seed), 1.3 if width < 400 else 1.15) for width in args.widths]
+    if "cnn" in args.sections:
+        sweep.append((cnn_task(args.seed), 1.15))
+    for index, (task, bound) in enumerate(sweep):
+        steps = args.sweep_steps[min(index, len(args.sweep_steps) - 1)]
+        if task.name.startswith("CNN"):
+            steps = args.sweep_steps[0]
+        block = max(steps // 10, 1)
+        batches = fixed_batches(task, 16)
+        _, times, cpu_times = time_steps(curvature_methods(task), batches, steps, max(block // 2, 3), block, args.seed)
+        text, section_rows = curvature_report(task.name, times, cpu_times, steps, bound, latent_size(task))
+        emit(text)
+        rows += section_rows
+    if rows:
+        emit(scaling_table(rows))
+    if "traced" in args.sections:
+        emit(traced(args.traced_size, args.traced_steps, 5, max(args.traced_steps // 6, 1)))
     if args.out:
         with open(args.out, "w") as f:
-            f.write(text)
-    if args.profile:
-        name = next(n for n in makers if args.profile in n)
-        print(f"### cProfile, {name}, {args.steps} steps\n")
-        print(profile(runs[name], batches, args.steps))
-
-
-def report_subset(times, args, num_data):
-    ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
-    return "\n".join(
-        f"{name}: {ms[name]:.2f} ms ({ms[name] / ms[SVI_ADAM]:.2f}x SVI+Adam, {ms[name] / ms[VOGN_REF]:.2f}x VOGN)"
-        for name in times
-    ) + "\n"
+            f.write("\n".join(parts))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from .family import pop_curvature, split_params
 from .kronecker import KroneckerCurvature, KroneckerSite, kronecker_step
 from .monitor import SKIPS_IN_A_ROW, ElboWatch, NGVIWarning, SpreadWatch, power_of_two, spread, stuck_message
 from .priors import update_learned_priors
+from .scales import known_scale, remember_scale
 
 Schedule = Union[float, Callable[[int], float]]
 _ONE_DRAW_ELBOS = (Trace_ELBO, JitTrace_ELBO)
@@ -600,14 +601,17 @@ class NGVI(PyroOptim):
         group_stats = [[stats[site.key] for site in group.sites] for group in groups]
         flats = [(_flat([s.grad for s in st]), _flat([s.curvature for s in st])) for st in group_stats]
         others_with_grad = [p for p in others if p.grad is not None]
-        finite = [_finite(grad, curvature, mask=st[0].mask) for (grad, curvature), st in zip(flats, group_stats)]
-        finite += [_finite(p.grad) for p in others_with_grad]
-        finite += [_finite(*_statistics(stats[site.key])) for site in full_sites]
+        checked = [((grad, curvature), st[0].mask) for (grad, curvature), st in zip(flats, group_stats)]
+        checked += [((p.grad,), None) for p in others_with_grad]
+        checked += [(_statistics(stats[site.key]), None) for site in full_sites]
+        finite = [_finite(*tensors, mask=mask) for tensors, mask in checked]
         safeguards, self._safeguards = self._safeguards, []
         elbo_flag, self._elbo_flag = self._elbo_flag, None
         flags = [f for s in safeguards for f in s.flags()] + ([] if elbo_flag is None else [elbo_flag])
         checks = torch.stack(finite + flags).tolist()  # one device sync
         finite, engaged = checks[: len(finite)], checks[len(finite):]
+        if not all(finite):  # or finite values whose sum overflowed: tell them apart
+            finite = [ok or bool(_finite(*tensors, mask=mask, exact=True)) for ok, (tensors, mask) in zip(finite, checked)]
         self._report(safeguards, engaged)
         if elbo_flag is not None and engaged[-1]:
             message = self._elbo_watch.message(self.num_steps)
@@ -837,7 +841,7 @@ class NGVI(PyroOptim):
     @staticmethod
     def _sites_finite(stats: Dict[str, SiteCurvature]) -> List[bool]:
         """Per site, whether its touched rows are finite (to name the bad ones)."""
-        return [bool(_finite(*_statistics(s), mask=getattr(s, "mask", None))) for s in stats.values()]
+        return [bool(_finite(*_statistics(s), mask=getattr(s, "mask", None), exact=True)) for s in stats.values()]
 
     @torch.no_grad()
     def _site_curvature(self, site: GaussianSite, live: bool = True, one_draw: bool = False) -> SiteCurvature:
@@ -867,8 +871,12 @@ class NGVI(PyroOptim):
         if isinstance(site, FullCovarianceSite):
             return _full_reparam_curvature(site)
         raw = site.raw_scale.detach()
-        scale = site._scale_transform(raw)
-        dscale_draw = site._scale_transform.log_abs_det_jacobian(raw, scale).exp()
+        scale = site.scale
+        transform = site._scale_transform
+        if hasattr(transform, "derivative"):  # softplus: d sigma / d r = sigmoid(r)
+            dscale_draw = transform.derivative(raw)
+        else:
+            dscale_draw = transform.log_abs_det_jacobian(raw, scale).exp()
         scale_grad = site.raw_scale.grad / dscale_draw
         loc_grad = site.loc.grad
         mask = scale_grad != 0
@@ -914,8 +922,10 @@ class NGVI(PyroOptim):
         first, sites, transform = stats[0], group.sites, group.transform
         lr, beta, rho = settings.lr, settings.beta, settings.momentum
         mean = _flat([site.loc for site in sites])
-        if all(s.scale is not None for s in stats):  # the sigma the ELBO read this step
-            precision = _flat([s.scale for s in stats]).pow(-2)
+        # the sigma the ELBO read this step, else the one this optimizer wrote last
+        scales = [known_scale(site.raw_scale) if s.scale is None else s.scale for s, site in zip(stats, sites)]
+        if all(scale is not None for scale in scales):
+            precision = _flat(scales).pow(-2)
         else:
             precision = transform(_flat([site.raw_scale for site in sites])).pow_(-2)
         mask = None if first.mask is None else first.mask.reshape(-1)
@@ -1026,6 +1036,8 @@ class NGVI(PyroOptim):
         if mask is None:
             torch._foreach_copy_(group.locs, new_mean.split(group.sizes))
             torch._foreach_copy_(group.raw_scales, new_raw_scale.split(group.sizes))
+            for site, piece in zip(sites, new_scale.split(group.sizes)):  # for the next reader
+                remember_scale(site.raw_scale, piece.view_as(site.loc))
         else:  # a masked site is a group of its own
             (loc,), (raw_scale,) = group.locs, group.raw_scales
             loc.copy_(torch.where(mask, new_mean, loc))
@@ -1630,19 +1642,21 @@ def _full_reparam_curvature(site: FullCovarianceSite) -> SiteCurvature:
                          whitened=True)
 
 
-def _finite(*tensors: torch.Tensor, mask=None) -> torch.Tensor:
+def _finite(*tensors: torch.Tensor, mask=None, exact: bool = False) -> torch.Tensor:
     """
     Whether the ``mask`` rows (all: ``None``) of every tensor are finite, as a 0-d
-    bool tensor (no device sync): their sum, accumulated in float64, is finite iff
-    they all are (float64 cannot overflow on float32 values; for float64 values
-    only beyond ~1e300). One reduction per tensor; ``isfinite(x).all()`` costs
-    several times more on the CPU.
+    bool tensor (no device sync), from their sum: one reduction per tensor
+    (``isfinite(x).all()`` costs several times more on the CPU). A finite sum
+    proves them finite; a non-finite one may also be an overflow of finite values,
+    which ``exact`` tells apart: accumulated in float64, the sum is finite iff they
+    all are (float64 cannot overflow on float32 values; for float64 values only
+    beyond ~1e300). Cheap first, exact where the cheap sum is not finite.
     """
     total = 0
     for t in tensors:
         if mask is not None:
             t = t.reshape(-1)[mask.reshape(-1)]
-        total = total + t.sum(dtype=torch.float64)
+        total = total + (t.sum(dtype=torch.float64) if exact else t.sum())
     return torch.isfinite(total)
 
 

@@ -369,7 +369,9 @@ def test_ngvi_follows_a_scale_replaced_in_the_param_store():
     store.set_state(start)
     _, reference = run(NGVI(lr=0.5, beta=0.5, momentum=0.0, warm_start=False), replace=False)  # nothing cached
     for name, value in reference.items():
-        torch.testing.assert_close(after[name], value, rtol=0, atol=0, msg=name)
+        # the other sites' sigma is the one NGVI remembers writing in the first run and
+        # recomputed from the raw scale in the second: equal up to rounding (float64 here)
+        torch.testing.assert_close(after[name], value, rtol=1e-13, atol=0, msg=name)
 
 
 # ----------------------------------------------------------------- errors

@@ -20,7 +20,6 @@ from typing import List, Optional, Tuple
 
 import torch
 from torch import nn
-from torch._utils import _flatten_dense_tensors
 
 import pyro
 
@@ -28,6 +27,7 @@ from backpack import extend
 
 from ..curvature.backpack import network_curvature
 from ..family import SiteCurvature, attach_curvature, scale_transform
+from ..scales import known_scale
 from ..kronecker import KroneckerCurvature, KroneckerNormal
 
 _HALF_LOG_TWO_PI = 0.5 * math.log(2 * math.pi)
@@ -63,6 +63,7 @@ class BackpackStep:
         self.module_pairs = list(zip(twin.modules(), net.modules()))
         self._layer_inputs = {}  # id(net's Linear) -> [its latest input], for Kronecker factors
         self._kronecker_cache = None
+        self._guide_names = {}  # id(guide) -> (its name, its loc names, its scale names)
         self.refresh()
 
     def refresh(self) -> None:
@@ -94,14 +95,10 @@ class BackpackStep:
             return self._kronecker_step(model, guide, x, y, curvature, num_particles, deterministic, mc_samples)
         self._check_step(guide, y, curvature, deterministic)
         model._check_batch(x, y)
-        locs, scale = self._read_guide(model, guide, x, y)
+        locs, stddevs = self._read_guide(model, guide, x, y)
         points, noise_scale, loss_scale = self._begin(model)
         prior = model._weight_prior()
         twin, loss_module = self.twin, self.loss_module
-        # all sites as one flat vector: mu, sigma, eps, w (views split it per site)
-        with torch.no_grad():
-            mean = _flatten_dense_tensors(locs)
-        stddevs = model._split(scale)
         target = self._loss_target(model, y)
         source = "none" if curvature == "reparam" else curvature
         grads: List[torch.Tensor] = []
@@ -110,10 +107,13 @@ class BackpackStep:
         nll, log_ratio = 0.0, 0.0
         draws = None  # reparam: the sum over particles of eps and eps^2, for NGVI's control variate
         for particle in range(num_particles):
-            weights, noise = self._sample_into_net(model, mean, scale, deterministic)
+            noises = self._sample_into_net(model, locs, stddevs, deterministic)
             if curvature == "reparam":
-                draws = [noise.clone(), noise.square()] if draws is None else [
-                    draws[0].add_(noise), draws[1].addcmul_(noise, noise)]
+                if draws is None:  # (one particle: the draws themselves, not changed below)
+                    draws = [[n.clone() if num_particles > 1 else n for n in noises], [n.square() for n in noises]]
+                else:
+                    torch._foreach_add_(draws[0], noises)
+                    torch._foreach_addcmul_(draws[1], noises, noises)
             result = network_curvature(
                 twin, loss_module, x, target, source, mc_samples=mc_samples, loss_scale=loss_scale,
                 params=self.params,
@@ -121,7 +121,7 @@ class BackpackStep:
             )
             site_grads = [result.grads[w.index] for w in model._latents]
             if curvature == "reparam":
-                site_curvatures = [g * e / s for g, e, s in zip(site_grads, model._split(noise), stddevs)]
+                site_curvatures = [g * e / s for g, e, s in zip(site_grads, noises, stddevs)]
             else:
                 site_curvatures = [result.curvatures[w.index] for w in model._latents]
             site_point_grads = [result.grads[w.index] for w in model._point_estimates]
@@ -134,19 +134,22 @@ class BackpackStep:
                     torch._foreach_add_(point_grads, site_point_grads)
             nll = nll + result.loss
             if not deterministic:
-                log_ratio = log_ratio + self._log_ratio(prior, weights, noise)
+                log_ratio = log_ratio + self._log_ratio(prior, model._latent_params, noises)
 
         # full-data scale N/B and particle average; hand g, h over on each loc
         factor = model.effective_num_data / len(x) / num_particles
         torch._foreach_mul_(grads, factor)
         torch._foreach_mul_(curvatures, factor)
-        eps_means, eps_sq_means = ([model._split(d.div_(num_particles)) for d in draws] if draws is not None
-                                   else ([None] * len(locs), [None] * len(locs)))
+        if draws is not None and num_particles > 1:
+            for d in draws:
+                torch._foreach_div_(d, num_particles)
+        eps_means, eps_sq_means = draws if draws is not None else ([None] * len(locs), [None] * len(locs))
         nll = self._full_nll(model, nll / num_particles, loss_scale, noise_scale, target, len(x))
+        log_scale = sum(stddev.log().sum() for stddev in stddevs)
         if deterministic:
-            loss = (nll + self._kl(prior, mean, scale)).detach()
+            loss = (nll + self._kl(prior, locs, stddevs, log_scale)).detach()
         else:  # the particle average of sum [lambda_0 (w - m_0)^2 - eps^2] / 2 - log sigma + log s_0
-            log_ratio = log_ratio / num_particles - scale.log().sum() + prior.log_scale_total
+            log_ratio = log_ratio / num_particles - log_scale + prior.log_scale_total
             loss = (nll + log_ratio).detach()
         floors = None if deterministic else model._noise_floor()  # as statistics_hints says
         for j, (loc, grad, curv, stddev) in enumerate(zip(locs, grads, curvatures, stddevs)):
@@ -165,7 +168,7 @@ class BackpackStep:
                 min_precision=None if floors is None else floors[j],
                 loss=loss,
             )
-            attach_curvature(loc.unconstrained(), stats)
+            attach_curvature(loc, stats)
         for value, grad in zip(points, point_grads):
             _accumulate_grad(value.unconstrained(), grad.mul_(factor))
 
@@ -328,51 +331,57 @@ class BackpackStep:
         self._kronecker_cache = (key, layers)
         return layers
 
-    def _read_guide(self, model, guide, x, y) -> Tuple[List[torch.Tensor], torch.Tensor]:
+    def _read_guide(self, model, guide, x, y) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
         """
         The guide's unconstrained ``loc`` tensors, read by ``pyro.param``
         statements (which ``SVI.step`` records to hand them to the optimizer), and
-        :math:`\\sigma` of all sites as one flat vector (detached). The scales are
-        read from the param store directly: :class:`~pyro_ngvi.NGVI` finds their
-        raw tensors by name, and gets :math:`\\sigma` in the
-        :class:`~pyro_ngvi.family.SiteCurvature`.
+        :math:`\\sigma` of each site (detached, read-only): the one
+        :class:`~pyro_ngvi.NGVI` remembers writing
+        (:func:`~pyro_ngvi.scales.known_scale`), else the softplus of the raw
+        scale, read from the param store directly (NGVI finds the raw tensors by
+        name, and gets :math:`\\sigma` in the :class:`~pyro_ngvi.family.SiteCurvature`).
         """
         if guide.prototype_trace is None:
             guide(x, y)
         store = pyro.get_param_store()
-        prefix = guide._pyro_name
-        locs = [f"{prefix}.locs.{w.site}" for w in model._latents]
-        scales = [f"{prefix}.scales.{w.site}" for w in model._latents]
-        if not all(loc in store and scale in store for loc, scale in zip(locs, scales)):
+        names = self._guide_names.get(id(guide))
+        if names is None or names[0] != guide._pyro_name:
+            prefix = guide._pyro_name
+            names = self._guide_names[id(guide)] = (
+                prefix, [f"{prefix}.locs.{w.site}" for w in model._latents],
+                [f"{prefix}.scales.{w.site}" for w in model._latents])
+        _, locs, scales = names
+        params = store._params
+        if not all(loc in params and scale in params for loc, scale in zip(locs, scales)):
             with guide._pyro_context:  # (re-)registers the guide's own tensors
                 for w in model._latents:
                     guide._get_loc_and_scale(w.site)
-        constraint = store._constraints[scales[0]]
-        with torch.no_grad():
-            raw = _flatten_dense_tensors([store._params[name] for name in scales])
-        if all(store._constraints[name] is constraint for name in scales):
-            scale = scale_transform(constraint)(raw)
-        else:
-            scale = torch.cat([store[name].detach().reshape(-1) for name in scales])
-        return [pyro.param(name) for name in locs], scale
+        stddevs = []
+        for name in scales:
+            raw = params[name]
+            stddev = known_scale(raw)
+            if stddev is None:
+                with torch.no_grad():
+                    stddev = scale_transform(store._constraints[name])(raw.detach())
+            stddevs.append(stddev)
+        return [pyro.param(name).unconstrained() for name in locs], stddevs
 
-    def _sample_into_net(self, model, mean, scale, deterministic) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def _sample_into_net(self, model, locs, stddevs, deterministic) -> Optional[List[torch.Tensor]]:
         """
-        Draw :math:`\\epsilon` site by site (as ``randn_like`` per site), write
-        :math:`w = \\mu + \\sigma\\epsilon` (:math:`\\mu` when ``deterministic``) into the
-        net; return the flat ``(w, eps)`` (``eps`` is ``None`` when ``deterministic``).
+        Draw :math:`\\epsilon` site by site, write :math:`w = \\mu + \\sigma\\epsilon`
+        (:math:`\\mu` when ``deterministic``) straight into the net's weights; return
+        the draws (``None`` when ``deterministic``).
         """
-        noise = None
-        if deterministic:
-            weights = mean
-        else:
-            noise = torch.empty_like(mean)
-            for piece in model._split(noise):
-                piece.normal_()
-            weights = torch.addcmul(mean, scale, noise)
         with torch.no_grad():
-            torch._foreach_copy_(model._latent_params, model._split(weights))
-        return weights, noise
+            if deterministic:
+                torch._foreach_copy_(model._latent_params, locs)
+                return None
+            noises = []
+            for param, loc, stddev in zip(model._latent_params, locs, stddevs):
+                noise = torch.empty_like(loc).normal_()
+                torch.addcmul(loc, stddev, noise, out=param)
+                noises.append(noise)
+            return noises
 
     def _full_nll(self, model, nll, loss_scale, noise_scale, target, batch_size) -> torch.Tensor:
         """
@@ -416,25 +425,32 @@ class BackpackStep:
                 "model.statistics_hints = bnn.statistics_hints (the recipe's defaults and noise limit)"
             )
 
-    def _log_ratio(self, prior, weights, noise) -> torch.Tensor:
+    @torch.no_grad()
+    def _log_ratio(self, prior, weights, noises) -> torch.Tensor:
         """
         The sample-dependent part of :math:`\\log q(w) - \\log p_0(w)` at
-        :math:`w = \\mu + \\sigma\\epsilon` (all sites, flat):
+        :math:`w = \\mu + \\sigma\\epsilon`, summed over sites:
         :math:`\\tfrac12 \\sum [\\lambda_0 (w - m_0)^2 - \\epsilon^2]`; the rest,
         :math:`\\sum [\\log s_0 - \\log\\sigma]`, does not depend on the sample.
         """
-        deviation = weights - prior.loc
-        return 0.5 * (deviation.mul(prior.precision).dot(deviation) - noise.dot(noise))
+        total = 0.0
+        for w, noise, (loc, precision) in zip(weights, noises, prior.compact):
+            noise = noise.reshape(-1)
+            total = total + _quadratic(w, loc, precision) - noise.dot(noise)
+        return 0.5 * total
 
-    def _kl(self, prior, mean, scale) -> torch.Tensor:
+    @torch.no_grad()
+    def _kl(self, prior, locs, stddevs, log_scale) -> torch.Tensor:
         """
         :math:`\\sum_j \\mathrm{KL}(q_j \\| p_{0j})
         = \\sum [\\log(s_0/\\sigma) + \\lambda_0(\\sigma^2 + (\\mu - m_0)^2)/2 - 1/2]`
-        over all sites (flat :math:`\\mu`, :math:`\\sigma`).
+        over all sites; ``log_scale`` is :math:`\\sum \\log\\sigma`.
         """
-        second_moment = scale.square() + (mean - prior.loc).square()
-        return (prior.log_scale_total - scale.log().sum()
-                + 0.5 * (prior.precision.dot(second_moment) - mean.numel()))
+        total, count = 0.0, 0
+        for mean, stddev, (loc, precision) in zip(locs, stddevs, prior.compact):
+            total = total + _quadratic(mean, loc, precision) + _quadratic(stddev, None, precision)
+            count += mean.numel()
+        return prior.log_scale_total - log_scale + 0.5 * (total - count)
 
 
 
@@ -461,6 +477,16 @@ def _matrix_normal_kl(posterior, prior) -> torch.Tensor:
     log_det = (2 * p * posterior.row_scale_tril.diagonal().log().sum()
                + 2 * n * posterior.col_scale_tril.diagonal().log().sum())
     return 0.5 * ((precision * second).sum() - n * p + 2 * prior.scale.log().sum() - log_det)
+
+
+def _quadratic(w: torch.Tensor, loc: Optional[torch.Tensor], precision: torch.Tensor) -> torch.Tensor:
+    """:math:`\\sum \\lambda_0 (w - m_0)^2` over a weight tensor, :math:`m_0` (``None``: 0)
+    and :math:`\\lambda_0` broadcast to it: one dot product for a scalar prior."""
+    deviation = w if loc is None else w - loc
+    if precision.numel() == 1:
+        flat = deviation.reshape(-1)
+        return flat.dot(flat) * precision.reshape(())
+    return deviation.square().mul_(precision).sum()
 
 
 def _accumulate_grad(tensor: torch.Tensor, grad: torch.Tensor) -> None:

@@ -45,6 +45,9 @@ class WeightPrior(NamedTuple):
     site_precisions: List[torch.Tensor]
     log_scale_total: torch.Tensor  # sum of log s_0 over all elements
     params: Optional[List[PriorParam]]  # learned prior scales, one per site (or None)
+    #: per site (m_0, lambda_0) broadcastable to the weight, m_0 None where it is 0:
+    #: what the ELBO value needs, without the flat copies
+    compact: List[Tuple[Optional[torch.Tensor], torch.Tensor]]
 
 
 class _Weight(NamedTuple):
@@ -450,11 +453,12 @@ class BayesianNet(nn.Module):
             scales = torch.cat([u.reshape(-1) for u in unconstrained]).exp()
             precision = scales.pow(-2)[self._prior_index_cache["gather"]]
             log_scale_total = scales.log().mul(self._prior_index_cache["multiplicity"]).sum()
+            compact = [(loc, u.detach().mul(-2.0).exp_()) for (loc, _), u in zip(fixed.compact, unconstrained)]
         indices = self._prior_index_cache["sites"]
         params = [PriorParam(self._prior_scale_name(w), u, constraints.positive, index)
                   for w, u, index in zip(self._latents, unconstrained, indices)]
         return WeightPrior(fixed.loc, precision, fixed.site_locs, self._split(precision),
-                           log_scale_total, params)
+                           log_scale_total, params, compact)
 
     def _fixed_prior(self) -> "WeightPrior":
         """The prior as given (flat), and for ``learn_prior`` the broadcast of the
@@ -478,8 +482,12 @@ class BayesianNet(nn.Module):
         loc, precision = torch.cat(locs), torch.cat(precisions)
         self._prior_index_cache = {"gather": torch.cat(gather), "multiplicity": torch.cat(multiplicity),
                                    "sites": sites}
+        compact = []
+        for j in range(len(self._latents)):
+            site_loc, _, site_precision, _ = self._prior_buffers(j)
+            compact.append((None if not bool(site_loc.any()) else site_loc, site_precision))
         return WeightPrior(loc, precision, self._split(loc), self._split(precision),
-                           torch.as_tensor(log_scale_total, dtype=loc.dtype, device=loc.device), None)
+                           torch.as_tensor(log_scale_total, dtype=loc.dtype, device=loc.device), None, compact)
 
     def _learned_scale_tensors(self) -> List[torch.Tensor]:
         """The unconstrained tensors of the learned prior scales in the param store
