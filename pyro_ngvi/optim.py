@@ -878,15 +878,16 @@ class NGVI(PyroOptim):
         else:
             dscale_draw = transform.log_abs_det_jacobian(raw, scale).exp()
         scale_grad = site.raw_scale.grad / dscale_draw
-        loc_grad = site.loc.grad
-        mask = scale_grad != 0
-        touched = int(mask.sum())
-        if touched == mask.numel():
+        touched = int(torch.count_nonzero(scale_grad))
+        if touched == scale_grad.numel():
             mask, plate_scale = None, 1.0
         else:
-            plate_scale = mask.numel() / max(touched, 1)
-        grad = loc_grad / plate_scale
-        curvature = (scale_grad / plate_scale + 1.0 / scale) / scale
+            mask, plate_scale = scale_grad != 0, scale_grad.numel() / max(touched, 1)
+        grad = site.loc.grad / plate_scale if plate_scale != 1.0 else site.loc.grad.clone()  # ours to change
+        inverse_scale = scale.reciprocal()
+        if plate_scale != 1.0:
+            scale_grad.div_(plate_scale)
+        curvature = scale_grad.add_(inverse_scale).mul_(inverse_scale)  # (d_sigma + 1 / sigma) / sigma
         if not one_draw:
             return SiteCurvature(grad, curvature, mask=mask, sampled=True)
         # eps = sigma h / g; where g vanishes (untouched rows) the draw is unknown: 0.
@@ -1031,13 +1032,18 @@ class NGVI(PyroOptim):
             new_mean = torch.addcdiv(mean, numerator, denominator, value=-step_lr)
         del precision, pull, denominator, direction
         new_scale = new_precision.rsqrt_()
-        new_raw_scale = transform.inv(new_scale)
+        if hasattr(transform, "inverse_and_log"):  # and log sigma, when that comes for free
+            new_raw_scale, log_scale = transform.inverse_and_log(new_scale)
+        else:
+            new_raw_scale, log_scale = transform.inv(new_scale), None
         del new_precision
         if mask is None:
             torch._foreach_copy_(group.locs, new_mean.split(group.sizes))
             torch._foreach_copy_(group.raw_scales, new_raw_scale.split(group.sizes))
-            for site, piece in zip(sites, new_scale.split(group.sizes)):  # for the next reader
-                remember_scale(site.raw_scale, piece.view_as(site.loc))
+            # for the next reader (the ELBO value needs sum log sigma)
+            log_sums = [None] * len(sites) if log_scale is None else [p.sum() for p in log_scale.split(group.sizes)]
+            for site, piece, log_sum in zip(sites, new_scale.split(group.sizes), log_sums):
+                remember_scale(site.raw_scale, piece.view_as(site.loc), log_sum)
         else:  # a masked site is a group of its own
             (loc,), (raw_scale,) = group.locs, group.raw_scales
             loc.copy_(torch.where(mask, new_mean, loc))

@@ -14,7 +14,10 @@ written with those alone, accurate to a few ulps (tested against float64 over
 * forward, :math:`x = e^r`, :math:`u = 1 \\oplus x`: :math:`c = x - (u - 1)` is the
   exact rounding error of the sum (both subtractions are exact for :math:`u < 2^{24}`),
   so :math:`\\log(1 + x) = \\log u + c/u` (Goldberg's compensated ``log1p``);
-* inverse, :math:`u \\approx e^\\sigma`: :math:`e^\\sigma - 1 = \\sigma (u - 1)/\\log u`
+* inverse: where every :math:`\\sigma \\le 1`, :math:`r = \\log\\sigma +
+  \\log(\\mathrm{expm1}(\\sigma)/\\sigma)`, the second term a short series in :math:`\\sigma`
+  (one ``log``, which also gives the :math:`\\sum\\log\\sigma` of the ELBO value); else
+  :math:`e^\\sigma - 1 = \\sigma (u - 1)/\\log u` with :math:`u \\approx e^\\sigma`
   (Kahan's ``expm1``: the rounding of :math:`u` cancels between numerator and
   denominator, so :math:`u` may come from the cheaper ``exp2``; the ratio is 1 where
   :math:`u = 1`);
@@ -27,16 +30,21 @@ Other dtypes and devices use torch's own kernels.
 writes its raw scale; :func:`remember_scale` keeps that :math:`\\sigma` beside the
 raw tensor, and :func:`known_scale` hands it to the next reader (the BayesianNet
 fast path, NGVI's own next step) instead of a softplus pass, as long as the raw
-tensor has not been written since (its autograd version counter is unchanged).
+tensor has not been written since (its autograd version counter is unchanged), with
+:math:`\\sum\\log\\sigma` when the inverse gave it (:func:`log_scale_sum`). The
+remembered :math:`\\sigma` and the softplus of the raw scale agree to a few ulps (the
+rounding of :math:`r`), so a resumed or reloaded run continues from values equal up to
+rounding, not bit for bit.
 The raw scale stays the single source of truth: Predictive, save / load and the
 param store always see it, and any in-place write to it (``copy_``, an optimizer,
 ``load_state_dict``) or a new tensor in the store makes the remembered value
 unused. (A write through ``.data`` bypasses the version counter: use ``torch.no_grad()``.)
-The cache holds one tensor of the latent size per site, not optimizer state.
+What is remembered is one latent-size vector in all (sigma of every site): a cache, not
+optimizer state (never saved).
 """
 
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from pyro.distributions.transforms import SoftplusTransform
@@ -45,6 +53,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 #: Above this :math:`r = \\sigma` in float32.
 _LINEAR = 17.0
 _LOG2E = 1.0 / math.log(2.0)
+#: Up to this :math:`\\sigma` the inverse is a series around :math:`\\log\\sigma`, with the
+#: coefficients :math:`B_{2k} / (2k\\,(2k)!)` of :math:`\\sigma^{2k}`, k = 1..4 (the next term,
+#: :math:`\\sigma^{10}/479001600`, is below 3e-9 there).
+_SERIES_MAX = 1.0
+_SERIES = tuple(torch.tensor(c, dtype=torch.float32) for c in (1.0 / 24, -1.0 / 2880, 1.0 / 181440, -1.0 / 9676800))
 
 
 def _fast(x: torch.Tensor) -> bool:
@@ -66,16 +79,37 @@ def softplus(r: torch.Tensor) -> torch.Tensor:
 
 def softplus_inverse(sigma: torch.Tensor) -> torch.Tensor:
     """:math:`r = \\log(e^\\sigma - 1)` (a new tensor)."""
+    return softplus_inverse_and_log(sigma)[0]
+
+
+def softplus_inverse_and_log(sigma: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """
+    :math:`r = \\log(e^\\sigma - 1)` (a new tensor) and, when it comes at no extra cost,
+    :math:`\\log\\sigma` (else ``None``). Where all :math:`\\sigma \\le 1` (a prior scale
+    of at most 1 with a non-negative curvature keeps them there)
+    :math:`r = \\log\\sigma + \\sigma/2 + \\sum_{k=1}^{4} \\frac{B_{2k}}{2k\\,(2k)!} \\sigma^{2k}`
+    (the series of :math:`\\log(\\mathrm{expm1}(\\sigma)/\\sigma)`, truncated below
+    :math:`10^{-8}`): one ``log``, which is also :math:`\\log\\sigma`; else Kahan's form.
+    """
     if not _fast(sigma):
-        return sigma + torch.log(-torch.expm1(-sigma))
-    linear = not bool(sigma.amax() <= _LINEAR)
+        return sigma + torch.log(-torch.expm1(-sigma)), None
+    top = sigma.amax()
+    if bool(top <= _SERIES_MAX):
+        log_sigma = torch.log(sigma)
+        square = sigma.square()
+        series = torch.addcmul(_SERIES[2], square, _SERIES[3])  # Horner in sigma^2
+        series = torch.addcmul(_SERIES[1], series, square, out=series)
+        series = torch.addcmul(_SERIES[0], series, square, out=series)
+        r = torch.addcmul(log_sigma, series, square, out=series)
+        return r.add_(sigma, alpha=0.5), log_sigma
+    linear = not bool(top <= _LINEAR)  # also for NaN: it propagates either way
     x = sigma.clamp(max=_LINEAR) if linear else sigma
     u = torch.mul(x, _LOG2E).exp2_()
     log_u = torch.log(u)
     # (u - 1) / log u = expm1(x) / x, and 1 where u = 1 (0 / 0)
     ratio = u.sub_(1.0).div_(log_u).nan_to_num_(nan=1.0, posinf=math.inf)
     r = ratio.mul_(x).log_()
-    return r.add_(sigma - x) if linear else r
+    return (r.add_(sigma - x) if linear else r), None
 
 
 def softplus_derivative(r: torch.Tensor) -> torch.Tensor:
@@ -93,6 +127,10 @@ class FastSoftplus(SoftplusTransform):
     def _inverse(self, y):
         return softplus_inverse(y)
 
+    def inverse_and_log(self, y):
+        """:func:`softplus_inverse_and_log` of ``y``."""
+        return softplus_inverse_and_log(y)
+
     def log_abs_det_jacobian(self, x, y):
         return softplus(-x).neg_()  # log sigmoid(x)
 
@@ -101,14 +139,14 @@ class FastSoftplus(SoftplusTransform):
         return softplus_derivative(x)
 
 
-#: raw scale tensor -> (its version counter when written, sigma)
+#: raw scale tensor -> (its version counter when written, sigma, sum of log sigma or None)
 _remembered = WeakIdKeyDictionary()
 
 
-def remember_scale(raw: torch.Tensor, sigma: torch.Tensor) -> None:
-    """Remember ``sigma`` (of ``raw``'s shape) as the scale ``raw`` holds now,
-    right after writing ``raw``."""
-    _remembered[raw] = (raw._version, sigma)
+def remember_scale(raw: torch.Tensor, sigma: torch.Tensor, log_sum: Optional[torch.Tensor] = None) -> None:
+    """Remember ``sigma`` (of ``raw``'s shape, not to be changed in place) as the scale
+    ``raw`` holds now, right after writing ``raw``, and :math:`\\sum\\log\\sigma` if known."""
+    _remembered[raw] = (raw._version, sigma, log_sum)
 
 
 def known_scale(raw: torch.Tensor) -> Optional[torch.Tensor]:
@@ -118,6 +156,14 @@ def known_scale(raw: torch.Tensor) -> Optional[torch.Tensor]:
     if entry is None or entry[0] != raw._version:
         return None
     return entry[1]
+
+
+def log_scale_sum(raw: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """:math:`\\sum\\log\\sigma` of the scale ``sigma`` of ``raw``: remembered with it, or computed."""
+    entry = _remembered.get(raw)
+    if entry is not None and entry[1] is sigma and entry[2] is not None and entry[0] == raw._version:
+        return entry[2]
+    return torch.log(sigma).sum()
 
 
 def forget_scale(raw: torch.Tensor) -> None:

@@ -83,3 +83,114 @@ def test_remembered_scale_is_dropped_by_any_write():
     forget_scale(raw)
     assert known_scale(raw) is None
     assert known_scale(torch.zeros(3)) is None  # another tensor
+
+
+def test_series_inverse_gives_log_sigma():
+    from pyro_ngvi.scales import softplus_inverse_and_log
+
+    sigma = log_uniform(1e-8, 1.0).float()  # all <= 1: the series around log sigma
+    r, log_sigma = softplus_inverse_and_log(sigma)
+    exact = exact_inverse(sigma.double())
+    assert ((r.double() - exact).abs() / (exact.abs().clamp(min=1.0) * EPS)).max() < 3.0
+    assert torch.equal(log_sigma, sigma.log())
+    assert softplus_inverse_and_log(torch.tensor([0.5, 1.5]))[1] is None  # Kahan's form beyond 1
+
+
+# --------------------------------------------------------------------------- NGVI and the fast path
+import pyro  # noqa: E402
+from pyro.infer import SVI, Predictive  # noqa: E402
+from pyro.infer.autoguide import AutoNormal  # noqa: E402
+from torch import nn  # noqa: E402
+
+from pyro_ngvi import NGVI, BayesianNet, CurvatureELBO  # noqa: E402
+from pyro_ngvi.family import pop_curvature  # noqa: E402
+from pyro_ngvi.optim import _finite  # noqa: E402
+
+
+@pytest.fixture
+def float32_bnn():
+    pyro.clear_param_store()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 300), nn.Tanh(), nn.Linear(300, 3))  # a site above _FLAT_MAX too
+    net[0].weight.data = torch.randn(300, 4)
+    x, y = torch.randn(32, 4), torch.randint(0, 3, (32,))
+    bnn = BayesianNet(net, "categorical", num_data=100, prior=1.0)
+    guide = AutoNormal(bnn, init_loc_fn=bnn.init_loc_fn, init_scale=0.05)
+    svi = SVI(bnn, guide, NGVI(lr=0.1, beta=0.2), CurvatureELBO("ef"))
+    yield bnn, guide, svi, x, y
+    pyro.clear_param_store()
+
+
+def scales_in_store(guide, bnn):
+    store = pyro.get_param_store()
+    return {site: store[f"AutoNormal.scales.{site}"].detach() for site in bnn.latent_sites}
+
+
+def test_remembered_scales_are_the_guides(float32_bnn):
+    bnn, guide, svi, x, y = float32_bnn
+    for _ in range(3):
+        svi.step(x, y)
+    store = pyro.get_param_store()
+    for site, sigma in scales_in_store(guide, bnn).items():  # softplus of the raw scale
+        remembered = known_scale(store._params[f"AutoNormal.scales.{site}"])
+        assert remembered is not None and remembered.shape == sigma.shape
+        assert ((remembered.double() - sigma.double()).abs() / (sigma.double() * EPS)).max() < 4.0
+    samples = Predictive(bnn, guide=guide, num_samples=2, return_sites=["0.weight"])(x)
+    assert samples["0.weight"].shape[-2:] == (300, 4)
+
+
+def test_a_write_to_the_raw_scale_is_what_the_next_step_reads(float32_bnn):
+    bnn, guide, svi, x, y = float32_bnn
+    svi.step(x, y)
+    store = pyro.get_param_store()
+    raw = store._params["AutoNormal.scales.0.weight"]
+    with torch.no_grad():
+        raw.copy_(softplus_inverse(torch.full_like(raw, 0.3)))  # e.g. a user resetting the scale
+    assert known_scale(raw) is None
+    guide_scale = scales_in_store(guide, bnn)["0.weight"]
+    bnn.curvature_step(guide, x, y, "ef")
+    stats = pop_curvature(store._params["AutoNormal.locs.0.weight"])
+    torch.testing.assert_close(stats.scale, guide_scale, rtol=2 * EPS, atol=0)  # the new scale, not the remembered
+    torch.testing.assert_close(stats.scale, torch.full_like(raw, 0.3), rtol=4 * EPS, atol=0)
+
+
+def test_elbo_value_with_remembered_log_scale_is_the_recomputed_one(float32_bnn):
+    bnn, guide, svi, x, y = float32_bnn
+    for _ in range(2):
+        svi.step(x, y)
+    store = pyro.get_param_store()
+    raws = [store._params[f"AutoNormal.scales.{site}"] for site in bnn.latent_sites]
+    state = torch.get_rng_state()
+    remembered = bnn.curvature_step(guide, x, y, "ef")
+    for raw in raws:
+        forget_scale(raw)
+    torch.set_rng_state(state)
+    recomputed = bnn.curvature_step(guide, x, y, "ef")
+    torch.testing.assert_close(remembered, recomputed, rtol=1e-6, atol=0)
+
+
+def test_finiteness_check_tells_an_overflow_of_finite_values_apart():
+    huge = torch.full((4,), 3e38)
+    assert not bool(_finite(huge))  # the float32 sum overflows ...
+    assert bool(_finite(huge, exact=True))  # ... the values are finite
+    assert not bool(_finite(torch.tensor([1.0, math.inf]), exact=True))
+    assert not bool(_finite(torch.tensor([1.0, math.nan])))
+
+
+def test_ngvi_takes_a_step_on_huge_finite_statistics(float32_bnn):
+    from pyro_ngvi.family import SiteCurvature, attach_curvature, begin_handover
+
+    bnn, guide, svi, x, y = float32_bnn
+    svi.step(x, y)
+    optim = NGVI(lr=1e-30, beta=0.5, guide=guide)
+    store = pyro.get_param_store()
+    begin_handover()
+    params = []
+    for site in bnn.latent_sites:
+        loc = store._params[f"AutoNormal.locs.{site}"]
+        attach_curvature(loc, SiteCurvature(torch.full_like(loc, 3e38), torch.full_like(loc, 1e30),
+                                            prior_loc=torch.zeros_like(loc), prior_precision=torch.ones_like(loc),
+                                            nonnegative=True))
+        params.append(loc)
+    optim(params)
+    assert optim.num_skipped_steps == 0 and optim.num_steps == 1

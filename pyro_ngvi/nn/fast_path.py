@@ -27,7 +27,7 @@ from backpack import extend
 
 from ..curvature.backpack import network_curvature
 from ..family import SiteCurvature, attach_curvature, scale_transform
-from ..scales import known_scale
+from ..scales import known_scale, log_scale_sum
 from ..kronecker import KroneckerCurvature, KroneckerNormal
 
 _HALF_LOG_TWO_PI = 0.5 * math.log(2 * math.pi)
@@ -95,7 +95,7 @@ class BackpackStep:
             return self._kronecker_step(model, guide, x, y, curvature, num_particles, deterministic, mc_samples)
         self._check_step(guide, y, curvature, deterministic)
         model._check_batch(x, y)
-        locs, stddevs = self._read_guide(model, guide, x, y)
+        locs, raws, stddevs = self._read_guide(model, guide, x, y)
         points, noise_scale, loss_scale = self._begin(model)
         prior = model._weight_prior()
         twin, loss_module = self.twin, self.loss_module
@@ -145,7 +145,7 @@ class BackpackStep:
                 torch._foreach_div_(d, num_particles)
         eps_means, eps_sq_means = draws if draws is not None else ([None] * len(locs), [None] * len(locs))
         nll = self._full_nll(model, nll / num_particles, loss_scale, noise_scale, target, len(x))
-        log_scale = sum(stddev.log().sum() for stddev in stddevs)
+        log_scale = sum(log_scale_sum(raw, stddev) for raw, stddev in zip(raws, stddevs))
         if deterministic:
             loss = (nll + self._kl(prior, locs, stddevs, log_scale)).detach()
         else:  # the particle average of sum [lambda_0 (w - m_0)^2 - eps^2] / 2 - log sigma + log s_0
@@ -331,10 +331,11 @@ class BackpackStep:
         self._kronecker_cache = (key, layers)
         return layers
 
-    def _read_guide(self, model, guide, x, y) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    def _read_guide(self, model, guide, x, y) -> Tuple[List[torch.Tensor], List[torch.Tensor], List[torch.Tensor]]:
         """
         The guide's unconstrained ``loc`` tensors, read by ``pyro.param``
-        statements (which ``SVI.step`` records to hand them to the optimizer), and
+        statements (which ``SVI.step`` records to hand them to the optimizer), its raw
+        scale tensors, and
         :math:`\\sigma` of each site (detached, read-only): the one
         :class:`~pyro_ngvi.NGVI` remembers writing
         (:func:`~pyro_ngvi.scales.known_scale`), else the softplus of the raw
@@ -356,15 +357,15 @@ class BackpackStep:
             with guide._pyro_context:  # (re-)registers the guide's own tensors
                 for w in model._latents:
                     guide._get_loc_and_scale(w.site)
+        raws = [params[name] for name in scales]
         stddevs = []
-        for name in scales:
-            raw = params[name]
+        for name, raw in zip(scales, raws):
             stddev = known_scale(raw)
             if stddev is None:
                 with torch.no_grad():
                     stddev = scale_transform(store._constraints[name])(raw.detach())
             stddevs.append(stddev)
-        return [pyro.param(name).unconstrained() for name in locs], stddevs
+        return [pyro.param(name).unconstrained() for name in locs], raws, stddevs
 
     def _sample_into_net(self, model, locs, stddevs, deterministic) -> Optional[List[torch.Tensor]]:
         """
