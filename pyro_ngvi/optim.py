@@ -1038,11 +1038,11 @@ class NGVI(PyroOptim):
             new_raw_scale, log_scale = transform.inv(new_scale), None
         del new_precision
         if mask is None:
-            torch._foreach_copy_(group.locs, new_mean.split(group.sizes))
-            torch._foreach_copy_(group.raw_scales, new_raw_scale.split(group.sizes))
+            torch._foreach_copy_(group.locs, new_mean.split_with_sizes(group.sizes))
+            torch._foreach_copy_(group.raw_scales, new_raw_scale.split_with_sizes(group.sizes))
             # for the next reader (the ELBO value needs sum log sigma)
-            log_sums = [None] * len(sites) if log_scale is None else [p.sum() for p in log_scale.split(group.sizes)]
-            for site, piece, log_sum in zip(sites, new_scale.split(group.sizes), log_sums):
+            log_sums = [None] * len(sites) if log_scale is None else [p.sum() for p in log_scale.split_with_sizes(group.sizes)]
+            for site, piece, log_sum in zip(sites, new_scale.split_with_sizes(group.sizes), log_sums):
                 remember_scale(site.raw_scale, piece.view_as(site.loc), log_sum)
         else:  # a masked site is a group of its own
             (loc,), (raw_scale,) = group.locs, group.raw_scales

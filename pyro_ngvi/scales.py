@@ -44,11 +44,11 @@ optimizer state (never saved).
 """
 
 import math
-from typing import Optional, Tuple
+import weakref
+from typing import Dict, Optional, Tuple
 
 import torch
 from pyro.distributions.transforms import SoftplusTransform
-from torch.utils.weak import WeakIdKeyDictionary
 
 #: Above this :math:`r = \\sigma` in float32.
 _LINEAR = 17.0
@@ -139,33 +139,51 @@ class FastSoftplus(SoftplusTransform):
         return softplus_derivative(x)
 
 
-#: raw scale tensor -> (its version counter when written, sigma, sum of log sigma or None)
-_remembered = WeakIdKeyDictionary()
+#: id(raw scale tensor) -> (weak reference to it, its version counter when written, sigma,
+#: sum of log sigma or None); an entry goes when its tensor does
+_remembered: Dict[int, tuple] = {}
+
+
+def _entry(raw: torch.Tensor) -> Optional[tuple]:
+    entry = _remembered.get(id(raw))
+    if entry is None or entry[0]() is not raw or entry[1] != raw._version:
+        return None
+    return entry
 
 
 def remember_scale(raw: torch.Tensor, sigma: torch.Tensor, log_sum: Optional[torch.Tensor] = None) -> None:
     """Remember ``sigma`` (of ``raw``'s shape, not to be changed in place) as the scale
     ``raw`` holds now, right after writing ``raw``, and :math:`\\sum\\log\\sigma` if known."""
-    _remembered[raw] = (raw._version, sigma, log_sum)
+    key = id(raw)
+    entry = _remembered.get(key)
+    ref = entry[0] if entry is not None and entry[0]() is raw else weakref.ref(raw, _forgetter(key))
+    _remembered[key] = (ref, raw._version, sigma, log_sum)
+
+
+def _forgetter(key: int):
+    def forget(ref):
+        entry = _remembered.get(key)
+        if entry is not None and entry[0] is ref:
+            del _remembered[key]
+    return forget
 
 
 def known_scale(raw: torch.Tensor) -> Optional[torch.Tensor]:
     """The remembered scale of ``raw``, or ``None`` when none is, or ``raw`` has
     been written since."""
-    entry = _remembered.get(raw)
-    if entry is None or entry[0] != raw._version:
-        return None
-    return entry[1]
+    entry = _entry(raw)
+    return None if entry is None else entry[2]
 
 
 def log_scale_sum(raw: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
     """:math:`\\sum\\log\\sigma` of the scale ``sigma`` of ``raw``: remembered with it, or computed."""
-    entry = _remembered.get(raw)
-    if entry is not None and entry[1] is sigma and entry[2] is not None and entry[0] == raw._version:
-        return entry[2]
+    entry = _entry(raw)
+    if entry is not None and entry[2] is sigma and entry[3] is not None:
+        return entry[3]
     return torch.log(sigma).sum()
 
 
 def forget_scale(raw: torch.Tensor) -> None:
     """Drop what is remembered of ``raw``."""
-    _remembered.pop(raw, None)
+    if _entry(raw) is not None or (id(raw) in _remembered and _remembered[id(raw)][0]() is raw):
+        del _remembered[id(raw)]

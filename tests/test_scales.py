@@ -194,3 +194,17 @@ def test_ngvi_takes_a_step_on_huge_finite_statistics(float32_bnn):
         params.append(loc)
     optim(params)
     assert optim.num_skipped_steps == 0 and optim.num_steps == 1
+
+
+def test_remembered_scale_goes_with_its_tensor():
+    import gc
+
+    from pyro_ngvi import scales
+
+    raw = torch.zeros(3)
+    remember_scale(raw, torch.ones(3))
+    key = id(raw)
+    assert key in scales._remembered
+    del raw
+    gc.collect()
+    assert key not in scales._remembered  # no sigma kept for a tensor that is gone
