@@ -11,6 +11,9 @@ same for every source). For each method, after 5 steps:
   in units of one latent vector. The guide's own ``loc`` / ``scale``
   (or a network's weights) are the posterior, not optimizer memory, and are not counted;
   ivon-opt keeps its posterior precision (``hess``) in its state, so that counts there.
+* **remembered scales**: the :math:`\\sigma` of every site NGVI keeps beside the guide's raw
+  scales between steps (:mod:`pyro_ngvi.scales`), so that the next step reads no softplus: a
+  cache, not state (never saved), also in latent vectors;
 * **update peak**: the largest amount of memory the optimizer's update (``NGVI`` /
   Pyro's Adam as ``SVI`` calls it, ``IVON.step``) holds on top of what it started with,
   from :mod:`torch.profiler` (``profile_memory=True``: the running sum of every op's own
@@ -35,6 +38,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 import pyro  # noqa: E402
 
 import harness  # noqa: E402  (examples/harness)
+from pyro_ngvi import scales  # noqa: E402
 
 
 def tensor_bytes(obj) -> int:
@@ -59,44 +63,70 @@ def state_bytes(method) -> int:
     )
 
 
-class PeakMemory:
-    """Wraps a callable; each call records the peak of the running sum of the
-    allocations and frees of its ops, in time order (CPU, :mod:`torch.profiler`).
-    Other attributes are the callable's (``CurvatureELBO`` asks the optimizer it
-    runs with whether it is NGVI)."""
+def peak_memory(fn_owner, attribute: str):
+    """Make ``fn_owner.<attribute>`` (a callable object, or a bound method) record, at each call,
+    the peak of the running sum of the allocations and frees of its ops, in time order (CPU,
+    :mod:`torch.profiler`), in ``.peak`` of the returned meter. An optimizer object keeps its
+    identity (its class becomes a measuring subclass): ``SVI`` needs a ``PyroOptim``, and NGVI
+    finds its ``SVI`` by the optimizer's identity."""
+    meter = type("Meter", (), {"peak": 0})()
 
-    def __init__(self, fn):
-        self.fn, self.peak = fn, 0
-
-    def __getattr__(self, name):
-        return getattr(self.fn, name)
-
-    def __call__(self, *args, **kwargs):
+    def measured(call, *args, **kwargs):
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            out = self.fn(*args, **kwargs)
+            out = call(*args, **kwargs)
         total = peak = 0
         for event in sorted(prof.events(), key=lambda e: e.time_range.start):
             total += event.self_cpu_memory_usage
             peak = max(peak, total)
-        self.peak = peak
+        meter.peak = peak
         return out
+
+    target = getattr(fn_owner, attribute)
+    if attribute == "optim":  # an optimizer object SVI calls
+        class Measured(type(target)):
+            def __call__(self, *args, **kwargs):
+                return measured(super().__call__, *args, **kwargs)
+
+        target.__class__ = Measured
+    else:  # a bound method
+        setattr(fn_owner, attribute, lambda *args, **kwargs: measured(target, *args, **kwargs))
+    return meter
 
 
 def update_peak_bytes(method, x, y) -> int:
     """Peak extra memory of the optimizer's update alone, in one step."""
     if hasattr(method, "svi"):
-        meter = method.svi.optim = PeakMemory(method.svi.optim)
+        meter = peak_memory(method.svi, "optim")
     else:
-        meter = method.optim.step = PeakMemory(method.optim.step)
+        meter = peak_memory(method.optim, "step")
     method.step(x, y)
     return meter.peak
+
+
+def remembered_bytes(method) -> int:
+    """Bytes of the scales NGVI remembers for the method's guide (:mod:`pyro_ngvi.scales`): a
+    cache kept between steps beside the optimizer state (distinct storages counted once)."""
+    if not hasattr(method, "guide"):
+        return 0
+    storages = {}
+    with method.active():
+        store = pyro.get_param_store()
+        for name in store.keys():
+            if ".scales." not in name:
+                continue
+            sigma = scales.known_scale(store._params[name])
+            if sigma is not None:
+                storage = sigma.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def table(title: str, methods, x, y, latent: int) -> None:
     vector = latent * 4  # float32
     print(f"\n{title}: latent size {latent:,} ({vector / 2**20:.2f} MiB in float32), batch {len(x)}\n")
-    print("| method | optimizer state (latent vectors) | update's peak extra memory (latent vectors) |")
-    print("|---|---:|---:|")
+    print("| method | optimizer state (latent vectors) | remembered scales (latent vectors) "
+          "| update's peak extra memory (latent vectors) |")
+    print("|---|---:|---:|---:|")
     for name, make in methods.items():
         pyro.set_rng_seed(0)
         method = make()
@@ -105,7 +135,8 @@ def table(title: str, methods, x, y, latent: int) -> None:
                 method.step(x, y)
             state = state_bytes(method)
             peak = update_peak_bytes(method, x, y)
-        print(f"| {name} | {state / vector:.2f} | {peak / vector:.1f} |", flush=True)
+            cache = remembered_bytes(method)
+        print(f"| {name} | {state / vector:.2f} | {cache / vector:.2f} | {peak / vector:.1f} |", flush=True)
 
 
 def main():

@@ -39,10 +39,8 @@ PriorSpec = Union[float, torch.Tensor, Tuple, torch.distributions.Distribution]
 class WeightPrior(NamedTuple):
     """The Normal prior of all weights of a :class:`BayesianNet` as one fast-path step uses it."""
 
-    loc: torch.Tensor  # m_0 of all sites, flat
-    precision: torch.Tensor  # lambda_0 of all sites, flat
-    site_locs: List[torch.Tensor]  # views of ``loc`` shaped like each weight
-    site_precisions: List[torch.Tensor]
+    site_locs: List[torch.Tensor]  # m_0 broadcast to each weight's shape (expanded views)
+    site_precisions: List[torch.Tensor]  # lambda_0, the same
     log_scale_total: torch.Tensor  # sum of log s_0 over all elements
     params: Optional[List[PriorParam]]  # learned prior scales, one per site (or None)
     #: per site (m_0, lambda_0) broadcastable to the weight, m_0 None where it is 0:
@@ -438,10 +436,11 @@ class BayesianNet(nn.Module):
 
     def _weight_prior(self) -> "WeightPrior":
         """
-        The prior of all latent sites as one step of the fast path uses it (the
-        layout of :meth:`_split`): built once for a fixed prior; with
+        The prior of all latent sites as one step of the fast path uses it, as views
+        broadcast over each weight (no copies): built once for a fixed prior; with
         ``learn_prior``, the precisions and normaliser are read from the learned
-        params (in the param store) on every call, with a few flat operations.
+        params (in the param store) on every call, a few operations per site on the
+        scales' own (small) shapes.
         """
         if self._flat_prior_cache is None:
             self._flat_prior_cache = self._fixed_prior()
@@ -449,45 +448,33 @@ class BayesianNet(nn.Module):
         if not self.learn_prior:
             return fixed
         unconstrained = self._learned_scale_tensors()
-        with torch.no_grad():  # positive params: sigma = exp(unconstrained)
-            scales = torch.cat([u.reshape(-1) for u in unconstrained]).exp()
-            precision = scales.pow(-2)[self._prior_index_cache["gather"]]
-            log_scale_total = scales.log().mul(self._prior_index_cache["multiplicity"]).sum()
-            compact = [(loc, u.detach().mul(-2.0).exp_()) for (loc, _), u in zip(fixed.compact, unconstrained)]
-        indices = self._prior_index_cache["sites"]
+        site_precisions, compact, log_scale_total = [], [], 0.0
+        with torch.no_grad():  # positive params: s_0 = exp(unconstrained), lambda_0 = exp(-2 unconstrained)
+            for weight, u, (loc, _) in zip(self._latents, unconstrained, fixed.compact):
+                precision = u.detach().mul(-2.0).exp_()
+                site_precisions.append(precision.expand(weight.param.shape))
+                compact.append((loc, precision))
+                log_scale_total = log_scale_total + u.detach().sum() * (weight.param.numel() / u.numel())
         params = [PriorParam(self._prior_scale_name(w), u, constraints.positive, index)
-                  for w, u, index in zip(self._latents, unconstrained, indices)]
-        return WeightPrior(fixed.loc, precision, fixed.site_locs, self._split(precision),
-                           log_scale_total, params, compact)
+                  for w, u, index in zip(self._latents, unconstrained, self._prior_index_cache)]
+        return WeightPrior(fixed.site_locs, site_precisions, log_scale_total, params, compact)
 
     def _fixed_prior(self) -> "WeightPrior":
-        """The prior as given (flat), and for ``learn_prior`` the broadcast of the
-        learned scales over the weights: per site the index of its scale's element for
-        each weight element, their flat concatenation, and how many weight elements
-        each scale element reaches."""
-        locs, precisions, log_scale_total = [], [], 0.0
-        gather, multiplicity, sites, offset = [], [], [], 0
+        """The prior as given, broadcast over each weight, and for ``learn_prior`` per site
+        the index of its scale's element for each weight element (an expanded view)."""
+        site_locs, site_precisions, compact, indices, log_scale_total = [], [], [], [], 0.0
         for j, weight in enumerate(self._latents):
             loc, scale, precision, log_scale_sum = self._prior_buffers(j)
             shape = weight.param.shape
-            locs.append(loc.expand(shape).reshape(-1))
-            precisions.append(precision.expand(shape).reshape(-1))
+            site_locs.append(loc.expand(shape))
+            site_precisions.append(precision.expand(shape))
+            compact.append((None if not bool(loc.any()) else loc, precision))
             log_scale_total = log_scale_total + log_scale_sum
-            index = torch.arange(scale.numel(), device=scale.device).reshape(scale.shape).expand(shape)
-            sites.append(index)
-            gather.append(index.reshape(-1) + offset)
-            multiplicity.append(torch.full(scale.shape, shape.numel() / scale.numel(),
-                                           dtype=scale.dtype, device=scale.device).reshape(-1))
-            offset += scale.numel()
-        loc, precision = torch.cat(locs), torch.cat(precisions)
-        self._prior_index_cache = {"gather": torch.cat(gather), "multiplicity": torch.cat(multiplicity),
-                                   "sites": sites}
-        compact = []
-        for j in range(len(self._latents)):
-            site_loc, _, site_precision, _ = self._prior_buffers(j)
-            compact.append((None if not bool(site_loc.any()) else site_loc, site_precision))
-        return WeightPrior(loc, precision, self._split(loc), self._split(precision),
-                           torch.as_tensor(log_scale_total, dtype=loc.dtype, device=loc.device), None, compact)
+            indices.append(torch.arange(scale.numel(), device=scale.device).reshape(scale.shape).expand(shape))
+        self._prior_index_cache = indices
+        like = self._latents[0].param
+        return WeightPrior(site_locs, site_precisions, torch.as_tensor(log_scale_total, dtype=like.dtype,
+                                                                       device=like.device), None, compact)
 
     def _learned_scale_tensors(self) -> List[torch.Tensor]:
         """The unconstrained tensors of the learned prior scales in the param store
