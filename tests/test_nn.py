@@ -262,9 +262,10 @@ def conditioned_guide(guide, weights):
     return poutine.condition(guide, data={f"{s}_unconstrained": w for s, w in weights.items()})
 
 
+@pytest.mark.parametrize("prior", [None, 1.5])  # per-element, or one scale (the norms' shortcut)
 @pytest.mark.parametrize("likelihood", list(OUTPUTS))
-def test_loss_is_trace_elbo_loss_at_the_same_sample(likelihood):
-    bnn = make_bnn(likelihood, noise_scale=None if likelihood == "gaussian" else NOISE)
+def test_loss_is_trace_elbo_loss_at_the_same_sample(likelihood, prior):
+    bnn = make_bnn(likelihood, noise_scale=None if likelihood == "gaussian" else NOISE, prior=prior)
     x, y = make_data(likelihood)
     guide = make_guide(bnn, x, y)
     if likelihood == "gaussian":

@@ -434,10 +434,9 @@ class BackpackStep:
         :math:`\\tfrac12 \\sum [\\lambda_0 (w - m_0)^2 - \\epsilon^2]`; the rest,
         :math:`\\sum [\\log s_0 - \\log\\sigma]`, does not depend on the sample.
         """
+        if prior.norm_weights is not None:  # m_0 = 0, one lambda_0 per site: norms, one kernel each
+            return prior.norm_weights.dot(torch.stack(torch._foreach_norm(list(weights) + noises)).square_())
         noise_square = torch.stack(torch._foreach_norm(noises)).square_().sum()
-        if all(loc is None and precision.numel() == 1 for loc, precision in prior.compact):  # one kernel each
-            precisions = torch.cat([precision.reshape(1) for _, precision in prior.compact])
-            return 0.5 * (precisions.dot(torch.stack(torch._foreach_norm(weights)).square_()) - noise_square)
         total = sum(_quadratic(w, loc, precision) for w, (loc, precision) in zip(weights, prior.compact))
         return 0.5 * (total - noise_square)
 

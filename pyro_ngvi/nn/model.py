@@ -46,6 +46,10 @@ class WeightPrior(NamedTuple):
     #: per site (m_0, lambda_0) broadcastable to the weight, m_0 None where it is 0:
     #: what the ELBO value needs, without the flat copies
     compact: List[Tuple[Optional[torch.Tensor], torch.Tensor]]
+    #: where every m_0 is 0 and every site has one lambda_0: (lambda_0 / 2 per site, then -1/2
+    #: per site), so that sum [lambda_0 w^2 - eps^2] / 2 is its dot with the squared norms of
+    #: the weights and the draws (else None)
+    norm_weights: Optional[torch.Tensor]
 
 
 class _Weight(NamedTuple):
@@ -457,7 +461,7 @@ class BayesianNet(nn.Module):
                 log_scale_total = log_scale_total + u.detach().sum() * (weight.param.numel() / u.numel())
         params = [PriorParam(self._prior_scale_name(w), u, constraints.positive, index)
                   for w, u, index in zip(self._latents, unconstrained, self._prior_index_cache)]
-        return WeightPrior(fixed.site_locs, site_precisions, log_scale_total, params, compact)
+        return WeightPrior(fixed.site_locs, site_precisions, log_scale_total, params, compact, _norm_weights(compact))
 
     def _fixed_prior(self) -> "WeightPrior":
         """The prior as given, broadcast over each weight, and for ``learn_prior`` per site
@@ -474,7 +478,8 @@ class BayesianNet(nn.Module):
         self._prior_index_cache = indices
         like = self._latents[0].param
         return WeightPrior(site_locs, site_precisions, torch.as_tensor(log_scale_total, dtype=like.dtype,
-                                                                       device=like.device), None, compact)
+                                                                       device=like.device), None, compact,
+                           _norm_weights(compact))
 
     def _learned_scale_tensors(self) -> List[torch.Tensor]:
         """The unconstrained tensors of the learned prior scales in the param store
@@ -864,6 +869,14 @@ class BayesianNet(nn.Module):
     def _split(self, flat: torch.Tensor) -> List[torch.Tensor]:
         """A flat vector over all latent sites as views shaped like each site's weight."""
         return _unflatten_dense_tensors(flat, self._latent_params)
+
+
+def _norm_weights(compact) -> Optional[torch.Tensor]:
+    """:attr:`WeightPrior.norm_weights` of the per-site ``(m_0, lambda_0)``."""
+    if not all(loc is None and precision.numel() == 1 for loc, precision in compact):
+        return None
+    precisions = torch.cat([precision.reshape(1) for _, precision in compact])
+    return torch.cat([0.5 * precisions, torch.full_like(precisions, -0.5)])
 
 
 def _as_loc_scale(spec, weight: _Weight) -> Tuple[torch.Tensor, torch.Tensor]:
