@@ -34,6 +34,8 @@ _ONE_DRAW_ELBOS = (Trace_ELBO, JitTrace_ELBO)
 #: Sites are concatenated into one update up to this many elements: that saves
 #: per-operation overhead on small tensors and bounds the copies it costs.
 _FLAT_MAX = 1 << 16
+#: A large site's update runs in spans of this many elements (see ``NGVI._update_group``).
+_CHUNK = 1 << 16
 #: A site whose mean gradient exceeds ``_FAR`` of its guide's standard deviations
 #: (:math:`|g|\sigma`, about :math:`|\mathcal{N}(0, 1)|` at the optimum of a
 #: Gaussian posterior, larger by minibatch noise) with the sign it had at the last
@@ -902,6 +904,38 @@ class NGVI(PyroOptim):
                       grad: torch.Tensor, curvature: torch.Tensor, settings: Settings, tau,
                       states: List["_SiteState"]):
         """
+        :meth:`_update_span` on the whole group; a large site (beyond ``_CHUNK``
+        elements, alone in its group, no mask, not the adaptive steps, whose noise
+        is pooled over the site first) in spans of ``_CHUNK`` elements, one after
+        the other: the same element-wise update, with temporaries of a span's size
+        that stay in cache and are reused by the allocator (on the CPU, whole-vector
+        temporaries of a large site go back to the system and page-fault on every
+        step). Returns what :meth:`_update_span` returns.
+        """
+        first = stats[0]
+        size = grad.numel()
+        if len(group.sites) > 1 or first.mask is not None or size <= _CHUNK or self._adaptive_for(first):
+            result = self._update_span(group, stats, grad, curvature, settings, tau, states)
+        else:
+            run = _Spans(self, group, states[0], size, first.sampled, settings.momentum)
+            for start in range(0, size, _CHUNK):
+                run.slice = slice(start, min(start + _CHUNK, size))
+                self._update_span(group, stats, grad, curvature, settings, tau, states, run)
+            result = run.finish(self, group, states[0], first.prior_precision is not None)
+        for state in states:
+            state.started = True
+        return result
+
+    def _adaptive_for(self, stats: SiteCurvature) -> bool:
+        """Whether statistics like ``stats`` take the adaptive steps: sampled, not a
+        BayesianNet's minibatch statistics (``num_data``: their noise is the data's as much
+        as the draws', which the adaptive steps would average away; the recipe's steps)."""
+        return stats.sampled and self._adaptive and stats.num_data is None
+
+    def _update_span(self, group: "_Group", stats: List[SiteCurvature],
+                     grad: torch.Tensor, curvature: torch.Tensor, settings: Settings, tau,
+                     states: List["_SiteState"], run: Optional["_Spans"] = None):
+        """
         The update of the class docstring for ``sites`` at once, as one flat
         vector (one kernel per operation rather than one per site and operation);
         ``grad`` and ``curvature`` are the sites' ``g`` and ``h`` so flattened.
@@ -922,18 +956,21 @@ class NGVI(PyroOptim):
         # a multi-site group, the update holds about five vectors at its peak.
         first, sites, transform = stats[0], group.sites, group.transform
         lr, beta, rho = settings.lr, settings.beta, settings.momentum
-        mean = _flat([site.loc for site in sites])
+
+        def cut(flat):  # the span of a flat vector (all of it outside a run)
+            return flat if run is None else flat[run.slice]
+
+        mean = cut(_flat([site.loc for site in sites]))
         # the sigma the ELBO read this step, else the one this optimizer wrote last
         scales = [known_scale(site.raw_scale) if s.scale is None else s.scale for s, site in zip(stats, sites)]
         if all(scale is not None for scale in scales):
-            precision = _flat(scales).pow(-2)
+            precision = cut(_flat(scales)).pow(-2)
         else:
-            precision = transform(_flat([site.raw_scale for site in sites])).pow_(-2)
+            precision = transform(cut(_flat([site.raw_scale for site in sites]))).pow_(-2)
         mask = None if first.mask is None else first.mask.reshape(-1)
-        prior_precision = None if first.prior_precision is None else _flat([s.prior_precision for s in stats])
-        # minibatch statistics (a BayesianNet's) run the recipe's steps: their noise is the
-        # data's as much as the draws', which the adaptive steps would average away
-        adaptive = first.sampled and self._adaptive and first.num_data is None
+        prior_precision = None if first.prior_precision is None else cut(_flat([s.prior_precision for s in stats]))
+        adaptive = self._adaptive_for(first)
+        grad, curvature = cut(grad), cut(curvature)
         grad = grad.div_(tau) if tau != 1 else grad  # from here g / tau and h / tau
         curvature = curvature.div_(tau) if tau != 1 else curvature
         if adaptive:
@@ -944,23 +981,30 @@ class NGVI(PyroOptim):
         if self.control_variate and first.eps_mean is not None and first.num_data is None:
             if adaptive:
                 known, baseline = count > self._first_count(beta), drift
+            elif run is not None:  # one site
+                known, baseline = torch.full_like(grad, states[0].started, dtype=torch.bool), None
             else:
                 known, baseline = _flat([torch.full_like(site.loc, state.started, dtype=torch.bool)
                                          for site, state in zip(sites, states)]), None
-            self._control_variate(grad, curvature, stats, precision, prior_precision, known, baseline)
+            eps_mean = cut(_flat([s.eps_mean for s in stats]))
+            self._control_variate(grad, curvature, eps_mean, cut(_flat([s.eps_sq_mean for s in stats])).sub(1.0),
+                                  precision, prior_precision, known, baseline)
         target = curvature
         if prior_precision is not None:
             target.add_(prior_precision)
         if adaptive:  # a sampled target beyond (1 +- _INNOVATION_MAX) lambda is an outlier
             target = torch.clamp(target, min=precision * (1.0 - _INNOVATION_MAX),
                                  max=precision * (1.0 + _INNOVATION_MAX))
-        direction = self._momentum(group, states, grad, mask, rho)
+        direction = self._momentum(group, states, grad, mask, rho, run)
         pull = spreading = None  # the exact prior's gradient, lambda_0 (mu - m_0)
         if prior_precision is not None:
-            deviation = mean - _flat([s.prior_loc for s in stats])
-            if mask is None:  # the watch on growing means (pyro_ngvi.monitor)
+            deviation = mean - cut(_flat([s.prior_loc for s in stats]))
+            if mask is None:  # the watch on growing means (pyro_ngvi.monitor): sum lambda_0 (mu - m_0)^2
                 pull = deviation * prior_precision
-                spreading = self._spread_watch.flag(group, spread(deviation, pull), self.num_steps)
+                if run is None:
+                    spreading = self._spread_watch.flag(group, spread(deviation, pull), self.num_steps)
+                else:  # summed span by span, the flag at the end of the run
+                    run.spread = run.spread + torch.dot(pull, deviation)
             else:
                 pull = deviation.mul_(prior_precision)
             del deviation
@@ -968,8 +1012,8 @@ class NGVI(PyroOptim):
             step_beta, step_lr = self._adaptive_rates(group, states, grad, direction, drift, pull, target,
                                                       precision, count, lr, beta, mask, rho)
         elif self.warm_start and not all(state.started for state in states):
-            fresh = _flat([torch.full_like(site.loc, not state.started, dtype=torch.bool)
-                           for site, state in zip(sites, states)])
+            fresh = torch.full_like(grad, True, dtype=torch.bool) if run is not None else _flat(
+                [torch.full_like(site.loc, not state.started, dtype=torch.bool) for site, state in zip(sites, states)])
             step_beta, step_lr = torch.where(fresh & (target > precision), 1.0, beta).to(target.dtype), lr
         else:
             step_beta, step_lr = beta, lr
@@ -986,15 +1030,23 @@ class NGVI(PyroOptim):
             new_precision = torch.minimum(new_precision, upper, out=new_precision)
             new_precision = torch.maximum(new_precision, lower, out=new_precision)
             del upper, lower
-        clamped = _clamp_precision_(new_precision)
-        if first.min_precision is not None:  # the family's floor: lambda' >= lambda_min
-            torch.maximum(new_precision, _flat([s.min_precision for s in stats]), out=new_precision)
+        # lambda' in [tiny, max / 4], and >= lambda_min where the family has a floor (one pass)
+        floor = None if first.min_precision is None else cut(_flat([s.min_precision for s in stats]))
+        clamped, lowest = _clamp_precision_(new_precision, floor)
+        del floor
         damping = settings.damping
         denominator = new_precision + damping if damping else new_precision
         del prior_precision
 
         far = None
-        if first.sampled:  # |g| sigma > _FAR (g^2 > _FAR^2 lambda), with the sign of the last step
+        if first.sampled and run is not None:  # the same, counted span by span
+            positive = grad > 0
+            if run.last_signs is not None:
+                persistent = torch.eq(positive, run.last_signs[run.slice])
+                run.far = run.far + torch.count_nonzero(
+                    torch.gt(grad.square(), precision * _FAR**2).logical_and_(persistent))
+            run.signs[run.slice] = positive
+        elif first.sampled:  # |g| sigma > _FAR (g^2 > _FAR^2 lambda), with the sign of the last step
             positive = grad > 0
             last = self._signs.get(id(group))
             self._signs[id(group)] = (group, positive)
@@ -1027,16 +1079,25 @@ class NGVI(PyroOptim):
             # the decrease of F the quadratic model predicts for it
             self._predicted = self._predicted + (numerator * step).sum() - 0.5 * (new_precision * step.square()).sum()
             new_mean = step.neg_().add_(mean)
-        else:  # mu - lr (g + lambda_0 (mu - m_0)) / (lambda' + gamma) in one kernel
+        else:  # mu - lr (g + lambda_0 (mu - m_0)) / (lambda' + gamma) in one kernel (a span: into loc)
             numerator = direction if pull is None else pull.add_(direction)
-            new_mean = torch.addcdiv(mean, numerator, denominator, value=-step_lr)
+            new_mean = torch.addcdiv(mean, numerator, denominator, value=-step_lr, out=None if run is None else mean)
         del precision, pull, denominator, direction
-        new_scale = new_precision.rsqrt_()
+        new_scale = new_precision.rsqrt_() if run is None else torch.rsqrt(new_precision, out=run.scale[run.slice])
+        raw_out = None if run is None else group.raw_scales[0][run.slice]  # a span: straight into the raw scale
         if hasattr(transform, "inverse_and_log"):  # and log sigma, when that comes for free
-            new_raw_scale, log_scale = transform.inverse_and_log(new_scale)
+            new_raw_scale, log_scale = transform.inverse_and_log(new_scale, raw_out, lowest.rsqrt())
         else:
             new_raw_scale, log_scale = transform.inv(new_scale), None
         del new_precision
+        if run is not None:  # one site, no mask: write the span
+            if new_mean is not mean:
+                group.locs[0][run.slice].copy_(new_mean)
+            if new_raw_scale is not raw_out:
+                raw_out.copy_(new_raw_scale)
+            run.clamped.append(clamped)
+            run.log_sum = None if log_scale is None or run.log_sum is None else run.log_sum + log_scale.sum()
+            return None
         if mask is None:
             torch._foreach_copy_(group.locs, new_mean.split_with_sizes(group.sizes))
             torch._foreach_copy_(group.raw_scales, new_raw_scale.split_with_sizes(group.sizes))
@@ -1049,8 +1110,6 @@ class NGVI(PyroOptim):
             loc.copy_(torch.where(mask, new_mean, loc))
             raw_scale.copy_(torch.where(mask, new_raw_scale, raw_scale))
             new_scale = None  # untouched rows keep their old scale
-        for state in states:
-            state.started = True
         return clamped, far, new_scale, spreading
 
     def _first_count(self, beta: float) -> float:
@@ -1059,7 +1118,8 @@ class NGVI(PyroOptim):
         return 0.0 if self.warm_start else max(1.0 / beta - 1.0, 0.0)
 
     @staticmethod
-    def _control_variate(grad, curvature, stats, precision, prior_precision, known, baseline) -> None:
+    def _control_variate(grad, curvature, eps_mean, eps_sq_mean_minus_one, precision, prior_precision, known,
+                         baseline) -> None:
         """
         Subtract, in place, control variates of known draws :math:`\\epsilon` from
         :math:`\\hat g = g/\\tau` and :math:`\\hat h = h/\\tau`:
@@ -1077,9 +1137,8 @@ class NGVI(PyroOptim):
         c = precision if prior_precision is None else precision - prior_precision
         c = c.clamp(min=0.0).masked_fill_(~known, 0.0)
         sigma = precision.rsqrt()
-        eps_mean = _flat([s.eps_mean for s in stats])
         grad.sub_(c * sigma * eps_mean)
-        curvature.sub_(eps_sq_mean_minus_one(stats).mul_(c))
+        curvature.sub_(eps_sq_mean_minus_one.mul_(c))
         if baseline is not None:
             curvature.sub_(baseline.masked_fill(~known, 0.0).mul_(eps_mean).div_(sigma))
 
@@ -1316,13 +1375,19 @@ class NGVI(PyroOptim):
         return (step.mean, step.factor), momentum, kept
 
     def _momentum(self, group: "_Group", states: List["_SiteState"], grad: torch.Tensor, mask,
-                  rho: float) -> torch.Tensor:
+                  rho: float, run: Optional["_Spans"] = None) -> torch.Tensor:
         """
         :math:`\\bar g \\leftarrow \\rho \\bar g + (1 - \\rho) g` (a site's first step
         takes g), as one flat vector; each site's buffer is kept as a view of it.
+        In a run of spans (one site), the span of the site's buffer, updated in place.
         """
         if rho == 0:
             return grad
+        if run is not None:
+            buffer = run.momentum[run.slice]
+            if run.fresh_momentum:
+                return buffer.copy_(grad)
+            return torch.lerp(grad, buffer, rho, out=buffer)
         sites = group.sites
         if all(state.momentum is not None for state in states):
             old = _flat([state.momentum for state in states])
@@ -1503,6 +1568,53 @@ class _SiteState:
         self.noise: Optional[torch.Tensor] = None  # the two pooled variances (short, long memory)
 
 
+class _Spans:
+    """
+    What a large site's update accumulates span by span (:meth:`NGVI._update_group`):
+    the current ``slice``, the new :math:`\\sigma` (a whole vector, written span by
+    span: the scale remembered for the next reader), the momentum buffer (the site's
+    own, updated in place, or a new one on its first step), the signs of :math:`g`
+    (sampled statistics) and the counts of the stall test, the clamp flags and
+    :math:`\\sum\\log\\sigma`.
+    """
+
+    def __init__(self, optim, group: "_Group", state: "_SiteState", size: int, sampled: bool, rho: float):
+        like, (site,) = group.locs[0], group.sites
+        self.slice = slice(0, 0)
+        # the new sigma over the one remembered (ours: each span reads its old values first)
+        remembered = known_scale(site.raw_scale)
+        self.scale = remembered.view(-1) if remembered is not None and remembered.is_contiguous() else \
+            torch.empty_like(like)
+        self.fresh_momentum = rho != 0 and state.momentum is None
+        self.momentum = None
+        if rho != 0:
+            self.momentum = torch.empty_like(like) if self.fresh_momentum else state.momentum.view(-1)
+        self.clamped: List[torch.Tensor] = []
+        self.log_sum = torch.zeros((), dtype=like.dtype, device=like.device)
+        self.spread = torch.zeros((), dtype=like.dtype, device=like.device)  # sum lambda_0 (mu - m_0)^2
+        self.signs = self.last_signs = None
+        self.far = 0
+        if sampled:
+            last = optim._signs.get(id(group))
+            self.last_signs = last[1] if last is not None and last[0] is group else None
+            self.signs = torch.empty_like(like, dtype=torch.bool)
+
+    def finish(self, optim, group: "_Group", state: "_SiteState", prior: bool):
+        """Keep the site's buffers and scale; the flags and the new scale, as :meth:`NGVI._update_span`
+        returns (the watch on growing means fed the spread the spans summed, given a ``prior``)."""
+        (site,), size = group.sites, self.scale.numel()
+        if self.fresh_momentum:
+            state.momentum = self.momentum.view_as(site.loc)
+        remember_scale(site.raw_scale, self.scale.view_as(site.loc), self.log_sum)
+        far = None
+        if self.signs is not None:
+            optim._signs[id(group)] = (group, self.signs)
+            far = (torch.as_tensor(self.far) > size // 2) if self.last_signs is not None else torch.zeros(
+                (), dtype=torch.bool, device=self.scale.device)
+        spreading = optim._spread_watch.flag(group, self.spread / size, optim.num_steps) if prior else None
+        return torch.stack(self.clamped).any(), far, self.scale, spreading
+
+
 class _Safeguards(NamedTuple):
     """A group's safeguard flags of one step (0-d bool tensors), read at the next sync."""
 
@@ -1517,20 +1629,27 @@ class _Safeguards(NamedTuple):
         return [f for f in (self.clamped, self.spreading, self.far) if f is not None]
 
 
-def _clamp_precision_(precision: torch.Tensor) -> torch.Tensor:
+def _clamp_precision_(precision: torch.Tensor, floor: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """
     Keep ``precision`` in ``[tiny, max / 4]`` of its dtype, in place: then
     :math:`\\sigma = \\lambda^{-1/2}` and :math:`\\sigma^{-2}` are finite and
     positive. (The update from finite statistics is a convex combination plus a
     non-negative correction: never NaN, below ``tiny`` only by underflow, above
-    the top by overflow of the correction.) Returns whether the top was passed,
-    as a 0-d bool tensor (no device sync).
+    the top by overflow of the correction.) With a ``floor`` (the family's
+    :math:`\\lambda_{\\min}`, broadcast to ``precision``), also
+    :math:`\\lambda \\ge \\lambda_{\\min}`, in the same pass. Returns whether the top
+    was passed, as a 0-d bool tensor (no device sync), and a lower bound on the
+    smallest precision (0-d, at least ``tiny``).
     """
     info = torch.finfo(precision.dtype)
     high = info.max / 4
-    engaged = torch.amax(precision) > high
-    precision.clamp_(info.tiny, high)
-    return engaged
+    lowest, highest = torch.aminmax(precision)
+    lowest = lowest.clamp(min=info.tiny)
+    if floor is None:
+        precision.clamp_(info.tiny, high)
+    else:  # the floor is positive (SiteCurvature.min_precision), so at least tiny holds too
+        torch.clamp(precision, min=floor, max=precision.new_tensor(high), out=precision)
+    return highest > high, lowest
 
 
 def _mostly(flags: torch.Tensor, mask) -> torch.Tensor:
@@ -1664,11 +1783,6 @@ def _finite(*tensors: torch.Tensor, mask=None, exact: bool = False) -> torch.Ten
             t = t.reshape(-1)[mask.reshape(-1)]
         total = total + (t.sum(dtype=torch.float64) if exact else t.sum())
     return torch.isfinite(total)
-
-
-def eps_sq_mean_minus_one(stats) -> torch.Tensor:
-    """:math:`\\overline{\\epsilon^2} - 1` of the sites' known draws, flat."""
-    return _flat([s.eps_sq_mean for s in stats]).sub(1.0)
 
 
 def _one_draw(svi) -> bool:

@@ -82,7 +82,8 @@ def softplus_inverse(sigma: torch.Tensor) -> torch.Tensor:
     return softplus_inverse_and_log(sigma)[0]
 
 
-def softplus_inverse_and_log(sigma: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+def softplus_inverse_and_log(sigma: torch.Tensor, out: Optional[torch.Tensor] = None,
+                             top: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """
     :math:`r = \\log(e^\\sigma - 1)` (a new tensor) and, when it comes at no extra cost,
     :math:`\\log\\sigma` (else ``None``). Where all :math:`\\sigma \\le 1` (a prior scale
@@ -90,17 +91,20 @@ def softplus_inverse_and_log(sigma: torch.Tensor) -> Tuple[torch.Tensor, Optiona
     :math:`r = \\log\\sigma + \\sigma/2 + \\sum_{k=1}^{4} \\frac{B_{2k}}{2k\\,(2k)!} \\sigma^{2k}`
     (the series of :math:`\\log(\\mathrm{expm1}(\\sigma)/\\sigma)`, truncated below
     :math:`10^{-8}`): one ``log``, which is also :math:`\\log\\sigma`; else Kahan's form.
+    ``out`` receives :math:`r` (default: a new tensor); ``top`` is :math:`\\max\\sigma` when
+    the caller knows it (default: computed).
     """
     if not _fast(sigma):
-        return sigma + torch.log(-torch.expm1(-sigma)), None
-    top = sigma.amax()
+        return torch.add(sigma, torch.log(-torch.expm1(-sigma)), out=out), None
+    if top is None:
+        top = sigma.amax()
     if bool(top <= _SERIES_MAX):
         log_sigma = torch.log(sigma)
         square = sigma.square()
         series = torch.addcmul(_SERIES[2], square, _SERIES[3])  # Horner in sigma^2
         series = torch.addcmul(_SERIES[1], series, square, out=series)
         series = torch.addcmul(_SERIES[0], series, square, out=series)
-        r = torch.addcmul(log_sigma, series, square, out=series)
+        r = torch.addcmul(log_sigma, series, square, out=series if out is None else out)
         return r.add_(sigma, alpha=0.5), log_sigma
     linear = not bool(top <= _LINEAR)  # also for NaN: it propagates either way
     x = sigma.clamp(max=_LINEAR) if linear else sigma
@@ -108,7 +112,7 @@ def softplus_inverse_and_log(sigma: torch.Tensor) -> Tuple[torch.Tensor, Optiona
     log_u = torch.log(u)
     # (u - 1) / log u = expm1(x) / x, and 1 where u = 1 (0 / 0)
     ratio = u.sub_(1.0).div_(log_u).nan_to_num_(nan=1.0, posinf=math.inf)
-    r = ratio.mul_(x).log_()
+    r = torch.log(ratio.mul_(x), out=ratio if out is None else out)
     return (r.add_(sigma - x) if linear else r), None
 
 
@@ -127,9 +131,9 @@ class FastSoftplus(SoftplusTransform):
     def _inverse(self, y):
         return softplus_inverse(y)
 
-    def inverse_and_log(self, y):
+    def inverse_and_log(self, y, out=None, top=None):
         """:func:`softplus_inverse_and_log` of ``y``."""
-        return softplus_inverse_and_log(y)
+        return softplus_inverse_and_log(y, out, top)
 
     def log_abs_det_jacobian(self, x, y):
         return softplus(-x).neg_()  # log sigmoid(x)

@@ -208,3 +208,78 @@ def test_remembered_scale_goes_with_its_tensor():
     del raw
     gc.collect()
     assert key not in scales._remembered  # no sigma kept for a tensor that is gone
+
+
+# --------------------------------------------------------------------------- a large site in spans
+def _run_large(chunk, monkeypatch, make_svi, steps=3, flat_max=None):
+    from pyro_ngvi import optim as optim_module
+
+    monkeypatch.setattr(optim_module, "_CHUNK", chunk)
+    if flat_max is not None:  # sites above it are groups of their own
+        monkeypatch.setattr(optim_module, "_FLAT_MAX", flat_max)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    svi, args = make_svi()
+    losses = [svi.step(*args) for _ in range(steps)]
+    store = pyro.get_param_store()
+    state = svi.optim.get_state()
+    return losses, {k: v.detach().clone() for k, v in store.items()}, state
+
+
+def _large_model(size):
+    data = torch.randn(size, generator=torch.Generator().manual_seed(3))
+
+    def model():
+        z = pyro.sample("z", pyro.distributions.Normal(0.0, 1.0).expand([size]).to_event(1))
+        pyro.sample("x", pyro.distributions.StudentT(4.0, z, 1.0).to_event(1), obs=data)
+
+    return model
+
+
+@pytest.mark.parametrize("options", [
+    dict(lr=0.3, beta=0.2, momentum=0.9, damping=1.0),  # the chosen-step path, control variate
+    dict(lr=0.3, beta=0.2, tau=2.0, warm_start=False, max_step=None),
+    dict(),  # NGVI()'s defaults: the adaptive steps (whole site)
+])
+def test_a_large_site_in_spans_takes_the_whole_sites_step(monkeypatch, options):
+    from pyro.infer import Trace_ELBO
+
+    size = 3 * 1024 + 123
+
+    def make_svi():
+        model = _large_model(size)
+        guide = AutoNormal(model)
+        return SVI(model, guide, NGVI(**options), Trace_ELBO()), ()
+
+    # two steps (the second with the first's momentum and warm start): equal up to rounding, as a
+    # span picks the series or Kahan's form of the inverse softplus by its own largest sigma (both
+    # a few ulps from exact); later sampled steps amplify that rounding
+    whole = _run_large(1 << 30, monkeypatch, make_svi, steps=2)
+    spans = _run_large(1024, monkeypatch, make_svi, steps=2)
+    assert whole[0] == pytest.approx(spans[0], rel=1e-6)
+    for name, value in whole[1].items():
+        torch.testing.assert_close(value, spans[1][name], rtol=1e-5, atol=1e-6, msg=name)
+    for name, entry in whole[2]["ngvi"]["sites"].items():
+        other = spans[2]["ngvi"]["sites"][name]
+        for key, value in entry.items():
+            if torch.is_tensor(value):
+                torch.testing.assert_close(value, other[key], rtol=1e-5, atol=1e-6, msg=key)
+            else:
+                assert value == other[key], key
+
+
+@pytest.mark.parametrize("curvature", ["ef", "reparam"])
+def test_a_large_layer_in_spans_on_the_fast_path(monkeypatch, curvature):
+    def make_svi():
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(40, 60), nn.Tanh(), nn.Linear(60, 3))
+        x, y = torch.randn(32, 40), torch.randint(0, 3, (32,))
+        bnn = BayesianNet(net, "categorical", num_data=100, prior=1.0)
+        guide = AutoNormal(bnn, init_loc_fn=bnn.init_loc_fn, init_scale=0.05)
+        return SVI(bnn, guide, NGVI(lr=0.1, beta=0.2, momentum=0.5), CurvatureELBO(curvature)), (x, y)
+
+    whole = _run_large(1 << 30, monkeypatch, make_svi, steps=4, flat_max=1000)
+    spans = _run_large(768, monkeypatch, make_svi, steps=4, flat_max=1000)  # 0.weight (2400) in 4 spans
+    assert whole[0] == pytest.approx(spans[0], rel=1e-6)  # sum log sigma summed span by span
+    for name, value in whole[1].items():
+        torch.testing.assert_close(value, spans[1][name], rtol=1e-5, atol=1e-6, msg=name)

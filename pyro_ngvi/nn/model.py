@@ -309,17 +309,18 @@ class BayesianNet(nn.Module):
         return math.sqrt(self.noise_limit / (layers * fan_in))
 
     def _noise_floor(self) -> Optional[List[torch.Tensor]]:
-        """Per site, the least precision :math:`n / v` the guide may have (a tensor of the
-        weight's shape, views of one flat vector; infinite scale allowed: 0), or ``None``."""
+        """Per site, the least precision :math:`L n / v` the guide may have (a tensor of the
+        weight's shape: a view of one number, no memory of its own; ``tiny`` of the dtype where
+        the scale is unlimited, as SiteCurvature's ``min_precision`` is positive), or ``None``."""
         if self.noise_limit is None:
             return None
         if self._noise_floor_cache is None:
             floors = []
             for weight in self._latents:
-                cap = self.max_scale(weight.site)
-                floors.append(torch.full((weight.param.numel(),), 0.0 if cap is None else cap**-2,
-                                         dtype=weight.param.dtype, device=weight.param.device))
-            self._noise_floor_cache = self._split(torch.cat(floors))
+                cap, param = self.max_scale(weight.site), weight.param
+                floor = torch.finfo(param.dtype).tiny if cap is None else max(cap**-2, torch.finfo(param.dtype).tiny)
+                floors.append(torch.tensor(floor, dtype=param.dtype, device=param.device).expand(param.shape))
+            self._noise_floor_cache = floors
         return self._noise_floor_cache
 
     def statistics_hints(self, site: str, deterministic: bool = False) -> Dict[str, object]:
