@@ -42,6 +42,7 @@ Usage::
 import argparse
 import cProfile
 import io
+import multiprocessing
 import os
 import platform
 import pstats
@@ -50,7 +51,7 @@ import sys
 import time
 import warnings
 from dataclasses import replace
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
@@ -159,30 +160,69 @@ def fixed_batches(task: harness.Task, count: int):
     return out[:count]
 
 
-def time_steps(makers: Dict[str, Callable], batches, steps: int, warmup: int, block: int, seed: int):
-    """Per-step wall and CPU times (s) per method, methods interleaved in blocks."""
-    runs = {}
+def _worker(connection, make, batches, warmup: int, seed: int, threads: int) -> None:
+    """One method in a process of its own: built, warmed up, then blocks of timed steps on request."""
+    torch.set_num_threads(threads)
     pyro.set_rng_seed(seed)
+    method = make()
+    position = 0
+    with method.active():
+        for _ in range(warmup):
+            method.step(*batches[position % len(batches)])
+            position += 1
+        connection.send("ready")
+        while True:
+            count = connection.recv()
+            if count is None:
+                break
+            wall, cpu = [], []
+            for _ in range(count):
+                batch = batches[position % len(batches)]
+                position += 1
+                start, cpu_start = time.perf_counter(), time.process_time()
+                method.step(*batch)
+                wall.append(time.perf_counter() - start)
+                cpu.append(time.process_time() - cpu_start)
+            connection.send((wall, cpu, method.timed_parts() if hasattr(method, "timed_parts") else None))
+    connection.close()
+
+
+def time_steps(makers: Dict[str, Callable], batches, steps: int, warmup: int, block: int, seed: int,
+               parts_out: Optional[Dict] = None):
+    """
+    Per-step wall and CPU times (s) per method. Each method runs in a process of its own
+    (forked, so it shares nothing with the others: on the CPU the allocator's state, which
+    one method's large temporaries change, decides how often another's page-fault), and the
+    processes take turns in blocks of ``block`` steps (so that load from other processes hits
+    them alike); only one runs at a time.
+    """
+    context = multiprocessing.get_context("fork")
+    workers = {}
     for name, make in makers.items():
-        method = make()
-        with method.active():
-            for i in range(warmup):
-                method.step(*batches[i % len(batches)])
-        runs[name] = method
+        parent, child = context.Pipe()
+        process = context.Process(target=_worker, args=(child, make, batches, warmup, seed, torch.get_num_threads()))
+        process.start()
+        if parent.recv() != "ready":
+            raise RuntimeError(f"{name} did not start")
+        workers[name] = (process, parent)
     times: Dict[str, List[float]] = {name: [] for name in makers}
     cpu_times: Dict[str, List[float]] = {name: [] for name in makers}
-    position = {name: warmup for name in makers}
-    while min(len(t) for t in times.values()) < steps:
-        for name, method in runs.items():
-            with method.active():
-                for _ in range(block):
-                    batch = batches[position[name] % len(batches)]
-                    position[name] += 1
-                    start, cpu_start = time.perf_counter(), time.process_time()
-                    method.step(*batch)
-                    times[name].append(time.perf_counter() - start)
-                    cpu_times[name].append(time.process_time() - cpu_start)
-    return runs, times, cpu_times
+    parts: Dict[str, List] = {name: [] for name in makers}
+    try:
+        while min(len(t) for t in times.values()) < steps:
+            for name, (_, connection) in workers.items():
+                connection.send(block)
+                wall, cpu, part = connection.recv()
+                times[name] += wall
+                cpu_times[name] += cpu
+                parts[name].append(part)
+    finally:
+        for process, connection in workers.values():
+            connection.send(None)
+            process.join()
+    if parts_out is not None:
+        parts_out.update(parts)
+    return times, cpu_times
 
 
 def profile(method, batches, steps: int, top: int = 25) -> str:
@@ -310,8 +350,15 @@ class TracedSite:
     def active(self):
         return pyro.get_param_store().scope(self._store)
 
-    def step(self):
+    def step(self, *batch):
         self.svi.step()
+
+    def timed_parts(self) -> Tuple[List[float], List[float]]:
+        """The optimizer calls' wall and CPU times since the last call."""
+        out = (list(self.optim.wall), list(self.optim.cpu))
+        self.optim.wall.clear()
+        self.optim.cpu.clear()
+        return out
 
 
 def traced(size: int, steps: int, warmup: int, block: int) -> str:
@@ -319,28 +366,14 @@ def traced(size: int, steps: int, warmup: int, block: int) -> str:
         "NGVI + Trace_ELBO": lambda: TracedSite(size, lambda guide: NGVI(guide=guide)),
         "Pyro Adam + Trace_ELBO": lambda: TracedSite(size, lambda guide: pyro.optim.Adam({"lr": 1e-3})),
     }
-    runs = {name: make() for name, make in makers.items()}
-    step_wall = {name: [] for name in runs}
-    step_cpu = {name: [] for name in runs}
-    for run in runs.values():
-        with run.active():
-            for _ in range(warmup):
-                run.step()
-        run.optim.wall.clear()
-        run.optim.cpu.clear()
-    while min(len(t) for t in step_wall.values()) < steps:
-        for name, run in runs.items():
-            with run.active():
-                for _ in range(block):
-                    start, cpu_start = time.perf_counter(), time.process_time()
-                    run.step()
-                    step_wall[name].append(time.perf_counter() - start)
-                    step_cpu[name].append(time.process_time() - cpu_start)
-    ngvi, adam = runs["NGVI + Trace_ELBO"], runs["Pyro Adam + Trace_ELBO"]
+    parts: Dict[str, List] = {}
+    step_wall, step_cpu = time_steps(makers, [()], steps, warmup, block, 0, parts)
+    optim_wall = {name: [t for wall, _ in blocks for t in wall] for name, blocks in parts.items()}
+    optim_cpu = {name: [t for _, cpu in blocks for t in cpu] for name, blocks in parts.items()}
+    ngvi, adam = "NGVI + Trace_ELBO", "Pyro Adam + Trace_ELBO"
     rows = [
-        ("optimizer call", ngvi.optim.wall, adam.optim.wall, ngvi.optim.cpu, adam.optim.cpu, 1.5),
-        ("whole SVI.step", step_wall["NGVI + Trace_ELBO"], step_wall["Pyro Adam + Trace_ELBO"],
-         step_cpu["NGVI + Trace_ELBO"], step_cpu["Pyro Adam + Trace_ELBO"], 1.1),
+        ("optimizer call", optim_wall[ngvi], optim_wall[adam], optim_cpu[ngvi], optim_cpu[adam], 1.5),
+        ("whole SVI.step", step_wall[ngvi], step_wall[adam], step_cpu[ngvi], step_cpu[adam], 1.1),
     ]
     lines = [
         f"## Traced path: one AutoNormal site of {size:,} elements, Trace_ELBO",
@@ -408,7 +441,7 @@ def main(argv=None):
             keep = {SVI_ADAM, VOGN_REF} | {n for n in makers if any(s in n for s in args.only)}
             keep |= {reference for name, reference, _ in TARGETS if name in keep}
             makers = {n: m for n, m in makers.items() if n in keep}
-        runs, times, cpu_times = time_steps(makers, batches, args.steps, args.warmup, args.block, args.seed)
+        times, cpu_times = time_steps(makers, batches, args.steps, args.warmup, args.block, args.seed)
         if not args.only:
             emit(digits_report(times, cpu_times, args, task.num_data))
             ms = {name: summary(t)[0] for name, t in times.items()}
@@ -421,7 +454,12 @@ def main(argv=None):
         if args.profile:
             name = next(n for n in makers if args.profile in n)
             print(f"### cProfile, {name}, {args.steps} steps\n")
-            print(profile(runs[name], batches, args.steps))
+            pyro.set_rng_seed(args.seed)
+            method = makers[name]()
+            with method.active():
+                for i in range(args.warmup):
+                    method.step(*batches[i % len(batches)])
+            print(profile(method, batches, args.steps))
     sweep = []
     if "widths" in args.sections:
         sweep += [(mlp_task(width, args.seed), 1.3 if width < 400 else 1.15) for width in args.widths]
@@ -433,7 +471,7 @@ def main(argv=None):
             steps = args.sweep_steps[0]
         block = max(steps // 10, 1)
         batches = fixed_batches(task, 16)
-        _, times, cpu_times = time_steps(curvature_methods(task), batches, steps, max(block // 2, 3), block, args.seed)
+        times, cpu_times = time_steps(curvature_methods(task), batches, steps, max(block // 2, 3), block, args.seed)
         text, section_rows = curvature_report(task.name, times, cpu_times, steps, bound, latent_size(task))
         emit(text)
         rows += section_rows

@@ -893,11 +893,13 @@ class NGVI(PyroOptim):
         if not one_draw:
             return SiteCurvature(grad, curvature, mask=mask, sampled=True)
         # eps = sigma h / g; where g vanishes (untouched rows) the draw is unknown: 0.
-        # |eps| beyond _EPS_MAX is float32 round-off in h, never a real draw.
-        eps = torch.where(grad != 0, curvature * scale / grad, 0.0)
-        eps = torch.where(eps.abs() <= _EPS_MAX, eps, 0.0)
-        return SiteCurvature(grad, curvature, mask=mask, sampled=True, eps_mean=eps,
-                             eps_sq_mean=torch.where(eps != 0, eps.square(), 1.0))
+        # |eps| beyond _EPS_MAX is float32 round-off in h, never a real draw. (By arithmetic
+        # on 0 / 1 masks: torch's CPU where and masked_fill run one element at a time.)
+        eps = torch.mul(curvature, scale).div_(grad)  # +-inf or nan where g = 0: |eps| <= max fails
+        keep = (eps.abs() <= _EPS_MAX).to(eps.dtype)
+        eps = eps.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).mul_(keep)
+        eps_sq_mean = (eps == 0).to(eps.dtype).addcmul_(eps, eps)  # eps^2, and 1 where the draw is unknown
+        return SiteCurvature(grad, curvature, mask=mask, sampled=True, eps_mean=eps, eps_sq_mean=eps_sq_mean)
 
     @torch.no_grad()
     def _update_group(self, group: "_Group", stats: List[SiteCurvature],
@@ -1020,7 +1022,9 @@ class NGVI(PyroOptim):
         new_precision = torch.lerp(precision, target, step_beta)
         if not (first.nonnegative and prior_precision is not None):  # else target > 0
             correction = torch.sub(precision, target).square_().mul_(step_beta**2 / 2).div_(precision)
-            new_precision.add_(correction.masked_fill_(target > 0, 0.0))  # only where target <= 0
+            # only where target <= 0 (a 0 / 1 mask: an overflowed correction times 0 is nan, made 0)
+            correction.mul_((target <= 0).to(correction.dtype)).nan_to_num_(nan=0.0, posinf=math.inf)
+            new_precision.add_(correction)
             del correction
         del target
         if first.sampled and self.max_step is not None:  # trust region on the precision too
@@ -1135,12 +1139,13 @@ class NGVI(PyroOptim):
         :math:`\\hat g(\\mu + \\sigma\\epsilon) = b + c\\sigma\\epsilon`.
         """
         c = precision if prior_precision is None else precision - prior_precision
-        c = c.clamp(min=0.0).masked_fill_(~known, 0.0)
+        known = known.to(precision.dtype)  # 0 / 1 (finite c and baseline: a product is the masked fill)
+        c = c.clamp(min=0.0).mul_(known)
         sigma = precision.rsqrt()
         grad.sub_(c * sigma * eps_mean)
         curvature.sub_(eps_sq_mean_minus_one.mul_(c))
         if baseline is not None:
-            curvature.sub_(baseline.masked_fill(~known, 0.0).mul_(eps_mean).div_(sigma))
+            curvature.sub_(baseline.mul(known).mul_(eps_mean).div_(sigma))
 
     def _adaptive_rates(self, group, states, grad, direction, drift, pull, target, precision, count, lr,
                         beta, mask, momentum):
@@ -1189,10 +1194,11 @@ class NGVI(PyroOptim):
         stalled = signal.div(low).sum(0) < _STALL_Z2  # noise at its lowest plausible value
         drifting = signal.div_(high).sum(0) > _DRIFT_Z2  # and at its highest
         grown = count + 1.0
-        new_count = torch.where(stalled, grown, torch.minimum(grown, torch.clamp(count, min=base)))
-        new_count = torch.where(drifting, base, new_count)
+        # (selections of finite values by lerp on 0 / 1 masks, see _select)
+        new_count = _select(stalled, grown, torch.minimum(grown, torch.clamp(count, min=base)))
+        new_count = _select(drifting, new_count.new_tensor(base), new_count)
         # a first target that is not positive tells nothing of the precision: wait for one
-        new_count = torch.where((count > 0) | (target > 0), new_count, count)
+        new_count = _select((count > 0) | (target > 0), new_count, count)
         if mask is not None:
             new_count = torch.where(mask, new_count, count)
             hdrift = torch.where(mask, hdrift, self._buffer(group, states, "hdrift", 0.0))
@@ -1202,7 +1208,8 @@ class NGVI(PyroOptim):
         self._keep(group, states, "hdrift", hdrift)
         if not momentum:
             self._keep(group, states, "drift", drift)
-        step_beta = torch.where(new_count > 0, new_count.reciprocal(), beta)
+        tiny = torch.finfo(new_count.dtype).tiny  # (1 / tiny is finite: the unselected value too)
+        step_beta = _select(new_count > 0, new_count.clamp(min=tiny).reciprocal(), new_count.new_tensor(beta))
         step_lr = (new_count - base).clamp_(min=0.0).mul_(lr).add_(1.0).reciprocal_().mul_(lr)
         return step_beta, step_lr
 
@@ -1650,6 +1657,16 @@ def _clamp_precision_(precision: torch.Tensor, floor: Optional[torch.Tensor] = N
     else:  # the floor is positive (SiteCurvature.min_precision), so at least tiny holds too
         torch.clamp(precision, min=floor, max=precision.new_tensor(high), out=precision)
     return highest > high, lowest
+
+
+def _select(condition: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """
+    ``torch.where(condition, a, b)`` for finite ``a`` and ``b`` (broadcast), as
+    ``torch.lerp(b, a, m)`` on the 0 / 1 mask ``m`` of ``condition``: exactly the same
+    values (``lerp(b, a, 0) = b``, ``lerp(b, a, 1) = a``), without torch's CPU ``where``,
+    which runs one element at a time (~4 ns an element against ~0.2-0.4 ns).
+    """
+    return torch.lerp(b, a, condition.to(torch.result_type(a, b)))
 
 
 def _mostly(flags: torch.Tensor, mask) -> torch.Tensor:
