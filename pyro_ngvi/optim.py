@@ -1872,4 +1872,6 @@ def _flat(tensors: List[torch.Tensor]) -> torch.Tensor:
     """The tensors, flattened and concatenated (no copy for a single contiguous one)."""
     if len(tensors) == 1:
         return tensors[0].reshape(-1)
-    return _flatten_dense_tensors(tensors)  # one call: reshape and cat in C++
+    if all(t.is_contiguous() for t in tensors):
+        return _flatten_dense_tensors(tensors)  # one call: reshape and cat in C++
+    return torch.cat([t.reshape(-1) for t in tensors])  # (an expanded prior: no copy before the cat)
