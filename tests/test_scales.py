@@ -223,7 +223,8 @@ def _run_large(chunk, monkeypatch, make_svi, steps=3, flat_max=None):
     losses = [svi.step(*args) for _ in range(steps)]
     store = pyro.get_param_store()
     state = svi.optim.get_state()
-    return losses, {k: v.detach().clone() for k, v in store.items()}, state
+    spreads = [float(value) for value in svi.optim._spread_watch.latest.values()]  # the watch on growing means
+    return losses, {k: v.detach().clone() for k, v in store.items()}, state, spreads
 
 
 def _large_model(size):
@@ -268,18 +269,29 @@ def test_a_large_site_in_spans_takes_the_whole_sites_step(monkeypatch, options):
                 assert value == other[key], key
 
 
-@pytest.mark.parametrize("curvature", ["ef", "reparam"])
-def test_a_large_layer_in_spans_on_the_fast_path(monkeypatch, curvature):
+@pytest.mark.parametrize("curvature, options, noise_limit", [
+    ("ef", dict(lr=0.1, beta=0.2, momentum=0.5), 1.0),
+    ("reparam", dict(lr=0.1, beta=0.2, momentum=0.5), 1.0),
+    ("ef", dict(), 1e-3),  # NGVI()'s minibatch defaults; a floor that binds on every element
+    ("reparam", dict(), 1e-3),
+])
+def test_a_large_layer_in_spans_on_the_fast_path(monkeypatch, curvature, options, noise_limit):
     def make_svi():
         torch.manual_seed(0)
         net = nn.Sequential(nn.Linear(40, 60), nn.Tanh(), nn.Linear(60, 3))
         x, y = torch.randn(32, 40), torch.randint(0, 3, (32,))
-        bnn = BayesianNet(net, "categorical", num_data=100, prior=1.0)
+        bnn = BayesianNet(net, "categorical", num_data=100, prior=1.0, noise_limit=noise_limit)
         guide = AutoNormal(bnn, init_loc_fn=bnn.init_loc_fn, init_scale=0.05)
-        return SVI(bnn, guide, NGVI(lr=0.1, beta=0.2, momentum=0.5), CurvatureELBO(curvature)), (x, y)
+        return SVI(bnn, guide, NGVI(**options), CurvatureELBO(curvature)), (x, y)
 
     whole = _run_large(1 << 30, monkeypatch, make_svi, steps=4, flat_max=1000)
     spans = _run_large(768, monkeypatch, make_svi, steps=4, flat_max=1000)  # 0.weight (2400) in 4 spans
     assert whole[0] == pytest.approx(spans[0], rel=1e-6)  # sum log sigma summed span by span
     for name, value in whole[1].items():
         torch.testing.assert_close(value, spans[1][name], rtol=1e-5, atol=1e-6, msg=name)
+    # the watch on growing means sees the same spread, summed span by span
+    assert len(whole[3]) >= 2 and whole[3] == pytest.approx(spans[3], rel=1e-5)
+    if noise_limit < 1:  # the family's floor held in every span: sigma <= sqrt(v / (L n)), attained
+        cap = math.sqrt(noise_limit / (2 * 40))
+        sigma = spans[1]["AutoNormal.scales.0.weight"]  # (the store gives constrained values)
+        assert float(sigma.max()) == pytest.approx(cap, rel=1e-5)

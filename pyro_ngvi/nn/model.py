@@ -16,7 +16,6 @@ from typing import Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import nn
-from torch._utils import _unflatten_dense_tensors
 from torch.func import functional_call
 
 import pyro
@@ -866,10 +865,6 @@ class BayesianNet(nn.Module):
             self, guide, x, y, curvature, num_particles=num_particles,
             deterministic=deterministic, mc_samples=mc_samples,
         )
-
-    def _split(self, flat: torch.Tensor) -> List[torch.Tensor]:
-        """A flat vector over all latent sites as views shaped like each site's weight."""
-        return _unflatten_dense_tensors(flat, self._latent_params)
 
 
 def _norm_weights(compact) -> Optional[torch.Tensor]:
