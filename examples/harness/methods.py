@@ -278,18 +278,20 @@ class HandVOGN(Method):
         w   = mu + eps / sqrt(lam)                      (copied into the net)
         g   = N/B * grad sum_i l_i,   h = N/B * sum_i (grad l_i)^2 (or the GGN diagonal)
         lam <- (1 - beta) lam + beta (lam0 + h)
+        lam <- max(lam, L n / v)                        (noise_limit v; n fan-in, L layers)
         gm  <- momentum gm + (1 - momentum) g           (gm = g on the first step)
         mu  <- mu - lr (gm + lam0 mu) / (lam + damping)
 
-    the update NGVI takes with the same arguments (its ``warm_start`` aside).
-    Categorical likelihood.
+    the update NGVI takes with the same arguments (its ``warm_start`` aside), the
+    floor a BayesianNet's ``noise_limit`` (default 1) puts on the precision included
+    (``noise_limit=None``: none). Categorical likelihood.
     """
 
     #: curvature source -> BackPACK extension (``ef``: VOGN's own)
     EXTENSIONS = {"ef": "SumGradSquared", "ggn": "DiagGGNExact", "ggn_mc": "DiagGGNMC"}
 
     def __init__(self, task: Task, lr=0.1, beta=0.05, damping=0.0, init_scale=0.1, curvature: str = "ef",
-                 momentum: float = 0.0):
+                 momentum: float = 0.0, noise_limit: Optional[float] = 1.0):
         import backpack.extensions
         from backpack import extend
 
@@ -304,6 +306,11 @@ class HandVOGN(Method):
         self.mean = [p.detach().clone() for p in self.params]
         self.precision = [torch.full_like(p, init_scale**-2) for p in self.params]
         self.grad_average = None
+        # the precision floor L n / v per parameter (a layer's weight and bias share its fan-in n)
+        layers = [m for m in self.net.modules() if getattr(m, "weight", None) is not None and m.weight.dim() >= 2]
+        fan_in = {id(p): m.weight[0].numel() for m in layers for p in m.parameters(recurse=False)}
+        self.floors = [None if noise_limit is None or id(p) not in fan_in else len(layers) * fan_in[id(p)] / noise_limit
+                       for p in self.params]
 
     def step(self, x, y):
         from backpack import backpack
@@ -322,9 +329,11 @@ class HandVOGN(Method):
                 grads = self.grad_average
             elif self.momentum:
                 self.grad_average = grads
-            for p, g, mu, lam in zip(self.params, grads, self.mean, self.precision):
+            for p, g, mu, lam, floor in zip(self.params, grads, self.mean, self.precision, self.floors):
                 h = getattr(p, self.extension.savefield)
                 lam.mul_(1 - self.beta).add_(h, alpha=self.beta * scale).add_(self.beta * self.prior_precision)
+                if floor is not None:
+                    lam.clamp_(min=floor)
                 mu.sub_(self.lr * (g + self.prior_precision * mu) / (lam + self.damping))
 
     def posterior(self) -> Posterior:
