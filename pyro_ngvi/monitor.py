@@ -68,21 +68,21 @@ class SpreadWatch:
     growth from a large but steady value."""
 
     def __init__(self):
-        self.reference = {}  # id(group) -> (group, spread at the reference step)
+        self.reference = {}  # id(group) -> (group, max(SPREAD_LIMIT, 2 x its spread at the reference step))
         self.latest = {}  # id(group) -> spread at the latest step
         self.warned = set()  # ids of groups already reported
 
     def flag(self, group, value: torch.Tensor, step: int) -> torch.Tensor:
         """Whether ``value`` is beyond the limit and at least twice the reference (0-d bool);
-        at every :data:`SPREAD_EVERY`-th step ``value`` becomes the reference."""
+        at every :data:`SPREAD_EVERY`-th step ``value`` becomes the reference. (One comparison a
+        step: with the reference, its threshold :math:`\\max(` :data:`SPREAD_LIMIT`, twice the
+        reference :math:`)` is kept.)"""
         reference = self.reference.get(id(group))
         self.latest[id(group)] = value
-        if reference is None or reference[0] is not group:
-            flag = value > math.inf
-        else:
-            flag = (value > SPREAD_LIMIT) & (value > 2 * reference[1])
-        if reference is None or reference[0] is not group or step % SPREAD_EVERY == 0:
-            self.reference[id(group)] = (group, value)
+        fresh = reference is None or reference[0] is not group
+        flag = torch.zeros((), dtype=torch.bool, device=value.device) if fresh else value > reference[1]
+        if fresh or step % SPREAD_EVERY == 0:
+            self.reference[id(group)] = (group, torch.clamp(2 * value, min=SPREAD_LIMIT))
         return flag
 
     def message(self, group, names: str, step: int) -> Optional[str]:
@@ -106,38 +106,37 @@ class ElboWatch:
     """Window means of the negative ELBO handed over by accepted steps, and their standard errors."""
 
     def __init__(self):
-        self.sum = self.squares = None
-        self.count = 0
+        self.losses: List = []  # this window's, as handed over (reduced at the window's end)
         self.windows: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (mean, squared standard error)
         self.warned = False
 
+    @property
+    def count(self) -> int:
+        """Steps counted in the current window."""
+        return len(self.losses)
+
     def reset(self) -> None:
         """Forget the windows (the objective changed: a temperature other than 1)."""
-        self.sum = self.squares = None
-        self.count = 0
+        self.losses = []
         self.windows = []
 
     def add(self, loss) -> Optional[torch.Tensor]:
         """
         Count one accepted step's ``loss``; at the end of a window, the flag (0-d bool)
         that the last :data:`ELBO_RISES` + 1 window means rose each time and by more
-        than :data:`ELBO_SIGNIFICANCE` standard errors in all, else ``None``.
+        than :data:`ELBO_SIGNIFICANCE` standard errors in all, else ``None``. (A step
+        only keeps its loss: the window is reduced, in float64, at its end.)
         """
         if self.warned:
             return None
-        loss = torch.as_tensor(loss, dtype=torch.float64).detach()
-        if self.sum is None:
-            self.sum, self.squares = loss.clone(), loss.square()
-        else:
-            self.sum, self.squares = self.sum + loss, self.squares + loss.square()
-        self.count += 1
-        if self.count < ELBO_WINDOW:
+        self.losses.append(loss.detach() if torch.is_tensor(loss) else loss)
+        if len(self.losses) < ELBO_WINDOW:
             return None
-        mean = self.sum / self.count
-        variance = (self.squares / self.count - mean.square()).clamp(min=0.0)
-        self.windows = (self.windows + [(mean, variance / self.count)])[-(ELBO_RISES + 1):]
-        self.sum = self.squares = None
-        self.count = 0
+        window = torch.stack([torch.as_tensor(value, dtype=torch.float64) for value in self.losses])
+        self.losses = []
+        mean = window.mean()
+        variance = (window.square().mean() - mean.square()).clamp(min=0.0)
+        self.windows = (self.windows + [(mean, variance / len(window))])[-(ELBO_RISES + 1):]
         if len(self.windows) <= ELBO_RISES:
             return None
         means = torch.stack([m for m, _ in self.windows])
