@@ -970,7 +970,8 @@ class NGVI(PyroOptim):
         else:
             precision = transform(cut(_flat([site.raw_scale for site in sites]))).pow_(-2)
         mask = None if first.mask is None else first.mask.reshape(-1)
-        prior_precision = None if first.prior_precision is None else cut(_flat([s.prior_precision for s in stats]))
+        prior_precision = None if first.prior_precision is None else cut(
+            group.flat_of("prior_precision", [s.prior_precision for s in stats]))
         adaptive = self._adaptive_for(first)
         grad, curvature = cut(grad), cut(curvature)
         grad = grad.div_(tau) if tau != 1 else grad  # from here g / tau and h / tau
@@ -1000,7 +1001,7 @@ class NGVI(PyroOptim):
         direction = self._momentum(group, states, grad, mask, rho, run)
         pull = spreading = None  # the exact prior's gradient, lambda_0 (mu - m_0)
         if prior_precision is not None:
-            deviation = mean - cut(_flat([s.prior_loc for s in stats]))
+            deviation = mean - cut(group.flat_of("prior_loc", [s.prior_loc for s in stats]))
             if mask is None:  # the watch on growing means (pyro_ngvi.monitor): sum lambda_0 (mu - m_0)^2
                 pull = deviation * prior_precision
                 if run is None:
@@ -1035,7 +1036,7 @@ class NGVI(PyroOptim):
             new_precision = torch.maximum(new_precision, lower, out=new_precision)
             del upper, lower
         # lambda' in [tiny, max / 4], and >= lambda_min where the family has a floor (one pass)
-        floor = None if first.min_precision is None else cut(_flat([s.min_precision for s in stats]))
+        floor = None if first.min_precision is None else cut(group.flat_of("min_precision", [s.min_precision for s in stats]))
         clamped, lowest = _clamp_precision_(new_precision, floor)
         del floor
         damping = settings.damping
@@ -1847,7 +1848,7 @@ class _Group(NamedTuple):
     locs: List[torch.Tensor]  # flat views of the sites' loc tensors, to write into
     raw_scales: List[torch.Tensor]  # and of their raw scale tensors
     transform: object  # raw scale -> sigma
-    cache: Dict  # small constant tensors of the adaptive steps, by (dtype, device)
+    cache: Dict  # small constant tensors of the adaptive steps, by (dtype, device); kept flats (flat_of)
 
     @classmethod
     def of(cls, sites: List[GaussianSite]) -> "_Group":
@@ -1856,6 +1857,20 @@ class _Group(NamedTuple):
                        [site.loc.view(-1) for site in sites],
                        [site.raw_scale.view(-1) for site in sites],
                        sites[0]._scale_transform, {})
+
+    def flat_of(self, name: str, tensors: List[torch.Tensor]) -> torch.Tensor:
+        """:func:`_flat` of ``tensors``, kept while they are the same tensors, unchanged (a
+        fixed prior and the family's floor are: their concatenation is not redone every
+        step); the result is read-only."""
+        if len(tensors) == 1:  # a view: nothing to keep
+            return _flat(tensors)
+        versions = [t._version for t in tensors]
+        kept = self.cache.get(("flat", name))
+        if kept is not None and kept[1] == versions and all(a is b for a, b in zip(kept[0], tensors)):
+            return kept[2]
+        flat = _flat(tensors)
+        self.cache[("flat", name)] = (list(tensors), versions, flat)
+        return flat
 
     def constants(self, dtype, device) -> Dict[str, torch.Tensor]:
         found = self.cache.get((dtype, device))
