@@ -963,8 +963,10 @@ class NGVI(PyroOptim):
             return flat if run is None else flat[run.slice]
 
         mean = cut(_flat([site.loc for site in sites]))
-        # the sigma the ELBO read this step, else the one this optimizer wrote last
-        scales = [known_scale(site.raw_scale) if s.scale is None else s.scale for s, site in zip(stats, sites)]
+        # the sigma the ELBO read this step, else the one this optimizer wrote last (in a run, as it was
+        # at the run's start: the spans before this one have written the raw scale since)
+        scales = [(known_scale(site.raw_scale) if run is None else run.old_scale) if s.scale is None else s.scale
+                  for s, site in zip(stats, sites)]
         if all(scale is not None for scale in scales):
             precision = cut(_flat(scales)).pow(-2)
         else:
@@ -1593,6 +1595,8 @@ class _Spans:
         remembered = known_scale(site.raw_scale)
         self.scale = remembered.view(-1) if remembered is not None and remembered.is_contiguous() else \
             torch.empty_like(like)
+        # the old sigma, read span by span before the span's new one is written over it (None: unknown)
+        self.old_scale = remembered
         self.fresh_momentum = rho != 0 and state.momentum is None
         self.momentum = None
         if rho != 0:
