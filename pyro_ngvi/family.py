@@ -144,9 +144,8 @@ class SiteCurvature:
         included (``None``: full-batch statistics).
     :param min_precision: the least precision :math:`\\lambda_{\\min}` the
         variational family allows the site (a cap :math:`\\lambda_{\\min}^{-1/2}` on
-        its standard deviation; a tensor of the ``loc``'s shape, positive: at least
-        the dtype's ``tiny`` where unlimited; an expanded view of one number costs no
-        memory), or ``None``:
+        its standard deviation; a tensor of the ``loc``'s shape: an expanded view of
+        one number costs no memory), or ``None``:
         :class:`~pyro_ngvi.NGVI` keeps :math:`\\lambda' \\ge \\lambda_{\\min}` (the
         step projected on the family).
     :param loss: the ELBO evaluation's loss (the negative ELBO estimate ``SVI.step``

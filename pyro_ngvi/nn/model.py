@@ -309,15 +309,15 @@ class BayesianNet(nn.Module):
 
     def _noise_floor(self) -> Optional[List[torch.Tensor]]:
         """Per site, the least precision :math:`L n / v` the guide may have (a tensor of the
-        weight's shape: a view of one number, no memory of its own; ``tiny`` of the dtype where
-        the scale is unlimited, as SiteCurvature's ``min_precision`` is positive), or ``None``."""
+        weight's shape: a view of one number, no memory of its own; 0 where the scale is
+        unlimited), or ``None``."""
         if self.noise_limit is None:
             return None
         if self._noise_floor_cache is None:
             floors = []
             for weight in self._latents:
                 cap, param = self.max_scale(weight.site), weight.param
-                floor = torch.finfo(param.dtype).tiny if cap is None else max(cap**-2, torch.finfo(param.dtype).tiny)
+                floor = 0.0 if cap is None else cap**-2
                 floors.append(torch.tensor(floor, dtype=param.dtype, device=param.device).expand(param.shape))
             self._noise_floor_cache = floors
         return self._noise_floor_cache
