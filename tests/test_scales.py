@@ -295,3 +295,24 @@ def test_a_large_layer_in_spans_on_the_fast_path(monkeypatch, curvature, options
         cap = math.sqrt(noise_limit / (2 * 40))
         sigma = spans[1]["AutoNormal.scales.0.weight"]  # (the store gives constrained values)
         assert float(sigma.max()) == pytest.approx(cap, rel=1e-5)
+
+
+def test_spans_read_the_remembered_scale_without_softplus(monkeypatch):
+    """Once NGVI has written a large site's scale, its next update (in spans, each of which
+    writes its part of the raw scale) reads the sigma it remembered: no softplus at all."""
+    from pyro.infer import Trace_ELBO
+
+    from pyro_ngvi import optim as optim_module
+    from pyro_ngvi import scales
+
+    monkeypatch.setattr(optim_module, "_CHUNK", 1024)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    model = _large_model(3 * 1024 + 123)
+    svi = SVI(model, AutoNormal(model), NGVI(lr=0.3, beta=0.2), Trace_ELBO())
+    svi.step()
+    calls = []
+    original = scales.FastSoftplus._call
+    monkeypatch.setattr(scales.FastSoftplus, "_call", lambda self, x: calls.append(x.numel()) or original(self, x))
+    svi.step()
+    assert calls == []
