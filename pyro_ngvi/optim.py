@@ -1092,26 +1092,29 @@ class NGVI(PyroOptim):
         del precision, pull, denominator, direction
         new_scale = new_precision.rsqrt_() if run is None else torch.rsqrt(new_precision, out=run.scale[run.slice])
         raw_out = None if run is None else group.raw_scales[0][run.slice]  # a span: straight into the raw scale
-        if hasattr(transform, "inverse_and_log"):  # and log sigma, when that comes for free
-            new_raw_scale, log_scale = transform.inverse_and_log(new_scale, raw_out, lowest.rsqrt())
+        if hasattr(transform, "inverse_and_log"):  # (its log sigma, of sigma before the round trip: unused)
+            new_raw_scale = transform.inverse_and_log(new_scale, raw_out, lowest.rsqrt())[0]
         else:
-            new_raw_scale, log_scale = transform.inv(new_scale), None
+            new_raw_scale = transform.inv(new_scale)
         del new_precision
+        # the sigma the new raw scale gives when read, remembered for the next reader: exactly what a
+        # process reads from the saved param store, so a resumed run takes the same steps bit for bit
+        # (the round trip moves sigma by an ulp or so; the kernels give the same bits at any offset)
+        read = transform(new_raw_scale) if mask is None else None
         if run is not None:  # one site, no mask: write the span
             if new_mean is not mean:
                 group.locs[0][run.slice].copy_(new_mean)
             if new_raw_scale is not raw_out:
                 raw_out.copy_(new_raw_scale)
+            run.scale[run.slice].copy_(read)
             run.clamped.append(clamped)
-            run.log_sum = None if log_scale is None or run.log_sum is None else run.log_sum + log_scale.sum()
             return None
         if mask is None:
             torch._foreach_copy_(group.locs, new_mean.split_with_sizes(group.sizes))
             torch._foreach_copy_(group.raw_scales, new_raw_scale.split_with_sizes(group.sizes))
-            # for the next reader (the ELBO value needs sum log sigma)
-            log_sums = [None] * len(sites) if log_scale is None else [p.sum() for p in log_scale.split_with_sizes(group.sizes)]
-            for site, piece, log_sum in zip(sites, new_scale.split_with_sizes(group.sizes), log_sums):
-                remember_scale(site.raw_scale, piece.view_as(site.loc), log_sum)
+            new_scale = read
+            for site, piece in zip(sites, new_scale.split_with_sizes(group.sizes)):
+                remember_scale(site.raw_scale, piece.view_as(site.loc))
         else:  # a masked site is a group of its own
             (loc,), (raw_scale,) = group.locs, group.raw_scales
             loc.copy_(torch.where(mask, new_mean, loc))
@@ -1584,8 +1587,8 @@ class _Spans:
     the current ``slice``, the new :math:`\\sigma` (a whole vector, written span by
     span: the scale remembered for the next reader), the momentum buffer (the site's
     own, updated in place, or a new one on its first step), the signs of :math:`g`
-    (sampled statistics) and the counts of the stall test, the clamp flags and
-    :math:`\\sum\\log\\sigma`.
+    (sampled statistics) and the counts of the stall test, the clamp flags and the
+    spread of the watch on growing means.
     """
 
     def __init__(self, optim, group: "_Group", state: "_SiteState", size: int, sampled: bool, rho: float):
@@ -1602,7 +1605,6 @@ class _Spans:
         if rho != 0:
             self.momentum = torch.empty_like(like) if self.fresh_momentum else state.momentum.view(-1)
         self.clamped: List[torch.Tensor] = []
-        self.log_sum = torch.zeros((), dtype=like.dtype, device=like.device)
         self.spread = torch.zeros((), dtype=like.dtype, device=like.device)  # sum lambda_0 (mu - m_0)^2
         self.signs = self.last_signs = None
         self.far = 0
@@ -1617,7 +1619,7 @@ class _Spans:
         (site,), size = group.sites, self.scale.numel()
         if self.fresh_momentum:
             state.momentum = self.momentum.view_as(site.loc)
-        remember_scale(site.raw_scale, self.scale.view_as(site.loc), self.log_sum)
+        remember_scale(site.raw_scale, self.scale.view_as(site.loc))
         far = None
         if self.signs is not None:
             optim._signs[id(group)] = (group, self.signs)

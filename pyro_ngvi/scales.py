@@ -16,7 +16,7 @@ written with those alone, accurate to a few ulps (tested against float64 over
   so :math:`\\log(1 + x) = \\log u + c/u` (Goldberg's compensated ``log1p``);
 * inverse: where every :math:`\\sigma \\le 1`, :math:`r = \\log\\sigma +
   \\log(\\mathrm{expm1}(\\sigma)/\\sigma)`, the second term a short series in :math:`\\sigma`
-  (one ``log``, which also gives the :math:`\\sum\\log\\sigma` of the ELBO value); else
+  (one ``log``); else
   :math:`e^\\sigma - 1 = \\sigma (u - 1)/\\log u` with :math:`u \\approx e^\\sigma`
   (Kahan's ``expm1``: the rounding of :math:`u` cancels between numerator and
   denominator, so :math:`u` may come from the cheaper ``exp2``; the ratio is 1 where
@@ -26,15 +26,15 @@ written with those alone, accurate to a few ulps (tested against float64 over
 
 Other dtypes and devices use torch's own kernels.
 
-**The remembered scale.** NGVI computes :math:`\\sigma` of every site anyway and
-writes its raw scale; :func:`remember_scale` keeps that :math:`\\sigma` beside the
-raw tensor, and :func:`known_scale` hands it to the next reader (the BayesianNet
-fast path, NGVI's own next step) instead of a softplus pass, as long as the raw
-tensor has not been written since (its autograd version counter is unchanged), with
-:math:`\\sum\\log\\sigma` when the inverse gave it (:func:`log_scale_sum`). The
-remembered :math:`\\sigma` and the softplus of the raw scale agree to a few ulps (the
-rounding of :math:`r`), so a resumed or reloaded run continues from values equal up to
-rounding, not bit for bit.
+**The remembered scale.** NGVI writes the raw scale of every site each step and reads
+it back once, :math:`\\sigma = \\mathrm{softplus}(r)` in the same pass;
+:func:`remember_scale` keeps that :math:`\\sigma` beside the raw tensor, and
+:func:`known_scale` hands it to the next reader (the BayesianNet fast path, NGVI's own
+next step) instead of another softplus pass, as long as the raw tensor has not been
+written since (its autograd version counter is unchanged). It is bit for bit the
+softplus of the raw scale (the kernels give the same bits at any offset of a vector),
+what a process that loads a saved param store reads: a resumed run takes the same steps.
+:func:`log_scale_sum` takes a :math:`\\sum\\log\\sigma` remembered with it, if any.
 The raw scale stays the single source of truth: Predictive, save / load and the
 param store always see it, and any in-place write to it (``copy_``, an optimizer,
 ``load_state_dict``) or a new tensor in the store makes the remembered value

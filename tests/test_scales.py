@@ -103,7 +103,7 @@ from pyro.infer.autoguide import AutoNormal  # noqa: E402
 from torch import nn  # noqa: E402
 
 from pyro_ngvi import NGVI, BayesianNet, CurvatureELBO  # noqa: E402
-from pyro_ngvi.family import pop_curvature  # noqa: E402
+from pyro_ngvi.family import pop_curvature, scale_transform  # noqa: E402
 from pyro_ngvi.optim import _finite  # noqa: E402
 
 
@@ -299,7 +299,8 @@ def test_a_large_layer_in_spans_on_the_fast_path(monkeypatch, curvature, options
 
 def test_spans_read_the_remembered_scale_without_softplus(monkeypatch):
     """Once NGVI has written a large site's scale, its next update (in spans, each of which
-    writes its part of the raw scale) reads the sigma it remembered: no softplus at all."""
+    writes its part of the raw scale) reads the sigma it remembered: the only softplus is the
+    read-back of the new raw scale, once per element."""
     from pyro.infer import Trace_ELBO
 
     from pyro_ngvi import optim as optim_module
@@ -308,11 +309,26 @@ def test_spans_read_the_remembered_scale_without_softplus(monkeypatch):
     monkeypatch.setattr(optim_module, "_CHUNK", 1024)
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
-    model = _large_model(3 * 1024 + 123)
+    size = 3 * 1024 + 123
+    model = _large_model(size)
     svi = SVI(model, AutoNormal(model), NGVI(lr=0.3, beta=0.2), Trace_ELBO())
     svi.step()
     calls = []
     original = scales.FastSoftplus._call
     monkeypatch.setattr(scales.FastSoftplus, "_call", lambda self, x: calls.append(x.numel()) or original(self, x))
     svi.step()
-    assert calls == []
+    assert calls == [1024, 1024, 1024, 123] and sum(calls) == size
+
+
+def test_remembered_scale_is_what_a_fresh_read_gives(float32_bnn):
+    """The sigma NGVI remembers is bit for bit the softplus of the raw scale it wrote, what a
+    process that loads the saved param store reads: a resumed run takes the same steps."""
+    bnn, guide, svi, x, y = float32_bnn
+    for _ in range(3):
+        svi.step(x, y)
+    store = pyro.get_param_store()
+    for site in bnn.latent_sites:
+        raw = store._params[f"AutoNormal.scales.{site}"]
+        remembered = known_scale(raw)
+        assert remembered is not None
+        assert torch.equal(remembered, scale_transform(store._constraints[f"AutoNormal.scales.{site}"])(raw.detach()))
