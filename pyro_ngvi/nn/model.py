@@ -157,7 +157,7 @@ class BayesianNet(nn.Module):
     the ELBO only through that model: ``model.statistics_hints = bnn.statistics_hints``
     (the net warns :class:`~pyro_ngvi.NGVIWarning` once when NGVI would lose them).
 
-        **Fast path.** :meth:`curvature_step` does what an ELBO does for this model
+    **Fast path.** :meth:`curvature_step` does what an ELBO does for this model
     with an :class:`~pyro.infer.autoguide.AutoNormal` guide, without Pyro's
     tracing: sample, forward, backward under BackPACK, and attach gradient and
     curvature of the likelihood to each site (see there). As it never evaluates
