@@ -1,5 +1,5 @@
 """
-The cross terms of NGVI's control variate (``NGVI._cross_terms``): on a correlated
+The cross terms of NGVI's control variate (``pyro_ngvi.variance.cross_terms``): on a correlated
 posterior the diagonal control variate leaves the noise
 :math:`\\sum_{j \\ne i} H_{ij}\\sigma_j\\epsilon_j` in :math:`g`; a regression of past
 gradients on past draw points removes it for small models, without using this
@@ -11,7 +11,7 @@ import torch
 
 import pyro
 import pyro.distributions as dist
-import pyro_ngvi.optim
+import pyro_ngvi.variance
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 
@@ -54,9 +54,9 @@ def test_correlated_regression_reaches_one_percent_where_the_diagonal_control_va
     with the diagonal control variate alone (no cross terms) it is still outside (it
     needs about 1300-8000)."""
     x, y, mean, std = regression_data()
-    outcome, default = {}, pyro_ngvi.optim._CROSS_MAX
+    outcome, default = {}, pyro_ngvi.variance.CROSS_MAX
     for cross_max in (default, 0):
-        monkeypatch.setattr(pyro_ngvi.optim, "_CROSS_MAX", cross_max)
+        monkeypatch.setattr(pyro_ngvi.variance, "CROSS_MAX", cross_max)
         pyro.clear_param_store()
         pyro.set_rng_seed(0)
         svi = SVI(regression, AutoNormal(regression), NGVI(), loss())
@@ -105,7 +105,7 @@ def test_cross_terms_use_past_draws_only():
         def corrected(grad):
             stats = {site.key: SiteCurvature(grad.clone(), curvature.clone(), sampled=True,
                                              eps_mean=eps.clone(), eps_sq_mean=eps.square())}
-            kept = optim._cross_terms([site], stats)
+            kept = pyro_ngvi.variance.cross_terms([site], stats, optim._state)
             return stats[site.key], kept
 
         out, (state, new) = corrected(raw)
@@ -145,7 +145,7 @@ def test_cross_terms_are_exact_on_a_quadratic_after_d_plus_one_steps():
         raw = b + hessian @ (loc + z)
         stats = {site.key: SiteCurvature(raw.clone(), torch.ones(d, dtype=torch.float64), sampled=True,
                                          eps_mean=eps, eps_sq_mean=eps.square())}
-        state, new = optim._cross_terms([site], stats)
+        state, new = pyro_ngvi.variance.cross_terms([site], stats, optim._state)
         if t > d:
             torch.testing.assert_close(raw - stats[site.key].grad, off_diagonal_sym(hessian) @ z,
                                        rtol=1e-8, atol=1e-10)

@@ -352,7 +352,7 @@ def test_newton_safeguard_on_centred_eight_schools():
             rejected = optim.num_rejected_steps
             svi.step(y, sigma)
             if optim.num_rejected_steps == rejected:
-                merits.append(optim._newton.reference)
+                merits.append(next(iter(optim._plans.values())).newton.reference)
     assert all(torch.isfinite(p).all() for p in pyro.get_param_store().values())
     assert all(b <= a + 1e-9 * abs(a) for a, b in zip(merits, merits[1:]))
     assert guide.locs.tau.item() > -20
@@ -422,7 +422,7 @@ def test_adaptive_steps_do_not_depend_on_how_sites_are_grouped(monkeypatch, mome
 
     results = []
     for flat_max in (1 << 16, 7, 4):
-        monkeypatch.setattr(pyro_ngvi.optim, "_FLAT_MAX", flat_max)
+        monkeypatch.setattr(pyro_ngvi.groups, "FLAT_MAX", flat_max)
         pyro.clear_param_store()
         g = torch.Generator().manual_seed(3)
         guide = AutoNormal(model)

@@ -21,7 +21,8 @@ from pyro.infer.autoguide import (
 from pyro_ngvi import NGVI, CurvatureELBO, NGVIWarning
 from pyro_ngvi import full_covariance as fc
 from pyro_ngvi.family import FullCovarianceSite, gaussian_sites, pop_curvature
-from pyro_ngvi.optim import _full_reparam_curvature
+from pyro_ngvi.statistics import full_reparam_curvature as _full_reparam_curvature
+from pyro_ngvi.update import full_covariance as update_fc
 
 D, N = 4, 30
 
@@ -116,7 +117,7 @@ def test_new_precision_is_positive_definite_for_any_symmetric_target(size, beta,
     factor = random_factor(size, seed)
     target = spread * torch.randn(size, size, generator=g, dtype=torch.float64)
     target = target + target.T  # indefinite in general
-    step = fc.natural_step(torch.zeros(size, dtype=torch.float64), factor,
+    step = update_fc.natural_step(torch.zeros(size, dtype=torch.float64), factor,
                            torch.randn(size, generator=g, dtype=torch.float64), target,
                            lr=0.1, beta=beta, warm=warm)
     assert step is not None
@@ -129,7 +130,7 @@ def test_new_precision_is_positive_definite_for_any_symmetric_target(size, beta,
 def test_step_without_correction_is_the_plain_moving_average():
     factor = random_factor(4, seed=3)
     target = torch.linalg.inv(fc.precision(random_factor(4, seed=4)))  # positive definite
-    step = fc.natural_step(torch.zeros(4, dtype=torch.float64), factor, torch.zeros(4, dtype=torch.float64),
+    step = update_fc.natural_step(torch.zeros(4, dtype=torch.float64), factor, torch.zeros(4, dtype=torch.float64),
                            target, lr=1.0, beta=0.3)
     expected = 0.7 * fc.precision(factor) + 0.3 * target
     torch.testing.assert_close(fc.precision(step.factor), expected, rtol=1e-9, atol=1e-9)
@@ -140,7 +141,7 @@ def test_warm_start_takes_the_target_where_it_exceeds_the_precision():
     """Generalised eigen-directions: lambda > 1 taken at once, the others by the beta step."""
     factor = torch.eye(2, dtype=torch.float64)
     target = torch.diag(torch.tensor([9.0, 0.5], dtype=torch.float64))
-    step = fc.natural_step(torch.zeros(2, dtype=torch.float64), factor, torch.zeros(2, dtype=torch.float64),
+    step = update_fc.natural_step(torch.zeros(2, dtype=torch.float64), factor, torch.zeros(2, dtype=torch.float64),
                            target, lr=1.0, beta=0.1, warm=True)
     torch.testing.assert_close(fc.precision(step.factor).diagonal(),
                                torch.tensor([9.0, 0.9 + 0.05], dtype=torch.float64))
@@ -311,7 +312,7 @@ def test_positive_definite_under_indefinite_hessians_of_a_nonconvex_model():
     optim = NGVI(lr=0.2, beta=0.5, warm_start=False)
     svi = SVI(model, guide, optim, CurvatureELBO("hessian", num_particles=4))
     corrected = 0
-    original = fc.natural_step
+    original = update_fc.natural_step
 
     def counting(*args, **kwargs):
         nonlocal corrected
@@ -319,13 +320,13 @@ def test_positive_definite_under_indefinite_hessians_of_a_nonconvex_model():
         corrected += step.corrected
         return step
 
-    fc.natural_step = counting
+    update_fc.natural_step = counting
     try:
         for _ in range(30):
             svi.step()
             assert torch.linalg.eigvalsh(site_of(guide).precision).min() > 0
     finally:
-        fc.natural_step = original
+        update_fc.natural_step = original
     assert corrected > 0
     assert optim.num_skipped_steps == 0
 
@@ -638,11 +639,11 @@ def test_trust_region_bounds_the_sampled_mean_step_in_whitened_coordinates():
     factor = random_factor(4, seed=9)
     direction = torch.tensor([1e6, -1e6, 3.0, 0.0], dtype=torch.float64)
     mean = torch.zeros(4, dtype=torch.float64)
-    step = fc.natural_step(mean, factor, direction, fc.precision(factor), lr=1.0, beta=0.5, max_step=2.0)
+    step = update_fc.natural_step(mean, factor, direction, fc.precision(factor), lr=1.0, beta=0.5, max_step=2.0)
     whitened = torch.linalg.solve_triangular(factor, (mean - step.mean).unsqueeze(-1), upper=False).squeeze(-1)
     assert whitened.abs().max() <= 2.0 + 1e-12
     assert whitened.abs().max() == pytest.approx(2.0)  # it engaged
-    free = fc.natural_step(mean, factor, direction, fc.precision(factor), lr=1.0, beta=0.5)
+    free = update_fc.natural_step(mean, factor, direction, fc.precision(factor), lr=1.0, beta=0.5)
     torch.testing.assert_close(free.mean, -torch.linalg.solve(fc.precision(free.factor), direction))
 
 

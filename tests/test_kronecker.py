@@ -14,13 +14,13 @@ from pyro.infer import SVI, Predictive, Trace_ELBO
 from pyro_ngvi import NGVI, BayesianNet, CurvatureELBO
 from pyro_ngvi.family import gaussian_sites, pop_curvature
 from pyro_ngvi.full_covariance import precision
+from pyro_ngvi.update.kronecker import kronecker_step
 from pyro_ngvi.kronecker import (
     KroneckerCurvature,
     KroneckerNormal,
     KroneckerSite,
     MatrixNormal,
     fold_prior,
-    kronecker_step,
     unfold_prior,
 )
 

@@ -17,7 +17,8 @@ from pyro.infer.autoguide import AutoDelta, AutoDiagonalNormal, AutoLowRankMulti
 
 from pyro_ngvi import NGVI, NGVIWarning
 from pyro_ngvi.family import GaussianSite, SiteCurvature
-from pyro_ngvi.optim import _Group
+from pyro_ngvi.groups import Group
+from pyro_ngvi.steps import Context, mean_field_group
 
 
 DATA = torch.tensor([0.3, 1.2, -0.5])
@@ -413,8 +414,9 @@ def test_precision_stays_positive_and_finite(beta, precision, curvature, first):
     site = GaussianSite("x", store._params["g.locs.x"], store._params["g.scales.x"], "g.scales.x")
     optim = NGVI(lr=1.0, beta=beta, warm_start=first)
     stats = SiteCurvature(torch.ones(1, dtype=torch.float64), torch.full((1,), curvature, dtype=torch.float64))
-    optim._update_group(_Group.of([site]), [stats], stats.grad, stats.curvature,
-                        optim._settings(stats, 1.0, beta), 1.0, [optim._state(site)])
+    context = Context(optim._options, 0, {}, optim._spread_watch, None)
+    mean_field_group(context, Group.of([site]), [stats], stats.grad, stats.curvature,
+                     optim._settings(stats, 1.0, beta), 1.0, [optim._state(site)])
     new = site.precision
     assert torch.isfinite(new).all() and (new > 0).all()
     assert torch.isfinite(loc).all()
@@ -426,13 +428,13 @@ def test_sites_updated_together_follow_the_update_equations_elementwise(monkeypa
     Sites of different shapes, with and without a conjugate prior, sampled or
     not, one with a row mask, momentum on: two NGVI steps equal the update of the
     class docstring written out element by element for each site on its own,
-    whether the sites are concatenated into one update or (small ``_FLAT_MAX``)
+    whether the sites are concatenated into one update or (small ``FLAT_MAX``)
     split into several groups or updated alone.
     """
-    import pyro_ngvi.optim
+    import pyro_ngvi.groups
     from pyro_ngvi.family import attach_curvature
 
-    monkeypatch.setattr(pyro_ngvi.optim, "_FLAT_MAX", flat_max)
+    monkeypatch.setattr(pyro_ngvi.groups, "FLAT_MAX", flat_max)
 
     torch.set_default_dtype(torch.float64)
     g = torch.Generator().manual_seed(3)

@@ -21,7 +21,7 @@ from pyro.infer.autoguide import AutoNormal
 from pyro_ngvi import NGVI, BayesianNet, CurvatureELBO, NGVIWarning, load_param_store
 from pyro_ngvi import monitor
 from pyro_ngvi.family import CURVATURE_PER_EXAMPLE, SiteCurvature, pop_curvature
-from pyro_ngvi.optim import FULL_BATCH, MINIBATCH, defaults
+from pyro_ngvi.optim import FULL_BATCH, MINIBATCH, _Plan, defaults
 
 
 @pytest.fixture(autouse=True)
@@ -293,8 +293,9 @@ def test_the_watches_ignore_a_tempered_objective_and_plain_trace_elbo():
     """At tau != 1 the handed loss is not the objective (the watch restarts); Trace_ELBO
     hands no loss at all (nothing to watch): neither warns on a run whose ELBO worsens."""
     optim = NGVI(tau=0.5)
-    optim._watch_elbo({"s": SiteCurvature(torch.zeros(1), torch.zeros(1), loss=torch.tensor(1.0))}, 0.5)
-    assert optim._elbo_watch.count == 0
+    plan = _Plan([], [])
+    optim._watch_elbo(plan, {"s": SiteCurvature(torch.zeros(1), torch.zeros(1), loss=torch.tensor(1.0))}, 0.5)
+    assert plan.elbo_watch.count == 0
     watch = monitor.ElboWatch()
     flags = [watch.add(float(k // monitor.ELBO_WINDOW)) for k in range(4 * monitor.ELBO_WINDOW)]
     assert [f is not None for f in flags].count(True) == 1 and bool(flags[-1])

@@ -104,7 +104,7 @@ from torch import nn  # noqa: E402
 
 from pyro_ngvi import NGVI, BayesianNet, CurvatureELBO  # noqa: E402
 from pyro_ngvi.family import pop_curvature, scale_transform  # noqa: E402
-from pyro_ngvi.optim import _finite  # noqa: E402
+from pyro_ngvi.safeguards import finite as _finite  # noqa: E402
 
 
 @pytest.fixture
@@ -212,11 +212,12 @@ def test_remembered_scale_goes_with_its_tensor():
 
 # --------------------------------------------------------------------------- a large site in spans
 def _run_large(chunk, monkeypatch, make_svi, steps=3, flat_max=None):
-    from pyro_ngvi import optim as optim_module
+    from pyro_ngvi import groups
+    from pyro_ngvi import steps as chain
 
-    monkeypatch.setattr(optim_module, "_CHUNK", chunk)
+    monkeypatch.setattr(chain, "SPAN", chunk)
     if flat_max is not None:  # sites above it are groups of their own
-        monkeypatch.setattr(optim_module, "_FLAT_MAX", flat_max)
+        monkeypatch.setattr(groups, "FLAT_MAX", flat_max)
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     svi, args = make_svi()
@@ -303,10 +304,9 @@ def test_spans_read_the_remembered_scale_without_softplus(monkeypatch):
     read-back of the new raw scale, once per element."""
     from pyro.infer import Trace_ELBO
 
-    from pyro_ngvi import optim as optim_module
-    from pyro_ngvi import scales
+    from pyro_ngvi import scales, steps
 
-    monkeypatch.setattr(optim_module, "_CHUNK", 1024)
+    monkeypatch.setattr(steps, "SPAN", 1024)
     pyro.clear_param_store()
     pyro.set_rng_seed(0)
     size = 3 * 1024 + 123

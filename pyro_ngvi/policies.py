@@ -1,0 +1,309 @@
+"""
+Step sizes of the Bayesian learning rule: the settings NGVI resolves per site
+(:func:`defaults`), schedules (:func:`check_schedule`), the first-step warm start
+(:func:`warm_start_rates`) and the adaptive steps under sampled curvature
+(:func:`adaptive_rates` for mean-field sites, :func:`dense_rates` and
+:func:`dense_count` for full-covariance ones).
+
+Every function maps the statistics of a step (and the policy's own state) to the
+step sizes :math:`(\\beta_t, \\alpha_t)` of the precision average and the mean step;
+none writes a guide. The adaptive steps are Polyak-Ruppert averaging once progress
+stalls: each element keeps a count :math:`n` and steps with
+
+.. math:: \\beta_t = 1/n, \\qquad \\alpha_t = \\alpha / (1 + \\alpha \\max(n - 1/\\beta, 0)),
+
+so that past :math:`n = 1/\\beta` the natural parameters are running means of the
+noisy targets; :math:`n` grows only while the running means of the innovations are
+indistinguishable from noise (why and how they were picked: the user guide,
+"The update").
+"""
+
+import math
+import numbers
+from typing import Callable, Dict, NamedTuple, Optional, Tuple, Union
+
+import torch
+
+from .family import CURVATURE_PER_EXAMPLE
+from .groups import Group, select
+
+Schedule = Union[float, Callable[[int], float]]
+
+#: An element's count grows past 1/beta while z^2 = (running mean of g)^2 / (its variance)
+#: is below STALL_Z2, and falls back to 1/beta above DRIFT_Z2 (z^2 is about chi-square(1)
+#: when g is pure noise).
+STALL_Z2 = 2.0
+DRIFT_Z2 = 12.0
+#: The pooled noise variances are running means over a site's steps, then forget at these
+#: rates (a short and a long memory; the stall test uses the lower, the drift test the higher).
+NOISE_RATES = (0.2, 0.02)
+NOISE_FLOOR = 1e-12
+#: Adaptive steps of a full-covariance site: the floor of its beta and lr (the longest
+#: memory, 1 / DENSE_FLOOR steps, so a nonlinear model still tracks), and the rate of the
+#: running means of its drift test.
+DENSE_FLOOR = 0.005
+DENSE_RATE = 0.1
+
+
+class Settings(NamedTuple):
+    """The step's hyperparameters for one kind of statistics (see :func:`defaults`)."""
+
+    lr: float
+    beta: float
+    momentum: float
+    damping: float
+
+
+#: NGVI()'s defaults for full-batch statistics of mean-field sites (with the adaptive
+#: steps, picked by benchmarks/tune_defaults.py).
+FULL_BATCH = Settings(lr=1.0, beta=0.5, momentum=0.0, damping=0.0)
+#: ... of full-covariance statistics that are not sampled and of Kronecker sites
+#: (constant steps, as measured in benchmarks/full_covariance.py).
+DENSE = Settings(lr=0.1, beta=0.05, momentum=0.0, damping=0.0)
+#: ... of sampled (Price / Stein) curvature of a full-covariance site: the starting lr and
+#: the rate beta its adaptive steps fall back to (picked by benchmarks/full_covariance.py
+#: --tune on the D = 10 regression and Pyro's "exact" test model).
+DENSE_SAMPLED = Settings(lr=1.0, beta=0.5, momentum=0.0, damping=0.0)
+#: ... of minibatch statistics of a BayesianNet (SiteCurvature.num_data set; picked by
+#: benchmarks/bnn_suite.py): the damping is per example, ``damping = num_data * MINIBATCH.damping``.
+MINIBATCH = Settings(lr=0.3, beta=0.01, momentum=0.9, damping=CURVATURE_PER_EXAMPLE)
+
+
+def defaults(num_data: Optional[int] = None, dense: bool = False, sampled: bool = False) -> Settings:
+    """
+    NGVI's default ``lr``, ``beta``, momentum and damping for a site's statistics:
+    minibatch estimates of sums over ``num_data`` examples (a BayesianNet's:
+    :data:`MINIBATCH`, the damping ``num_data`` :math:`\\times h_0` with :math:`h_0` =
+    :data:`~pyro_ngvi.family.CURVATURE_PER_EXAMPLE`), else full-batch statistics of
+    a full-covariance or Kronecker site (``dense``: :data:`DENSE`) or of a mean-field
+    site (:data:`FULL_BATCH`); a full-covariance site's sampled statistics (``dense`` and
+    ``sampled``) take :data:`DENSE_SAMPLED`, the start of its adaptive steps. Why each
+    value is what it is: the user guide, "The update" and "The BayesianNet recipe".
+    """
+    if num_data is not None:
+        if isinstance(num_data, bool) or not isinstance(num_data, numbers.Integral) or num_data < 1:
+            raise ValueError(f"num_data must be a positive integer or None, got {num_data!r}")
+        return MINIBATCH._replace(damping=num_data * MINIBATCH.damping)
+    if dense:
+        return DENSE_SAMPLED if sampled else DENSE
+    return FULL_BATCH
+
+
+def resolve(given: Settings, stats, dense: bool = False, sampled: bool = False) -> Settings:
+    """The settings for a site with statistics ``stats``: each value ``given`` (``None``:
+    not given), else the default for their kind (:func:`defaults`)."""
+    default = defaults(getattr(stats, "num_data", None), dense, sampled)
+    return Settings(*(d if g is None else g for g, d in zip(given, default)))
+
+
+def check_schedule(name: str, value, low: float, high: float, low_open: bool = True):
+    """Validate a finite number in the interval (or leave a callable for step-time checks).
+
+    :raises ValueError: naming ``name``, for anything else."""
+    if callable(value):
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number or a callable of the step, got {value!r}")
+    value = float(value)
+    below = value <= low if low_open else value < low
+    if not math.isfinite(value) or below or value > high:
+        bracket = "(" if low_open else "["
+        closing = "]" if math.isfinite(high) else ")"
+        raise ValueError(f"{name} must be a finite number in {bracket}{low}, {high}{closing}, got {value}")
+    return value
+
+
+def at_step(name: str, value, step: int, low: float, high: float) -> Optional[float]:
+    """The value of a hyperparameter at ``step`` (a schedule called and checked; ``None``
+    stays ``None``: its default, resolved per site)."""
+    if callable(value):
+        value = check_schedule(f"{name}({step})", value(step), low, high)
+    return value
+
+
+# --------------------------------------------------------------------------- #
+# Mean-field sites
+# --------------------------------------------------------------------------- #
+
+
+def first_count(beta: float, warm_start: bool) -> float:
+    """The count a new element starts from: 0 (its first step takes the curvature
+    target whole) with the warm start, else one short of :math:`1/\\beta`."""
+    return 0.0 if warm_start else max(1.0 / beta - 1.0, 0.0)
+
+
+def warm_start_rates(fresh: torch.Tensor, target: torch.Tensor, precision: torch.Tensor, beta: float,
+                     lr: float) -> Tuple[torch.Tensor, float]:
+    """Constant steps, except that a site's first step takes the curvature target whole
+    where it exceeds the precision (as VOGN initialises its precision from the first
+    minibatch): :math:`\\beta_t = 1` there. ``fresh``: the elements of sites not yet started."""
+    return torch.where(fresh & (target > precision), 1.0, beta).to(target.dtype), lr
+
+
+def adaptive_rates(group: Group, states, grad, direction, drift, pull, target, precision, count, lr: float,
+                   beta: float, mask, momentum: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """
+    Per-element steps from the measured signal-to-noise ratio of the two
+    natural-gradient innovations, :math:`\\hat g` and :math:`(\\hat h - \\lambda)/\\lambda`:
+    :math:`\\beta_t = 1/n`, :math:`\\alpha_t = \\alpha / (1 + \\alpha \\max(n - 1/\\beta, 0))`.
+    The count :math:`n` grows by one per step up to :math:`1/\\beta`, beyond it only while
+    the running means :math:`\\bar g, \\bar e` of both innovations are indistinguishable
+    from zero,
+
+    .. math:: z^2 = \\frac{\\bar g^2}{r\\,V_g} + \\frac{\\bar e^2}{r\\,V_e} < z^2_{\\rm stall}
+
+    (:math:`r = 1/n` their averaging rate, :math:`V` the variances pooled over the site
+    in standard-deviation units, :func:`pooled_noise`), and falls back to :math:`1/\\beta`
+    where :math:`z^2 > z^2_{\\rm drift}`. Keeps the new count and running means in the
+    sites' states; returns :math:`(\\beta_t, \\alpha_t)` per element.
+    """
+    base = 1.0 / beta
+    rate = (count + 1.0).reciprocal_()
+    sigma = precision.rsqrt()
+    fresh = group.fresh(states, "hdrift")
+    seen = None if fresh is None else ~fresh
+    if mask is not None:
+        seen = mask if seen is None else seen & mask
+    # innovations and their deviation from the running means so far (noise, pooled)
+    innovation = torch.sub(target, precision).div_(precision)
+    hdrift = group.buffer(states, "hdrift", 0.0)
+    deviations = torch.stack([torch.sub(grad, drift).mul_(sigma), innovation - hdrift])
+    low, high = pooled_noise(group, states, deviations.square_(), seen)
+    if momentum:
+        drift, drift_rate = direction, 1.0 - momentum
+    else:
+        drift, drift_rate = torch.lerp(drift, grad, rate), rate
+    hdrift = torch.lerp(hdrift, innovation, rate)
+    if fresh is not None:
+        drift = drift if momentum else torch.where(fresh, grad, drift)
+        hdrift = torch.where(fresh, innovation, hdrift)
+    total = drift if pull is None else drift + pull  # the whole gradient, exact prior included
+    signal = torch.stack([(total * sigma).square_().div_(drift_rate), hdrift.square().div_(rate)])
+    stalled = signal.div(low).sum(0) < STALL_Z2  # noise at its lowest plausible value
+    drifting = signal.div_(high).sum(0) > DRIFT_Z2  # and at its highest
+    grown = count + 1.0
+    new_count = select(stalled, grown, torch.minimum(grown, torch.clamp(count, min=base)))
+    new_count = select(drifting, new_count.new_tensor(base), new_count)
+    # a first target that is not positive tells nothing of the precision: wait for one
+    new_count = select((count > 0) | (target > 0), new_count, count)
+    if mask is not None:
+        new_count = torch.where(mask, new_count, count)
+        hdrift = torch.where(mask, hdrift, group.buffer(states, "hdrift", 0.0))
+        if not momentum:
+            drift = torch.where(mask, drift, group.buffer(states, "drift", 0.0))
+    group.keep(states, "count", new_count)
+    group.keep(states, "hdrift", hdrift)
+    if not momentum:
+        group.keep(states, "drift", drift)
+    tiny = torch.finfo(new_count.dtype).tiny  # (1 / tiny is finite: the unselected value too)
+    step_beta = select(new_count > 0, new_count.clamp(min=tiny).reciprocal(), new_count.new_tensor(beta))
+    step_lr = (new_count - base).clamp_(min=0.0).mul_(lr).add_(1.0).reciprocal_().mul_(lr)
+    return step_beta, step_lr
+
+
+def pooled_noise(group: Group, states, squares, seen) -> Tuple[torch.Tensor, torch.Tensor]:
+    """
+    The variances of the two innovations, per site: the mean over its elements
+    ``seen`` this step of ``squares`` (one row per innovation), averaged over
+    steps with a short and a long memory (:data:`NOISE_RATES`; a running mean until
+    then). Returns the lower and the higher of the two, per element (shape
+    ``squares.shape``, or ``(2, 1)`` for a group of one site), each at most the
+    variance of a one-draw estimate at the fixed point (the rest is a transient,
+    not noise). No device sync.
+    """
+    dtype, device = squares.dtype, squares.device
+    constants = group.cached((dtype, device), lambda: {
+        "lengths": torch.tensor(group.sizes, device=device),
+        "rates": torch.tensor(NOISE_RATES, dtype=dtype, device=device),
+        "ceiling": torch.tensor([[1.0], [2.0]], dtype=dtype, device=device),
+    })
+    single = len(states) == 1
+    weights = None if seen is None else seen.to(dtype)
+    if single:  # (innovation, site = 1)
+        if weights is None:
+            totals, counts = squares.sum(1, keepdim=True), constants["lengths"].to(dtype)
+        else:
+            totals, counts = (squares * weights).sum(1, keepdim=True), weights.sum().reshape(1)
+    else:
+        lengths = constants["lengths"]
+        totals = torch.segment_reduce((squares if weights is None else squares * weights).T,
+                                      "sum", lengths=lengths).T
+        counts = lengths.to(dtype) if weights is None else torch.segment_reduce(weights, "sum", lengths=lengths)
+    means = (totals / counts.clamp(min=1.0)).unsqueeze(-1)  # innovation, site, 1
+    if any(state.noise is None for state in states):
+        for state in states:
+            if state.noise is None:
+                state.steps = torch.zeros((), dtype=dtype, device=device)
+                state.noise = torch.full((2, 2), math.inf, dtype=dtype, device=device)
+    steps = torch.stack([state.steps for state in states])
+    noise = torch.stack([state.noise for state in states], dim=1)  # innovation, site, memory
+    touched = counts > 0
+    steps = steps + touched.to(dtype)
+    rate = torch.maximum(steps.reciprocal()[:, None], constants["rates"])
+    new = torch.where(steps[:, None] <= 1, means, torch.lerp(noise, means, rate))  # the first whole
+    noise = torch.where(touched[:, None], new, noise)
+    for j, state in enumerate(states):
+        state.steps, state.noise = steps[j], noise[:, j]
+    low, high = noise.aminmax(dim=-1)
+    # at most 1 for g / sqrt(lambda), 2 for (h - lambda) / lambda: one draw at lambda = h
+    # and at least NOISE_FLOOR: a drift below a millionth of a standard deviation is none
+    ceiling = constants["ceiling"]
+    low, high = (torch.minimum(n, ceiling).clamp_(min=NOISE_FLOOR) for n in (low, high))
+    if single:
+        return low, high
+    return low.repeat_interleave(constants["lengths"], dim=1), high.repeat_interleave(constants["lengths"], dim=1)
+
+
+# --------------------------------------------------------------------------- #
+# Full-covariance sites
+# --------------------------------------------------------------------------- #
+
+
+def dense_rates(settings: Settings, state) -> Tuple[float, float, float]:
+    """
+    ``(lr, beta, n)`` of a full-covariance site's adaptive step: with the site's
+    count :math:`n` (1 at its first step),
+
+    .. math:: \\beta_t = \\max(1/n, \\beta_{\\min}), \\qquad
+              \\alpha_t = \\max\\big(\\alpha / (1 + \\alpha \\max(n - 1/\\beta, 0)),
+              \\beta_{\\min}\\big),
+
+    :math:`\\beta_{\\min}` = :data:`DENSE_FLOOR`: once :math:`n` passes :math:`1/\\beta`
+    the precision is the running mean of the curvature targets (for a Gaussian
+    target, of unbiased estimates of its Hessian) and the mean the Polyak-Ruppert
+    average of Newton steps.
+    """
+    lr, beta = settings.lr, settings.beta
+    n = 1.0 if state.count is None else float(state.count.reshape(-1)[0])
+    rate = max(1.0 / n, DENSE_FLOOR)
+    step = max(lr / (1.0 + lr * max(n - 1.0 / beta, 0.0)), DENSE_FLOOR)
+    return min(step, lr), min(rate, 1.0), n
+
+
+def dense_count(settings: Settings, state, n: float, newton: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """
+    The drift test of a full-covariance site's adaptive steps, on the Newton step
+    in the new guide's standard deviations, :math:`z = C'^\\top \\bar g`
+    (:math:`\\mathcal{N}(0, I/K)` at the optimum of a Gaussian target, :math:`K`
+    particles): with running means :math:`\\bar z` and :math:`v` of :math:`z` and
+    :math:`\\|z\\|^2` (rate :math:`\\rho` = :data:`DENSE_RATE`, started at the first
+    step's), :math:`z^2 = \\|\\bar z\\|^2 (2 - \\rho) / (\\rho v)` is about 1 when
+    :math:`z` is pure noise and :math:`(2 - \\rho)/\\rho` = 19 while the mean is far.
+    The count grows to :math:`1/\\beta`, beyond that while :math:`z^2 <` 2, and falls
+    back to :math:`1/\\beta` above 12 (the mean-field thresholds). The state to keep.
+    """
+    rho = DENSE_RATE
+    square = newton.square().sum()
+    if state.drift is None:
+        drift, power = newton, square
+    else:
+        drift = torch.lerp(state.drift.to(newton), newton, rho)
+        power = torch.lerp(state.noise.to(square), square, rho)
+    z2 = float(drift.square().sum() * (2 - rho) / (rho * power.clamp(min=NOISE_FLOOR)))
+    fallback = 1.0 / settings.beta
+    grown = n + 1.0 if (n < fallback or z2 < STALL_Z2) else n
+    if z2 > DRIFT_Z2:
+        grown = min(grown, max(fallback, 1.0))
+    dtype = state.loc().dtype
+    return {"count": torch.full_like(newton, grown, dtype=dtype), "drift": drift.to(dtype),
+            "noise": power.to(dtype)}

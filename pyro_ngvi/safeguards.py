@@ -1,0 +1,237 @@
+"""
+What keeps a step of the Bayesian learning rule sound when its statistics are not:
+finiteness (:func:`finite`: a step with a non-finite gradient or curvature is
+skipped whole), the range of the precision (:func:`clamp_precision_`), the trust
+region of sampled steps (:func:`clip_`, :func:`precision_trust_region`,
+:func:`clip_target`), the stall test (:func:`far_flag`), the accept-or-damp of
+Newton steps evaluated at the mean (:class:`NewtonGuard`), and the warnings each
+says when it engages (:func:`report`). Flags are 0-d tensors read at the next step's
+one device sync: nothing here synchronises inside a step.
+"""
+
+import warnings
+from typing import List, NamedTuple, Optional, Tuple
+
+import torch
+
+from .monitor import NGVIWarning
+
+#: Sampled curvature targets are clipped to (1 +- this) times the precision (with one
+#: draw, eps^2 - 1 exceeds 9 once in 640 steps; coupled sites have heavier tails).
+INNOVATION_MAX = 9.0
+#: Under sampled curvature a step changes an element's precision by at most this factor.
+PRECISION_RATIO = 4.0
+#: A site whose mean gradient exceeds FAR of its guide's standard deviations
+#: (:math:`|g|\sigma`, about :math:`|\mathcal{N}(0, 1)|` at the optimum of a Gaussian
+#: posterior, larger by minibatch noise) with the sign it had at the last step (noise
+#: flips it) on most elements, for STALL_STEPS consecutive sampled steps, is reported as stalling.
+FAR = 4.0
+STALL_STEPS = 100
+
+
+def finite(*tensors: torch.Tensor, mask=None, exact: bool = False) -> torch.Tensor:
+    """
+    Whether the ``mask`` rows (all: ``None``) of every tensor are finite, as a 0-d
+    bool tensor (no device sync), from their sum: one reduction per tensor
+    (``isfinite(x).all()`` costs several times more on the CPU). A finite sum
+    proves them finite; a non-finite one may also be an overflow of finite values,
+    which ``exact`` tells apart: accumulated in float64, the sum is finite iff they
+    all are (float64 cannot overflow on float32 values; for float64 values only
+    beyond ~1e300).
+    """
+    total = 0
+    for t in tensors:
+        if mask is not None:
+            t = t.reshape(-1)[mask.reshape(-1)]
+        total = total + (t.sum(dtype=torch.float64) if exact else t.sum())
+    return torch.isfinite(total)
+
+
+def clip_target(target: torch.Tensor, precision: torch.Tensor) -> torch.Tensor:
+    """A sampled curvature target beyond :math:`(1 \\pm` :data:`INNOVATION_MAX` :math:`)\\lambda`
+    is an outlier: clip it there."""
+    return torch.clamp(target, min=precision * (1.0 - INNOVATION_MAX), max=precision * (1.0 + INNOVATION_MAX))
+
+
+def precision_trust_region(new_precision: torch.Tensor, precision: torch.Tensor,
+                           prior_precision: Optional[torch.Tensor]) -> torch.Tensor:
+    """Keep :math:`\\lambda'` within a factor :data:`PRECISION_RATIO` of :math:`\\lambda`
+    (in place), the exact prior precision always within reach."""
+    upper, lower = precision * PRECISION_RATIO, precision / PRECISION_RATIO
+    if prior_precision is not None:
+        upper, lower = upper.maximum(prior_precision), lower.minimum(prior_precision)
+    new_precision = torch.minimum(new_precision, upper, out=new_precision)
+    return torch.maximum(new_precision, lower, out=new_precision)
+
+
+def clip_(step: torch.Tensor, radius: torch.Tensor) -> torch.Tensor:
+    """Clip ``step`` to :math:`[-r, r]` element-wise, in place (``radius`` is negated in place)."""
+    step = torch.minimum(step, radius, out=step)
+    return torch.maximum(step, radius.neg_(), out=step)
+
+
+def clamp_precision_(precision: torch.Tensor, floor: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """
+    Keep ``precision`` in ``[tiny, max / 4]`` of its dtype, in place: then
+    :math:`\\sigma = \\lambda^{-1/2}` and :math:`\\sigma^{-2}` are finite and
+    positive. (The update from finite statistics is a convex combination plus a
+    non-negative correction: never NaN, below ``tiny`` only by underflow, above
+    the top by overflow of the correction.) With a ``floor`` (the family's
+    :math:`\\lambda_{\\min}`, broadcast to ``precision``), also
+    :math:`\\lambda \\ge \\lambda_{\\min}`. Returns whether the top was passed, as a
+    0-d bool tensor (no device sync), and a lower bound on the smallest precision
+    (0-d, at least ``tiny``).
+    """
+    info = torch.finfo(precision.dtype)
+    high = info.max / 4
+    lowest, highest = torch.aminmax(precision)
+    lowest = lowest.clamp(min=info.tiny)
+    precision.clamp_(info.tiny, high)
+    if floor is not None:  # (two passes: torch's CPU clamp with tensor bounds is ~7x slower than both)
+        torch.maximum(precision, floor, out=precision)
+    return highest > high, lowest
+
+
+def mostly(flags: torch.Tensor, mask) -> torch.Tensor:
+    """Whether more than half of the (``mask``) elements are set, as a 0-d bool tensor."""
+    if mask is None:
+        return torch.count_nonzero(flags) > flags.numel() // 2
+    return torch.count_nonzero(flags & mask) * 2 > torch.count_nonzero(mask)
+
+
+def far_elements(grad: torch.Tensor, precision: torch.Tensor, positive: torch.Tensor,
+                 last_positive: torch.Tensor) -> torch.Tensor:
+    """Elements whose gradient exceeds :data:`FAR` standard deviations,
+    :math:`g^2 > \\text{FAR}^2 \\lambda`, with the sign of the last step."""
+    persistent = torch.eq(positive, last_positive)
+    return torch.gt(grad.square(), precision * FAR**2).logical_and_(persistent)
+
+
+class Safeguards(NamedTuple):
+    """A group's safeguard flags of one step (0-d bool tensors), read at the next sync."""
+
+    group: object
+    states: list
+    clamped: torch.Tensor
+    far: Optional[torch.Tensor]
+    spreading: Optional[torch.Tensor] = None  # means growing without bound (pyro_ngvi.monitor)
+
+    def flags(self) -> List[torch.Tensor]:
+        """In the order :func:`report` reads them."""
+        return [f for f in (self.clamped, self.spreading, self.far) if f is not None]
+
+
+def report(records: List[Safeguards], engaged: List[bool], step: int, spread_watch) -> None:
+    """Warn about the safeguards that engaged at the last step (read at this step's sync;
+    ``step`` is the number of steps taken since)."""
+    engaged = iter(engaged)
+    for record in records:
+        names = ", ".join(repr(site.name) for site in record.group.sites)
+        dtype = record.group.sites[0].loc.dtype
+        if next(engaged):
+            warnings.warn(
+                f"NGVI clamped the precision of {names} to the range where the scale stays "
+                f"finite and positive in {dtype} (the update left it at step {step - 1}): the "
+                "problem is badly scaled for the guide, e.g. sampled curvature far from the "
+                "optimum. Rescale the data or the model, start the guide nearer (init_loc_fn) "
+                "or use exact curvature (CurvatureELBO('hessian')).",
+                NGVIWarning,
+                stacklevel=5,
+            )
+        if record.spreading is not None and next(engaged):
+            message = spread_watch.message(record.group, names, step - 1)
+            if message:
+                warnings.warn(message, NGVIWarning, stacklevel=5)
+        if record.far is None:
+            continue
+        far = next(engaged)
+        for state in record.states:
+            state.far_steps = state.far_steps + 1 if far else 0
+        if far and any(state.far_steps == STALL_STEPS for state in record.states):
+            warnings.warn(
+                f"NGVI: the mean of {names} stalls. Its gradient has exceeded {FAR:g} of its "
+                "guide's standard deviations, with the same sign, on most elements for "
+                f"{STALL_STEPS} consecutive steps: the mean is far from where the data put "
+                "it, and under sampled curvature its steps stay within a few standard "
+                "deviations while the scale shrinks. Rescale the data or the model, start the "
+                "guide nearer (init_loc_fn) or wider (init_scale), or use exact curvature "
+                "(CurvatureELBO('hessian')).",
+                NGVIWarning,
+                stacklevel=5,
+            )
+
+
+class NewtonGuard:
+    """
+    Accept-or-damp for steps whose statistics were evaluated at the mean (a
+    diagonal Newton method on :math:`F(\\mu) = -\\log p(x, T(\\mu)) - \\log|\\det J|`):
+    a step after which :math:`F` rose (or is not finite) is undone, and the mean
+    step of the next ones is divided by a factor :math:`f` (Levenberg-Marquardt
+    damping of the diagonal curvature, :math:`D \\to fD`), multiplied by
+    :math:`\\nu` on each rejection (:math:`\\nu` doubling while rejections follow
+    one another) and relaxed after accepted steps by Nielsen's rule [1],
+    :math:`f \\leftarrow \\max(1, f \\max(1/3, 1 - (2\\rho - 1)^3))` with :math:`\\rho`
+    the actual over the predicted decrease of :math:`F`. An undamped step
+    (:math:`f = 1`) that decreases :math:`F` passes untouched, so ``lr = beta = 1``
+    with exact curvature is still one Newton step where that step is good.
+
+    [1] `Damping Parameter in Marquardt's Method`, Hans Bruun Nielsen (IMM-REP-1999-05,
+        Technical University of Denmark, 1999)
+    """
+
+    __slots__ = ("factor", "nu", "reference", "saved", "predicted", "rejected")
+
+    def __init__(self):
+        self.factor, self.nu = 1.0, 2.0
+        self.reference: Optional[float] = None  # F at the saved point
+        self.saved: List = []  # (site, loc, raw scale) before the last step
+        self.predicted = 0.0
+        self.rejected = 0
+
+    def _same_sites(self, sites) -> bool:
+        return len(self.saved) == len(sites) and all(
+            s.loc is site.loc and s.raw_scale is site.raw_scale for (s, _, _), site in zip(self.saved, sites))
+
+    def rejects(self, sites, objective: float, step: int) -> bool:
+        """Undo the last step if ``objective`` (F at its result) is worse than before it."""
+        if self.reference is None or not self._same_sites(sites):
+            return False
+        slack = 1e-9 * max(1.0, abs(self.reference))
+        if objective <= self.reference + slack:  # accepted: relax the damping
+            rho = (self.reference - objective) / self.predicted if self.predicted > 0 else 1.0
+            self.factor = max(1.0, self.factor * max(1.0 / 3.0, 1.0 - (2.0 * rho - 1.0) ** 3))
+            self.nu = 2.0
+            return False
+        with torch.no_grad():
+            for site, loc, raw_scale in self.saved:
+                site.loc.copy_(loc)
+                site.raw_scale.copy_(raw_scale)
+        self.factor *= self.nu
+        self.nu *= 2.0
+        self.rejected += 1
+        if self.rejected & (self.rejected - 1):  # warn at the 1st, 2nd, 4th, 8th, ... only
+            return True
+        warnings.warn(
+            f"NGVI undid step {step}: F(mu) = -log p(x, T(mu)) - log|det J| at the mean rose "
+            f"from {self.reference:.6g} to {objective:.6g}; the guide is back where it was and "
+            f"the mean step is damped by {self.factor:g} ({self.rejected} steps undone so far; "
+            "warned at the 1st, 2nd, 4th, ...; see num_rejected_steps). A diagonal Newton step "
+            "(exact curvature, lr = beta = 1) diverges where lr > 2 / lambda_max(D^-1 H) "
+            "(correlated designs) or jumps out of its region of validity (funnels): a smaller lr "
+            "avoids the undone steps.",
+            NGVIWarning,
+            stacklevel=4,
+        )
+        return True
+
+    def keep(self, sites, objective: float) -> None:
+        """Remember the point the coming step starts from, and F there."""
+        with torch.no_grad():
+            if self._same_sites(sites):
+                for site, loc, raw_scale in self.saved:
+                    loc.copy_(site.loc)
+                    raw_scale.copy_(site.raw_scale)
+            else:
+                self.saved = [(site, site.loc.detach().clone(), site.raw_scale.detach().clone())
+                              for site in sites]
+        self.reference = objective

@@ -1,0 +1,101 @@
+"""
+What :class:`~pyro_ngvi.NGVI` keeps per guide site between steps (:class:`SiteState`,
+keyed, as torch's optimizers key theirs, by the site's parameter tensor), and the
+form of the dict :meth:`~pyro_ngvi.NGVI.get_state` saves (:func:`check_state`).
+"""
+
+import weakref
+from typing import Dict, Optional
+
+import torch
+
+#: The per-element buffers of :class:`SiteState` (saved by ``NGVI.get_state``).
+BUFFERS = ("momentum", "count", "drift", "hdrift")
+#: Per-site (not per-element) tensors of :class:`SiteState`, saved too.
+SITE_TENSORS = ("steps", "noise", "cross")
+
+
+class SiteState:
+    """What NGVI keeps for one site between steps, keyed by its ``loc`` tensor."""
+
+    __slots__ = ("loc", "started", "momentum", "far_steps", "count", "drift", "hdrift", "steps", "noise",
+                 "cross")
+
+    def __init__(self, loc: weakref.ref):
+        self.loc = loc  # a weak reference: a cleared param store frees the site
+        self.started = False  # the first-step warm start has happened
+        self.momentum: Optional[torch.Tensor] = None
+        self.far_steps = 0  # consecutive steps its gradient exceeded safeguards.FAR sigma (mostly)
+        # sampled statistics, per element: the count n of the adaptive steps and the
+        # running means of g (the momentum buffer, if any) and of (h - lambda) / lambda
+        self.count: Optional[torch.Tensor] = None
+        self.drift: Optional[torch.Tensor] = None
+        self.hdrift: Optional[torch.Tensor] = None
+        self.steps: Optional[torch.Tensor] = None  # steps that fed the site's pooled noise
+        self.noise: Optional[torch.Tensor] = None  # the two pooled variances (short, long memory)
+        # the regression of the cross terms of the control variate, of the small sites this site
+        # is the first of (pyro_ngvi.variance.cross_terms)
+        self.cross: Optional[torch.Tensor] = None
+
+    def saved(self) -> Dict:
+        """The entry :meth:`~pyro_ngvi.NGVI.get_state` saves (copies)."""
+        return {"started": self.started,
+                **{key: None if getattr(self, key) is None else getattr(self, key).clone()
+                   for key in BUFFERS + SITE_TENSORS}}
+
+    @classmethod
+    def restored(cls, loc: torch.Tensor, key: str, entry: Dict) -> "SiteState":
+        """A state from a saved ``entry`` for the site whose ``loc`` is given.
+
+        :raises ValueError: when a buffer does not fit the site (a checkpoint of another model)."""
+        for name in BUFFERS:
+            buffer = entry.get(name)
+            if buffer is not None and buffer.shape != loc.shape:
+                raise ValueError(
+                    f"NGVI state for '{key}' holds a {name} of shape {tuple(buffer.shape)}, the "
+                    f"site has {tuple(loc.shape)}: the checkpoint belongs to another model"
+                )
+        state = cls(weakref.ref(loc))
+        state.started = entry["started"]
+        for name in BUFFERS + SITE_TENSORS:
+            buffer = entry.get(name)
+            setattr(state, name, None if buffer is None else buffer.to(loc).clone())
+        return state
+
+
+def check_state(state_dict) -> None:
+    """:raises ValueError: unless ``state_dict`` has the form ``NGVI.get_state`` gives."""
+    def fail(why):
+        raise ValueError(f"NGVI.set_state expects a dict produced by NGVI.get_state: {why}")
+
+    def count(value):
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    if not isinstance(state_dict, dict) or set(state_dict) != {"ngvi", "point"}:
+        fail("the keys must be 'ngvi' and 'point'")
+    ngvi, point = state_dict["ngvi"], state_dict["point"]
+    if not isinstance(ngvi, dict) or set(ngvi) != {"num_steps", "num_skipped_steps", "sites"}:
+        fail("state['ngvi'] must have the keys 'num_steps', 'num_skipped_steps' and 'sites'")
+    for key in ("num_steps", "num_skipped_steps"):
+        if not count(ngvi[key]):
+            fail(f"state['ngvi'][{key!r}] must be a non-negative integer, got {ngvi[key]!r}")
+    if not isinstance(ngvi["sites"], dict):
+        fail("state['ngvi']['sites'] must be a dict")
+    keys = {"started", *BUFFERS, *SITE_TENSORS}
+    for name, entry in ngvi["sites"].items():
+        if not (isinstance(name, str) and isinstance(entry, dict) and "started" in entry
+                and "momentum" in entry and set(entry) <= keys):
+            fail(f"site entry {name!r} must be a dict with the keys 'started', 'momentum' and "
+                 f"(from this version on) {', '.join(map(repr, BUFFERS[1:] + SITE_TENSORS))}")
+        if not isinstance(entry["started"], bool) or not all(
+            entry.get(key) is None or (torch.is_tensor(entry[key]) and entry[key].is_floating_point())
+            for key in BUFFERS + SITE_TENSORS
+        ):
+            fail(f"site entry {name!r} needs a bool 'started' and float tensors or None for the rest")
+    if not isinstance(point, dict):
+        fail("state['point'] must be a dict")
+    for name, entry in point.items():
+        if not (isinstance(name, str) and isinstance(entry, dict) and isinstance(entry.get("state"), dict)
+                and isinstance(entry.get("param_groups"), list)
+                and all(isinstance(v, dict) for v in entry["state"].values())):
+            fail(f"point entry {name!r} must be a torch optimizer's state_dict")

@@ -1,0 +1,164 @@
+"""
+The statistics a step works from, per guide site: taken from the ELBO's hand-over
+(:func:`~pyro_ngvi.family.pop_curvature`, a :class:`~pyro_ngvi.family.SiteCurvature`
+fitted to the site) or, failing that, recovered from the ordinary reparameterised
+gradients that :class:`~pyro.infer.Trace_ELBO` left on the guide's parameters
+(Price's theorem, Opper and Archambeau 2009):
+
+.. math:: g = \\nabla_\\mu, \\qquad h = (\\nabla_\\sigma + 1/\\sigma)/\\sigma, \\qquad
+          \\epsilon = \\sigma h / g \\;\\text{(one draw per step)}.
+
+A subsampled plate scales a site's terms, its entropy included, by :math:`s = N/B`;
+rows a step did not touch have exactly zero gradients (a ``mask``), and :math:`s` is
+divided out of the touched ones.
+"""
+
+from dataclasses import replace
+
+import torch
+
+from pyro.infer import JitTrace_ELBO, Trace_ELBO
+
+from . import full_covariance
+from .family import FullCovarianceSite, GaussianSite, SiteCurvature, pop_curvature
+from .kronecker import KroneckerCurvature, KroneckerSite
+
+#: A recovered draw |eps| beyond this is float32 round-off, not a normal draw.
+EPS_MAX = 8.0
+_ONE_DRAW_ELBOS = (Trace_ELBO, JitTrace_ELBO)
+
+
+def one_draw(svi) -> bool:
+    """Whether ``svi`` computes its gradients from one draw of each latent: a plain
+    ``Trace_ELBO`` / ``JitTrace_ELBO`` with one particle (then :math:`\\epsilon` is
+    recoverable from :math:`g` and :math:`h`)."""
+    elbo = getattr(getattr(svi, "loss_and_grads", None), "__self__", None)
+    return type(elbo) in _ONE_DRAW_ELBOS and getattr(elbo, "num_particles", None) == 1
+
+
+def tensors(stats) -> tuple:
+    """The tensors of a site's statistics that must be finite."""
+    if isinstance(stats, KroneckerCurvature):
+        return stats.tensors
+    return stats.grad, stats.curvature
+
+
+@torch.no_grad()
+def site_statistics(site, live: bool = True, one_draw: bool = False):
+    """
+    The ELBO's statistics for ``site`` (when ``live``: this step's ELBO made them),
+    in the site's dtype and device, or, failing that, the Price estimate recovered
+    from the ordinary gradients. With one draw per step (``one_draw``) the draw of a
+    mean-field site is recovered too, :math:`\\epsilon = \\sigma h / g`, for the
+    control variate.
+
+    :raises ValueError: when there is neither (a loss that does not backpropagate
+        through the guide, a Kronecker layer without its factors).
+    """
+    stats = pop_curvature(site.loc)
+    if stats is not None and live:
+        return fit_to_site(stats, site) if isinstance(site, GaussianSite) else stats
+    if isinstance(site, KroneckerSite):
+        raise ValueError(
+            f"NGVI found no Kronecker factors for layer '{site.name}' of a KroneckerNormal guide: "
+            "train it with pyro_ngvi.CurvatureELBO('ggn') (BackPACK KFLR) or 'ggn_mc' (KFAC) on "
+            "a model that serves them (a BayesianNet)."
+        )
+    if site.loc.grad is None or site.raw_scale.grad is None:
+        raise ValueError(
+            f"NGVI found no gradient for guide site '{site.name}': use a loss that "
+            "backpropagates through the guide (Trace_ELBO, JitTrace_ELBO) or "
+            "pyro_ngvi.CurvatureELBO."
+        )
+    if isinstance(site, FullCovarianceSite):
+        return full_reparam_curvature(site)
+    return reparam_curvature(site, one_draw)
+
+
+def reparam_curvature(site: GaussianSite, one_draw: bool = False) -> SiteCurvature:
+    """The Price estimate of a mean-field site from the gradients on its ``loc`` and raw
+    scale (module docstring), the plate scale divided out of the touched rows."""
+    raw = site.raw_scale.detach()
+    scale = site.scale
+    transform = site._scale_transform
+    if hasattr(transform, "derivative"):  # softplus: d sigma / d r = sigmoid(r)
+        dscale_draw = transform.derivative(raw)
+    else:
+        dscale_draw = transform.log_abs_det_jacobian(raw, scale).exp()
+    scale_grad = site.raw_scale.grad / dscale_draw
+    touched = int(torch.count_nonzero(scale_grad))
+    if touched == scale_grad.numel():
+        mask, plate_scale = None, 1.0
+    else:
+        mask, plate_scale = scale_grad != 0, scale_grad.numel() / max(touched, 1)
+    grad = site.loc.grad / plate_scale if plate_scale != 1.0 else site.loc.grad.clone()  # ours to change
+    inverse_scale = scale.reciprocal()
+    if plate_scale != 1.0:
+        scale_grad.div_(plate_scale)
+    curvature = scale_grad.add_(inverse_scale).mul_(inverse_scale)  # (d_sigma + 1 / sigma) / sigma
+    if not one_draw:
+        return SiteCurvature(grad, curvature, mask=mask, sampled=True)
+    # eps = sigma h / g; where g vanishes (untouched rows) the draw is unknown: 0.
+    # |eps| beyond EPS_MAX is float32 round-off in h, never a real draw. (By arithmetic
+    # on 0 / 1 masks: torch's CPU where and masked_fill run one element at a time.)
+    eps = torch.mul(curvature, scale).div_(grad)  # +-inf or nan where g = 0: |eps| <= max fails
+    keep = (eps.abs() <= EPS_MAX).to(eps.dtype)
+    eps = eps.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).mul_(keep)
+    eps_sq_mean = (eps == 0).to(eps.dtype).addcmul_(eps, eps)  # eps^2, and 1 where the draw is unknown
+    return SiteCurvature(grad, curvature, mask=mask, sampled=True, eps_mean=eps, eps_sq_mean=eps_sq_mean)
+
+
+@torch.no_grad()
+def full_reparam_curvature(site: FullCovarianceSite) -> SiteCurvature:
+    """
+    :math:`g` and the Price curvature :math:`H` of a full-covariance site from the
+    reparameterised gradients ``SVI`` left on its ``loc``, ``scale`` and
+    ``scale_tril``: the gradient w.r.t. :math:`C` is
+    :math:`\\mathrm{tril}(E[g\\epsilon^\\top]) - \\mathrm{diag}(1/s)` (the entropy
+    gives the second term), so
+    :func:`~pyro_ngvi.full_covariance.price_curvature` of it plus
+    :math:`\\mathrm{diag}(1/s)` is :math:`H` (the mean-field
+    :math:`(\\nabla_\\sigma + 1/\\sigma)/\\sigma` on a diagonal). Handed on whitened,
+    :math:`C^\\top H C`, which needs no inverse.
+    """
+    raw = site.raw_scale.detach().double()
+    transform = site._scale_transform
+    scale = transform(raw)
+    scale_grad = site.raw_scale.grad.double() / transform.log_abs_det_jacobian(raw, scale).exp()
+    unit_tril = site.unit_tril.double()
+    tril_grad = site.raw_scale_tril.grad
+    tril_grad = torch.zeros_like(unit_tril) if tril_grad is None else tril_grad.double()
+    # UnitLowerCholeskyTransform is the identity on the strictly lower triangle
+    factor_grad = full_covariance.factor_gradient(scale, unit_tril, scale_grad, tril_grad)
+    factor_grad = factor_grad + torch.diag_embed(scale.reciprocal())
+    curvature = full_covariance.whitened_price_curvature(
+        full_covariance.covariance_factor(scale, unit_tril), factor_grad)
+    return SiteCurvature(site.loc.grad.detach(), curvature.to(site.loc.dtype), sampled=True,
+                         whitened=True)
+
+
+def fit_to_site(stats: SiteCurvature, site: GaussianSite) -> SiteCurvature:
+    """
+    ``stats`` in the dtype and on the device of the site's ``loc`` (an ELBO may
+    compute a float32 site's curvature in float64); a tensor of another shape
+    is refused, before anything is written.
+
+    :raises ValueError: naming the tensor and the site.
+    """
+    loc, converted = site.loc, {}
+    for name in ("grad", "curvature", "prior_loc", "prior_precision", "mask", "scale", "min_precision",
+                 "eps_mean", "eps_sq_mean"):
+        value = getattr(stats, name)
+        if value is None:
+            continue
+        if value.shape != loc.shape:
+            raise ValueError(
+                f"The ELBO handed NGVI a {name} of shape {tuple(value.shape)} for site "
+                f"'{site.name}', whose loc has shape {tuple(loc.shape)}"
+            )
+        if name == "mask":
+            if value.device != loc.device:
+                converted[name] = value.to(loc.device)
+        elif value.dtype != loc.dtype or value.device != loc.device:
+            converted[name] = value.to(loc)
+    return replace(stats, **converted) if converted else stats

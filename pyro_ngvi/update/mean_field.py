@@ -1,0 +1,101 @@
+"""
+The Bayesian learning rule for mean-field Gaussians,
+:math:`q(u) = \\mathcal{N}(\\mu, \\lambda^{-1})` element-wise, on flat vectors (VON /
+VOGN, Khan et al. 2018, Osawa et al. 2019):
+
+.. math::
+
+    \\hat h &= \\lambda_0 + h / \\tau, \\qquad
+    \\lambda' = (1 - \\beta)\\lambda + \\beta \\hat h
+        \\;\\Big[+\\, \\tfrac{\\beta^2}{2\\lambda}(\\lambda - \\hat h)^2
+        \\text{ where } \\hat h \\le 0 \\Big], \\\\
+    \\bar g &\\leftarrow \\rho \\bar g + (1 - \\rho)\\, g / \\tau, \\qquad
+    \\mu' = \\mu - \\alpha \\, \\frac{\\bar g + \\lambda_0 (\\mu - m_0)}{\\lambda' + \\gamma}.
+
+The bracket is Lin et al.'s (2020) positivity correction, only where the target is
+not positive, so that ``lr = beta = 1`` with exact positive curvature is one Newton
+step. :math:`\\beta` and :math:`\\alpha` may be tensors (per-element step sizes of the
+adaptive policy). The exact prior term stays out of the momentum (as in VOGN and IVON).
+"""
+
+import math
+from typing import Optional
+
+import torch
+from torch._utils import _unflatten_dense_tensors
+
+from ..groups import flat
+from ..safeguards import clip_
+
+
+def precision_target(curvature: torch.Tensor, prior_precision: Optional[torch.Tensor]) -> torch.Tensor:
+    """:math:`\\hat h = \\lambda_0 + h/\\tau`, in place on ``curvature`` (already tempered)."""
+    if prior_precision is not None:
+        curvature.add_(prior_precision)
+    return curvature
+
+
+def precision_step(precision: torch.Tensor, target: torch.Tensor, beta, correct: bool = True) -> torch.Tensor:
+    """
+    :math:`\\lambda' = (1-\\beta)\\lambda + \\beta\\hat h`, plus Lin et al.'s correction
+    :math:`\\tfrac{\\beta^2}{2\\lambda}(\\lambda - \\hat h)^2` where :math:`\\hat h \\le 0`
+    (with ``correct``; a target known to be positive needs none). A new tensor.
+    """
+    new_precision = torch.lerp(precision, target, beta)
+    if correct:
+        correction = torch.sub(precision, target).square_().mul_(beta**2 / 2).div_(precision)
+        # only where target <= 0 (a 0 / 1 mask: an overflowed correction times 0 is nan, made 0)
+        correction.mul_((target <= 0).to(correction.dtype)).nan_to_num_(nan=0.0, posinf=math.inf)
+        new_precision.add_(correction)
+    return new_precision
+
+
+def mean_step(mean, direction, pull, denominator, lr, out=None) -> torch.Tensor:
+    """:math:`\\mu' = \\mu - \\alpha(\\bar g + \\lambda_0(\\mu - m_0))/(\\lambda' + \\gamma)`, with
+    ``pull`` :math:`= \\lambda_0(\\mu - m_0)` (``None``: no conjugate prior; consumed) and
+    ``lr`` a number or a tensor of per-element steps."""
+    numerator = direction if pull is None else pull.add_(direction)
+    if torch.is_tensor(lr):
+        return numerator.mul(lr).div_(denominator).neg_().add_(mean)
+    return torch.addcdiv(mean, numerator, denominator, value=-lr, out=out)
+
+
+def trusted_mean_step(mean, direction, pull, denominator, lr, radius) -> torch.Tensor:
+    """The mean step with its likelihood part :math:`\\alpha\\bar g/(\\lambda'+\\gamma)` clipped
+    to ``radius`` (the trust region of sampled steps; consumed) and the prior's pull not."""
+    step = clip_(direction.mul(lr).div_(denominator), radius)
+    new_mean = step.neg_().add_(mean)
+    if pull is not None:
+        new_mean.sub_(pull.mul_(lr).div_(denominator))
+    return new_mean
+
+
+def momentum(group, states, grad: torch.Tensor, mask, rho: float, run=None) -> torch.Tensor:
+    """
+    :math:`\\bar g \\leftarrow \\rho \\bar g + (1 - \\rho) g` (a site's first step takes
+    g), as one flat vector; each site's buffer is kept as a view of it. In a run of
+    spans (one site), the span of the site's buffer, updated in place.
+    """
+    if rho == 0:
+        return grad
+    if run is not None:
+        buffer = run.momentum[run.slice]
+        if run.fresh_momentum:
+            return buffer.copy_(grad)
+        return torch.lerp(grad, buffer, rho, out=buffer)
+    sites = group.sites
+    if all(state.momentum is not None for state in states):
+        old = flat([state.momentum for state in states])
+        new = torch.lerp(grad, old, rho)
+        if mask is not None:
+            new = torch.where(mask, new, old)
+    else:  # some site's first step: its buffer starts at g
+        pieces = grad.split(group.sizes)
+        old = flat([piece if state.momentum is None else state.momentum.reshape(-1)
+                    for state, piece in zip(states, pieces)])
+        started = flat([torch.full_like(piece, state.momentum is not None, dtype=torch.bool)
+                        for state, piece in zip(states, pieces)])
+        new = torch.where(started, torch.lerp(grad, old, rho), grad)
+    for state, piece in zip(states, _unflatten_dense_tensors(new, [site.loc for site in sites])):
+        state.momentum = piece  # shaped like the site's loc
+    return new
