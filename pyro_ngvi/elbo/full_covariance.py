@@ -10,7 +10,9 @@ Trace_ELBO's gradients, handed over whitened). Priors that are Gaussian in ``u``
 (:func:`~pyro_ngvi.priors.conjugate_gaussian`, with scale 1) are handed over as the
 blocks of :math:`(m_0, S_0)`; the other sites' blocks of :math:`S_0` are zero.
 Deterministic, the loss is :math:`\\ell(\\mu) - \\mathcal{H}(q) - E_q[\\log p_0]`
-(the Gaussian parts in expectation, in closed form).
+(the Gaussian parts in expectation, in closed form). Learned prior params are not
+recognised here (such a prior is an ordinary non-conjugate one), and ``BatchNorm``
+statistics are not frozen.
 """
 
 import math
@@ -24,7 +26,7 @@ import pyro.poutine as poutine
 from ..curvature.traced import Dense, scalar_scale, traced_curvature
 from ..family import SiteCurvature, _full_covariance_site, _is_automultivariatenormal, attach_curvature
 from ..priors import conjugate_gaussian
-from .sites import check_unguided, gradients, negative_log_joint, other_params, split_terms
+from .sites import gradients, negative_log_joint, other_params, replayed, run_once, split_terms
 
 
 def full_covariance_loss_and_grads(elbo, model, guide, args, kwargs) -> float:
@@ -34,9 +36,7 @@ def full_covariance_loss_and_grads(elbo, model, guide, args, kwargs) -> float:
             f"CurvatureELBO cannot read the Gaussian of {type(guide).__name__}, a subclass of "
             "AutoMultivariateNormal that changes how it builds its posterior; use Trace_ELBO"
         )
-    if guide.prototype_trace is None:
-        with poutine.block():
-            guide(*args, **kwargs)
+    run_once(guide, args, kwargs)
     site = _full_covariance_site(guide, pyro.get_param_store())
     grad = curvature = None
     prior = (None, None)
@@ -68,9 +68,7 @@ def _particle(elbo, model, guide, args, kwargs):
         guide_trace.nodes[name]["value"] = transform(u)
         blocks[name] = (slice(position, position + u.numel()), u, transform, prototype["fn"].support)
         position += u.numel()
-    model_trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(*args, **kwargs)
-    check_unguided(model_trace, blocks)
-    model_trace.compute_log_prob()
+    model_trace = replayed(model, guide_trace, blocks, args, kwargs)
 
     size = z.numel()
     prior_loc, prior_precision = z.new_zeros(size), z.new_zeros(size, size)

@@ -15,7 +15,12 @@ a view of it, with a real, half-line or interval constraint, not both loc and
 scale; under a subsampled plate the prior must not vary along the plate. A param
 that also enters the model elsewhere has no closed-form maximiser: it is found
 (:class:`SharedPriorParams`), trained by the point optimizer, and its priors go
-into :math:`\\ell`, with a warning (:func:`without_shared_priors`).
+into :math:`\\ell`, with a warning (:func:`without_shared_priors`). Anything
+computed from a param (``Normal(0, 1 / tau.sqrt())``) is an ordinary, non-conjugate
+prior; so is a learned prior on a full-covariance guide. (With a plain
+:class:`~pyro.infer.Trace_ELBO` the param is a point estimate trained by its
+gradient; ``CurvatureELBO("reparam")`` gives the same sampled curvature with the
+prior learned in closed form.)
 """
 
 import warnings

@@ -27,7 +27,7 @@ from .sites import check_guide
 
 def mean_field_loss_and_grads(elbo, model, guide, args, kwargs) -> float:
     """:meth:`~pyro_ngvi.CurvatureELBO.loss_and_grads` for an AutoNormal guide, by tracing."""
-    check_guide(guide, model, args, kwargs)
+    check_guide(guide, args, kwargs)
     totals: Dict[str, List[torch.Tensor]] = {}
     priors = {}
     point_grads: Dict[int, List] = {}  # id -> [param, grad]: written once all particles ran

@@ -25,7 +25,7 @@ import pyro.poutine as poutine
 from ..curvature import PER_EXAMPLE
 from ..curvature.traced import Diagonal, scalar_scale, traced_curvature
 from .learned_priors import check_not_shared, conjugate_prior, prior_param_candidates
-from .sites import (check_unguided, frozen_observed, gradients, negative_log_joint, other_params, scatter_rows,
+from .sites import (frozen_observed, gradients, negative_log_joint, other_params, replayed, scatter_rows,
                     split_terms, subsampled, torch_rng_state)
 
 
@@ -48,9 +48,7 @@ def particle(elbo, model, guide, args, kwargs, point_grads, mirror=None) -> Part
     leaves, latents = _draw(guide, guide_trace, elbo.deterministic, mirror)
     # per-example sources may rerun the model (BatchNorm): with the same random state
     rng_state = torch_rng_state() if elbo.curvature in PER_EXAMPLE else None
-    model_trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(*args, **kwargs)
-    check_unguided(model_trace, leaves)
-    model_trace.compute_log_prob()
+    model_trace = replayed(model, guide_trace, leaves, args, kwargs)
 
     conjugate, site_scale = {}, {}
     learned = {}  # site -> {"loc": PriorParam, "scale": PriorParam, "weight", "full": (m0, lam0)}

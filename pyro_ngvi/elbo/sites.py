@@ -119,7 +119,16 @@ def subsampled(model_trace) -> bool:
                for frame in site["cond_indep_stack"])
 
 
-def check_guide(guide, model, args, kwargs) -> None:
+def replayed(model, guide_trace, guided, args, kwargs):
+    """The model's trace at the guide trace's values, log-probabilities computed
+    (refused when a latent site is not in ``guided``: :func:`check_unguided`)."""
+    model_trace = poutine.trace(poutine.replay(model, trace=guide_trace)).get_trace(*args, **kwargs)
+    check_unguided(model_trace, guided)
+    model_trace.compute_log_prob()
+    return model_trace
+
+
+def check_guide(guide, args, kwargs) -> None:
     """Refuse a guide other than AutoNormal on the mean-field path; run it once if it has not run."""
     if not isinstance(guide, AutoNormal):
         raise NotImplementedError(
@@ -127,6 +136,11 @@ def check_guide(guide, model, args, kwargs) -> None:
             f"{type(guide).__name__}. For AutoDiagonalNormal or an AutoGuideList use Trace_ELBO "
             "with NGVI (reparam curvature)."
         )
+    run_once(guide, args, kwargs)
+
+
+def run_once(guide, args, kwargs) -> None:
+    """Run an autoguide once (blocked) if it has not run, so that it knows its sites."""
     if guide.prototype_trace is None:
         with poutine.block():
             guide(*args, **kwargs)
