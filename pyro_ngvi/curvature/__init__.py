@@ -1,7 +1,25 @@
 """
-Curvature sources: where the diagonal curvature :math:`h` of the negative
-log-likelihood comes from. :mod:`.autograd` works for any Pyro model;
-:mod:`.backpack` serves plain networks (:class:`~pyro_ngvi.nn.BayesianNet`).
+Curvature sources: where the curvature :math:`h` of the negative log-likelihood
+comes from, and which source applies where.
+
+=========== ==================================== ====================================
+source      traced path (any Pyro model)         BackPACK (:class:`~pyro_ngvi.BayesianNet`)
+=========== ==================================== ====================================
+reparam     :math:`g\\epsilon/\\sigma`, no extra   the same, from one backward pass
+            pass
+hessian     exact, by autograd (small models)    --
+ef          per-example, needs a data plate      ``SumGradSquared``
+ggn         Categorical, Bernoulli, Normal        ``DiagGGNExact`` (``KFLR``: Kronecker)
+            likelihoods; needs a data plate
+ggn_mc      any likelihood with ``.sample()``;   ``DiagGGNMC`` (``KFAC``: Kronecker)
+            needs a data plate
+=========== ==================================== ====================================
+
+:data:`SOURCES` names them; :mod:`.traced` computes them at a traced particle
+(:data:`.traced.ESTIMATORS`: diagonals by :mod:`.autograd`, dense matrices by
+:mod:`.dense`); :mod:`.backpack` serves plain networks
+(:data:`.backpack.CURVATURE_EXTENSIONS`), with :mod:`.batch_norm` for networks that
+normalise with minibatch statistics.
 """
 
 #: source name -> what it estimates
@@ -12,6 +30,9 @@ SOURCES = {
     "ggn_mc": "Monte-Carlo GGN: squared per-example gradients at sampled targets (needs a data plate)",
     "ggn": "exact GGN diagonal (Categorical, Bernoulli, Normal likelihoods; needs a data plate)",
 }
+
+#: Sources summing per-example terms over a data plate.
+PER_EXAMPLE = ("ef", "ggn", "ggn_mc")
 
 
 def check_source(curvature: str) -> str:

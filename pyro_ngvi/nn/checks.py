@@ -1,0 +1,146 @@
+"""
+Validation of what a :class:`~pyro_ngvi.BayesianNet` is given: numbers
+(:func:`positive_finite`), batches and targets (:class:`InputChecks`: the fast path
+never evaluates the likelihood's ``log_prob``, so it checks the targets as that
+would), and a warning when the net runs inside another model that hides its
+statistics hints from the ELBO.
+"""
+
+import math
+import numbers
+import sys
+import warnings
+
+import torch
+
+import pyro.distributions as dist
+from pyro.infer import SVI
+
+from ..family import live_handover
+from ..monitor import NGVIWarning
+
+
+def positive_finite(name: str, value) -> float:
+    """``value`` as a float, or a ValueError naming ``name`` unless it is a positive finite number."""
+    if torch.is_tensor(value) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
+        0 < value < math.inf
+    ):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+class InputChecks:
+    """
+    The checks of :class:`~pyro_ngvi.BayesianNet` on its inputs (a mixin of the model:
+    it reads ``likelihood`` and ``_likelihood_param``).
+    """
+
+    def _check_batch(self, x, y) -> None:
+        """An empty batch, or targets of another length, are refused (no device sync)."""
+        if len(x) == 0:
+            raise ValueError(
+                "BayesianNet got an empty batch x: a minibatch needs at least one example "
+                "(its log-likelihood is scaled by num_data / batch size)"
+            )
+        if y is not None and (y.dim() == 0 or len(y) != len(x)):
+            raise ValueError(
+                f"BayesianNet: y holds {len(y) if y.dim() else 'no'} targets for a batch of "
+                f"{len(x)} inputs"
+            )
+
+    def _check_targets(self, y: torch.Tensor, output: torch.Tensor) -> None:
+        """
+        Refuse targets the model's likelihood would refuse, for a path that does not
+        evaluate its ``log_prob`` (the BackPACK fast path): the shape (the likelihood
+        parameter's, class dimension dropped for ``categorical``) and dtype, checked
+        once per distinct shape and dtype; and, while Pyro's validation is enabled
+        (:func:`pyro.enable_validation`, as for a distribution's support), the values:
+        class indices in ``[0, K)`` (integral, e.g. no ``-100``), Bernoulli
+        targets in ``{0, 1}``. Gaussian targets are any real number (a non-finite
+        one makes the step non-finite: the optimizer skips it).
+        """
+        param = self._likelihood_param(output)
+        expected = param.shape[:-1] if self.likelihood == "categorical" else param.shape
+        key = (y.shape, y.dtype, output.shape)
+        if key not in self._checked_targets:
+            if y.shape != expected:
+                raise ValueError(
+                    f"BayesianNet ({self.likelihood}): targets y of shape {tuple(y.shape)} for a "
+                    f"network output of shape {tuple(output.shape)}; expected {tuple(expected)}"
+                )
+            if y.dtype == torch.bool and self.likelihood != "bernoulli" or y.is_complex():
+                raise ValueError(
+                    f"BayesianNet ({self.likelihood}): targets y of dtype {y.dtype} are not "
+                    "supported"
+                )
+            self._checked_targets.add(key)
+        if self.likelihood == "gaussian" or y.dtype == torch.bool or not dist.is_validation_enabled():
+            return
+        top = param.shape[-1] - 1 if self.likelihood == "categorical" else 1
+        low, high = torch.aminmax(y.detach())
+        valid = low.tolist() >= 0 and high.tolist() <= top  # a device sync, as Pyro's support checks
+        if valid and y.is_floating_point():
+            valid = not bool(torch.any(y != y.round()))
+        if not valid:
+            valid = (y >= 0) & (y <= top) & (y == y.round())
+            support = f"class indices in {{0, ..., {top}}}" if self.likelihood == "categorical" else "0 or 1"
+            bad = y[~valid]
+            raise ValueError(
+                f"BayesianNet ({self.likelihood}): targets y must be {support}; got "
+                f"{bad.numel()} others, e.g. {bad[:3].tolist()} (the fast path checks them "
+                "while Pyro's validation is enabled, as the model's log_prob would)"
+            )
+
+    def _warn_if_inside_another_model(self) -> None:
+        """
+        Warn once when this net runs inside another model (a lambda, a bigger Pyro
+        model, a poutine handler) under an ``SVI`` with :class:`~pyro_ngvi.NGVI` and
+        :class:`~pyro_ngvi.CurvatureELBO`, and that model offers no
+        ``statistics_hints``: the ELBO asks the model it is given for them, so NGVI
+        would take its full-batch defaults and ignore :attr:`noise_limit`. Nothing to
+        say when every setting the recipe resolves was given and there is no limit.
+        Looked at once per ELBO evaluation.
+        """
+        if self._outer_model_warned or self._outer_model_checked == live_handover():
+            return
+        self._outer_model_checked = live_handover()  # once per ELBO evaluation
+        svi = _calling_svi()
+        if svi is None:
+            return
+        model, optim = svi.model, svi.optim
+        elbo = getattr(svi.loss_and_grads, "__self__", None)
+        if (model is self or getattr(model, "statistics_hints", None) is not None
+                or not getattr(elbo, "produces_curvature", False)
+                or not getattr(optim, "consumes_curvature", False)):
+            return
+        resolved = [name for name in ("lr", "beta", "momentum", "damping") if getattr(optim, name, 0) is None]
+        if not resolved and self.noise_limit is None:
+            return
+        self._outer_model_warned = True
+        lost = (f"NGVI resolves {', '.join(resolved)} for full-batch statistics (lr 1, beta 0.5, no damping: "
+                "minibatch training with them diverges) instead of the minibatch recipe" if resolved else "")
+        if self.noise_limit is not None:
+            lost += (" and " if lost else "") + f"the noise limit ({self.noise_limit:g}) is not applied"
+        warnings.warn(
+            f"BayesianNet ({', '.join(self.latent_sites[:2])}, ...) runs inside another model ({model!r}) "
+            f"that has no statistics_hints: CurvatureELBO reads the hints from the model SVI was given, "
+            f"so {lost}. Give that model the net's hints, model.statistics_hints = bnn.statistics_hints "
+            "(merged with other nets' for several), or train the BayesianNet itself.",
+            NGVIWarning,
+            stacklevel=3,
+        )
+
+
+def _calling_svi(depth: int = 64):
+    """The :class:`pyro.infer.SVI` whose ``step`` (or ``evaluate_loss``) is on the call stack, or ``None``."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, SVI):
+            return owner
+        frame = frame.f_back
+    return None

@@ -1,0 +1,100 @@
+"""
+The noise limit of a :class:`~pyro_ngvi.BayesianNet`'s variational family: the
+weight noise may add at most :math:`v` of the signal's variance along the network,
+:math:`v / L` per layer with a fan-in (:math:`L` of them), so a weight of a layer
+with fan-in :math:`n` has
+
+.. math:: \\sigma \\le \\sqrt{v / (L n)}, \\qquad \\text{i.e.} \\quad
+          \\lambda \\ge \\lambda_{\\min} = L n / v,
+
+which :class:`~pyro_ngvi.NGVI` keeps (the step projected on the family). A
+mean-field Gaussian whose scales sit at a wide prior's swamps every unit with
+noise and predicts little better than chance. The floor reaches NGVI through
+:meth:`NoiseLimit.statistics_hints`, with the data size :math:`N` the minibatch
+statistics stand for (NGVI's minibatch defaults follow from it).
+"""
+
+import math
+from typing import Dict, List, Optional
+
+import torch
+
+from .checks import positive_finite
+from .weights import fan_in
+
+
+class NoiseLimit:
+    """
+    The noise limit and statistics hints of :class:`~pyro_ngvi.BayesianNet` (a mixin
+    of the model: it reads ``_latents`` and ``effective_num_data``).
+    """
+
+    @property
+    def noise_limit(self) -> Optional[float]:
+        """:math:`v`, the variance the weight noise may add to a unit (``None``: no limit; may be set)."""
+        return self._noise_limit
+
+    @noise_limit.setter
+    def noise_limit(self, value) -> None:
+        self._noise_limit = None if value is None else positive_finite("noise_limit", value)
+        self._forget_noise_floor()
+
+    def _forget_noise_floor(self) -> None:
+        """Drop the cached floor (a new limit; ``.to()``, ``.double()``, ... change the weights)."""
+        self._noise_floor_cache = None
+
+    def max_scale(self, site: str) -> Optional[float]:
+        """
+        The largest standard deviation :attr:`noise_limit` allows the weights of
+        ``site``, :math:`\\sqrt{v / (L n)}` with :math:`n` the fan-in of its layer and
+        :math:`L` the number of layers with a fan-in (``None`` when unlimited, or
+        when the layer has no fan-in: a weight of fewer than two dimensions, an
+        embedding).
+
+        :raises ValueError: when ``site`` is not one of :attr:`latent_sites`.
+        """
+        weight = self._latents[self._latent_index(site)]
+        layer_fan_in = fan_in(weight.module)
+        if self.noise_limit is None or layer_fan_in is None:
+            return None
+        layers = len({id(w.module) for w in self._latents if fan_in(w.module) is not None})
+        return math.sqrt(self.noise_limit / (layers * layer_fan_in))
+
+    def _noise_floor(self) -> Optional[List[torch.Tensor]]:
+        """Per site, the least precision :math:`L n / v` the guide may have (a tensor of the
+        weight's shape: a view of one number, no memory of its own; 0 where the scale is
+        unlimited), or ``None``."""
+        if self.noise_limit is None:
+            return None
+        if self._noise_floor_cache is None:
+            floors = []
+            for weight in self._latents:
+                cap, param = self.max_scale(weight.site), weight.param
+                floor = 0.0 if cap is None else cap**-2
+                floors.append(torch.tensor(floor, dtype=param.dtype, device=param.device).expand(param.shape))
+            self._noise_floor_cache = floors
+        return self._noise_floor_cache
+
+    def _site_hints(self, index: int, deterministic: bool) -> Dict[str, object]:
+        """:meth:`statistics_hints` of the ``index``-th latent site."""
+        floors = None if deterministic else self._noise_floor()
+        return {"num_data": self.effective_num_data, "min_precision": None if floors is None else floors[index]}
+
+    def statistics_hints(self, site: str, deterministic: bool = False) -> Dict[str, object]:
+        """
+        What the curvature statistics of ``site`` should tell
+        :class:`~pyro_ngvi.NGVI` besides :math:`g, h` (the protocol
+        :class:`~pyro_ngvi.CurvatureELBO` reads, on this model's fast path and on the
+        traced path alike): ``num_data``, the effective data size the minibatch
+        stands for (NGVI's defaults for a ``BayesianNet`` follow from it), and, for
+        sampled statistics, ``min_precision``, the floor :attr:`noise_limit` puts on
+        the precision (``None`` at the mean, ``deterministic``: no weight noise
+        is injected there, and Laplace's precision is the curvature's). For a site
+        that is not one of :attr:`latent_sites` (another part of a bigger model):
+        ``{}``, nothing to say, so that the hints of a net inside a bigger model can
+        be given to that model (``model.statistics_hints = bnn.statistics_hints``, or
+        merged with another net's).
+        """
+        if site not in self.latent_sites:
+            return {}
+        return self._site_hints(self.latent_sites.index(site), deterministic)

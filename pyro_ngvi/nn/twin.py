@@ -1,0 +1,94 @@
+"""
+The BackPACK-extended twin of a :class:`~pyro_ngvi.BayesianNet`'s network, and its
+loss module, whose ``reduction="sum"`` gives the minibatch's negative
+log-likelihood up to a per-example weight :math:`c`:
+
+.. math:: -\\sum_{i \\in B} \\log p(y_i \\mid f(x_i; w)) = c \\sum_{i \\in B} \\ell(f(x_i; w), y_i) + \\text{const}
+
+(:math:`c = 1` for Categorical and Bernoulli, :math:`1/(2\\sigma^2)` for the Gaussian).
+The twin shares the network's parameter and buffer dicts, so sampled weights
+written into the network are the twin's; the model itself stays free of
+BackPACK's hooks, so its traced path (and ``torch.func`` on it) runs the plain
+network. One pass of :func:`~pyro_ngvi.curvature.backpack.network_curvature` on
+the twin gives the gradient and the curvature.
+"""
+
+from copy import deepcopy
+from itertools import chain
+
+import torch
+from torch import nn
+
+from backpack import extend
+
+#: The BackPACK loss module of each likelihood (``reduction="sum"``).
+LOSS_MODULES = {
+    "categorical": nn.CrossEntropyLoss,
+    "bernoulli": nn.BCEWithLogitsLoss,
+    "gaussian": nn.MSELoss,
+}
+
+
+class BackpackTwin:
+    """
+    A BackPACK-extended twin of ``net`` and its loss module.
+
+    :param torch.nn.Module net: the plain network (its parameter and buffer dicts
+        are shared, not copied).
+    :param str likelihood: a key of :data:`LOSS_MODULES`.
+    """
+
+    def __init__(self, net: nn.Module, likelihood: str):
+        twin = deepcopy(net, memo={id(t): t for t in chain(net.parameters(), net.buffers())})
+        for twin_module, module in zip(twin.modules(), net.modules()):
+            twin_module._parameters = module._parameters
+            twin_module._buffers = module._buffers
+        self.twin = extend(twin)
+        self.loss_module = extend(LOSS_MODULES[likelihood](reduction="sum"))
+        self.module_pairs = list(zip(twin.modules(), net.modules()))
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Re-read the twin's parameters (after ``.to()`` put new tensors in the shared dicts)."""
+        self.params = [p for p in self.twin.parameters() if p.requires_grad]
+
+    def loss_target(self, model, y: torch.Tensor) -> torch.Tensor:
+        """``y`` in the form the BackPACK loss module expects: class indices, or
+        floats shaped as the network output (``(B,)`` targets of a ``(B, 1)`` output)."""
+        if model.likelihood == "categorical":
+            return y.long()
+        dtype = model._latents[0].param.dtype
+        return (y.unsqueeze(-1) if y.dim() == 1 else y).to(dtype)
+
+    def begin(self, model):
+        """
+        What every step needs first: the BatchNorm statistics kept until the step
+        is accepted, the point estimates (read through
+        ``pyro.param`` and copied into the net), the Gaussian noise scale, the
+        per-example weight :math:`c` of the loss module (:math:`-\\log p = c\\,`MSE +
+        const), and the twin's train/eval modes matched to the network's.
+        """
+        model._running_stats.keep_until_accepted()
+        points = [model._point_estimate(w) for w in model._point_estimates]
+        noise_scale = model._noise_scale() if model.likelihood == "gaussian" else None
+        for twin_module, module in self.module_pairs:
+            if twin_module.training != module.training:
+                twin_module.training = module.training
+        with torch.no_grad():
+            for weight, value in zip(model._point_estimates, points):
+                weight.param.copy_(value)
+        if noise_scale is None:
+            loss_scale = 1.0
+        elif isinstance(noise_scale, torch.Tensor):  # no .item(): no device sync
+            loss_scale = 0.5 / noise_scale.detach() ** 2
+        else:
+            loss_scale = 0.5 / noise_scale**2
+        return points, noise_scale, loss_scale
+
+
+def accumulate_grad(tensor: torch.Tensor, grad: torch.Tensor) -> None:
+    """Add ``grad`` to ``tensor.grad`` (set it when there is none)."""
+    if tensor.grad is None:
+        tensor.grad = grad
+    else:
+        tensor.grad += grad
