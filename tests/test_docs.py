@@ -89,6 +89,28 @@ def test_the_block_finder_reads_what_sphinx_renders():
     assert [page.splitlines()[number - 1].strip() for number, _ in blocks] == ["a = 1", "c = b * 2"]
 
 
+def test_the_readme_is_a_front_page_whose_code_runs():
+    """At most 8 KB; the two commands first (the test one is what .ci/run runs); the one command
+    that builds this manual; its Python blocks run, in order, in one namespace."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(readme.encode("utf-8")) <= 8192
+    first = readme.split("```bash\n", 1)[1].splitlines()[:2]
+    assert first[0].startswith('python3 -m venv .venv && .venv/bin/pip install -e ".[examples]" && '
+                               ".venv/bin/python examples/bnn_classification.py")
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").strip().splitlines()[-1]
+    assert first[1].split("#")[0].strip() == ci.replace("pip install -q ", "pip install ")  # pip's -q aside
+    assert ('.venv/bin/pip install -e ".[docs]" && .venv/bin/python -m sphinx -W -b html docs docs/_build/html'
+            in readme)
+    namespace = {"__name__": "readme"}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for number, source in enumerate(re.findall(r"```python\n(.*?)```", readme, re.S)):
+            exec(compile(source, f"README.md, Python block {number + 1}", "exec"), namespace)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("page", [path for path in PAGES if python_blocks(path.read_text(encoding="utf-8"))],
                          ids=lambda path: str(path.relative_to(DOCS)))
 def test_every_python_block_of_the_page_runs(page):
