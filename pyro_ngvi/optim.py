@@ -66,8 +66,8 @@ class NGVI(PyroOptim):
     [5] (:mod:`~pyro_ngvi.variance`), adaptive steps (Polyak-Ruppert averaging once
     progress stalls, :mod:`~pyro_ngvi.policies`) and a trust region; statistics at the mean
     take the Newton-step safeguard [6] (:mod:`~pyro_ngvi.safeguards`). Parameters that are
-    not Gaussian sites are trained by ``point_optim`` in the same step. The user guide
-    ("The update") derives every piece and says how each default was chosen.
+    not Gaussian sites are trained by ``point_optim`` in the same step. The user guide,
+    :doc:`/guide/update`, derives every piece and says how each default was chosen.
 
     :param lr: step :math:`\\alpha > 0` on the mean, or a callable of the step count
         (default: None, per site by :func:`defaults`)

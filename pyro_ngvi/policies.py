@@ -14,8 +14,7 @@ stalls: each element keeps a count :math:`n` and steps with
 
 so that past :math:`n = 1/\\beta` the natural parameters are running means of the
 noisy targets; :math:`n` grows only while the running means of the innovations are
-indistinguishable from noise (why and how they were picked: the user guide,
-"The update").
+indistinguishable from noise (why and how they were picked: :doc:`/guide/update`).
 """
 
 import math
@@ -78,7 +77,7 @@ def defaults(num_data: Optional[int] = None, dense: bool = False, sampled: bool 
     a full-covariance or Kronecker site (``dense``: :data:`DENSE`) or of a mean-field
     site (:data:`FULL_BATCH`); a full-covariance site's sampled statistics (``dense`` and
     ``sampled``) take :data:`DENSE_SAMPLED`, the start of its adaptive steps. Why each
-    value is what it is: the user guide, "The update" and "The BayesianNet recipe".
+    value is what it is: :doc:`/guide/update` and :doc:`/guide/bnn`.
     """
     if num_data is not None:
         if isinstance(num_data, bool) or not isinstance(num_data, numbers.Integral) or num_data < 1:

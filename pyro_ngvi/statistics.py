@@ -23,7 +23,7 @@ from . import full_covariance
 from .family import FullCovarianceSite, GaussianSite, SiteCurvature, pop_curvature
 from .kronecker import KroneckerCurvature, KroneckerSite
 
-#: A recovered draw |eps| beyond this is float32 round-off, not a normal draw.
+#: A recovered draw :math:`|\epsilon|` beyond this is float32 round-off, not a normal draw.
 EPS_MAX = 8.0
 _ONE_DRAW_ELBOS = (Trace_ELBO, JitTrace_ELBO)
 
