@@ -36,7 +36,7 @@ from .priors import update_learned_priors
 from .safeguards import NewtonGuard, Safeguards, finite, report
 from .state import SiteState, check_state
 from .statistics import one_draw, site_statistics, tensors
-from .steps import Context, GuardedStep, Options, dense_adaptive, dense_site, mean_field_group
+from .steps import Context, GuardedStep, Options, couple_means, dense_adaptive, dense_site, mean_field_group, start_of
 from .variance import cross_terms
 
 __all__ = ["NGVI", "NGVIWarning", "Settings", "defaults", "FULL_BATCH", "DENSE", "DENSE_SAMPLED", "MINIBATCH"]
@@ -221,6 +221,7 @@ class NGVI(PyroOptim):
         self._point_step(others, *args, **kwargs)  # before any guide write: it may still fail
         if guarded:  # the point to come back to
             plan.newton.keep(mean_field, objective)
+        coupled_start = None if cross is None else start_of(cross.sites)
         new_scales = {}  # sigma after the update, for the prior M-step
         for group, st, (grad, curvature) in zip(groups, group_stats, flats):
             group_states = [state_of[site.key] for site in group.sites]
@@ -236,7 +237,8 @@ class NGVI(PyroOptim):
         if guarded:
             plan.newton.predicted = float(context.guarded.predicted)
         if cross is not None:  # the regression takes this step's gradients (not before: a skipped step)
-            cross[0].cross = cross[1]
+            cross.state.cross = cross.new
+            couple_means(cross, coupled_start, self.max_step)
         for site, ((step, direction, kept), rho) in zip(dense_sites, dense_steps):
             site.write(*step)
             state = state_of[site.key]

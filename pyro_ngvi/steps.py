@@ -11,6 +11,7 @@ mean-field sites as flat vectors (a large site in spans of :data:`SPAN` elements
 written, so that a step whose new precision is not positive definite can be skipped whole).
 """
 
+import math
 from typing import Dict, List, NamedTuple, Optional
 
 import torch
@@ -25,7 +26,7 @@ from .scales import known_scale, remember_scale
 from .update import full_covariance
 from .update.kronecker import kronecker_step
 from .variance import control_variate
-from .update.mean_field import mean_step, momentum, precision_step, precision_target, trusted_mean_step
+from .update.mean_field import coupled_mean_step, mean_step, momentum, precision_step, precision_target, trusted_mean_step
 
 #: A large site's update runs in spans of this many elements (see :func:`mean_field_group`).
 SPAN = 1 << 16
@@ -361,6 +362,30 @@ def dense_site(ctx: Context, site, stats, settings: Settings, tau: float, state,
         newton = step.factor.T.to(direction) @ direction  # z = C'^T g
         kept = dense_count(settings, state, count, newton)
     return (step.mean, step.factor), direction, kept
+
+
+@torch.no_grad()
+def start_of(sites) -> tuple:
+    """The sites' means and standard deviations before the step (flat copies): what
+    :func:`couple_means` needs of them."""
+    return _flat([site.loc for site in sites]).clone(), _flat([site.scale for site in sites]).clone()
+
+
+@torch.no_grad()
+def couple_means(cross, start: tuple, max_step: Optional[float]) -> None:
+    """Replace the element-wise mean step the chain took on the sites of the cross terms
+    (``cross``: :class:`~pyro_ngvi.variance.CrossTerms`) by the coupled one,
+    :func:`~pyro_ngvi.update.mean_field.coupled_mean_step` (written in place), within the
+    trust region of ``max_step`` standard deviations before the step."""
+    mean, scale = start
+    sites = cross.sites
+    step = mean - _flat([site.loc for site in sites])
+    denominator = _flat([site.scale for site in sites]).pow(-2)
+    radius = scale * max_step if max_step is not None else torch.full_like(scale, math.inf)
+    radius = torch.maximum(radius, step.abs())  # never tighter than the step the chain took
+    new_mean = mean - coupled_mean_step(step, denominator, cross.off_diagonal.to(step), radius)
+    for site, piece in zip(sites, new_mean.split([site.loc.numel() for site in sites])):
+        site.loc.copy_(piece.view_as(site.loc))
 
 
 def dense_adaptive(site, stats, options: Options) -> bool:

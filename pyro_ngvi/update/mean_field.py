@@ -70,6 +70,30 @@ def trusted_mean_step(mean, direction, pull, denominator, lr, radius) -> torch.T
     return new_mean
 
 
+def coupled_mean_step(step: torch.Tensor, denominator: torch.Tensor, off_diagonal: torch.Tensor,
+                      radius: torch.Tensor) -> torch.Tensor:
+    """
+    The mean step of a few sites coupled by :math:`\\tilde H`, an estimate of the
+    off-diagonal part of the Hessian (:func:`~pyro_ngvi.variance.cross_terms`): with
+    :math:`D = \\mathrm{diag}(\\lambda' + \\gamma)` and the element-wise step
+    :math:`\\delta = D^{-1}\\alpha r` this step took,
+
+    .. math:: \\delta' = (D + \\tilde H)^{-1} D\\,\\delta,
+
+    a Newton step on the mean where the element-wise one is a Jacobi iteration (on a
+    quadratic log joint with :math:`\\tilde H` exact and :math:`\\alpha = 1`, the exact
+    mean in one step). Its fixed point is the same (:math:`\\delta' = 0` iff
+    :math:`\\delta = 0`): the mean-field optimum. Clipped to ``radius`` element-wise (the
+    trust region); where :math:`D + \\tilde H` is not positive definite, :math:`\\delta`.
+    """
+    matrix = off_diagonal + torch.diag(denominator)
+    factor, info = torch.linalg.cholesky_ex(matrix)
+    coupled = torch.cholesky_solve((denominator * step).unsqueeze(-1), factor).squeeze(-1)
+    coupled = torch.minimum(torch.maximum(coupled, -radius), radius)
+    usable = (info == 0) & torch.isfinite(coupled).all() & off_diagonal.any()
+    return torch.where(usable, coupled, step)
+
+
 def momentum(group, states, grad: torch.Tensor, mask, rho: float, run=None) -> torch.Tensor:
     """
     :math:`\\bar g \\leftarrow \\rho \\bar g + (1 - \\rho) g` (a site's first step takes
