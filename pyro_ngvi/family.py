@@ -43,7 +43,7 @@ from pyro.distributions.transforms import SoftplusTransform
 from pyro.infer.autoguide import AutoDiagonalNormal, AutoGuideList, AutoMultivariateNormal, AutoNormal
 
 from . import full_covariance
-from .guide_trace import NotGaussian, read_trace, trace_guide
+from .guide_trace import NotGaussian, model_params, read_trace, trace_guide
 from .handover import (  # noqa: F401 (re-exported: the ELBOs and NGVI import them from here)
     PriorParam,
     SiteCurvature,
@@ -66,7 +66,7 @@ from .scales import FastSoftplus, known_scale
 CURVATURE_PER_EXAMPLE = 1.0
 #: How far up the call stack :func:`calling_svi` looks for ``SVI.step``.
 _STACK_DEPTH = 6
-#: How far up the call stack :func:`step_arguments` looks for ``SVI.step``.
+#: How far up the call stack :func:`calling_step` looks for ``SVI.step``.
 _ARGS_DEPTH = 12
 
 
@@ -242,12 +242,20 @@ def calling_svi(attribute: str, value) -> Optional[object]:
     return None
 
 
-def step_arguments(guide) -> Optional[Tuple[tuple, dict]]:
+class StepCall(NamedTuple):
+    """What the ``SVI.step`` running a call was given: its model and the step's arguments."""
+
+    model: object
+    args: tuple
+    kwargs: dict
+
+
+def calling_step(guide) -> Optional[StepCall]:
     """
-    The ``(args, kwargs)`` of the ``SVI.step`` running this call for ``guide``: the
-    locals of the nearest frame on the stack whose ``self`` has ``guide`` as its guide
-    and which holds ``args`` and ``kwargs`` (``SVI.step(self, *args, **kwargs)``);
-    ``None`` outside such a call. What the guide is run on to read its trace.
+    The model and ``(args, kwargs)`` of the ``SVI.step`` running this call for ``guide``:
+    read off the nearest frame on the stack whose ``self`` has ``guide`` as its guide and
+    which holds ``args`` and ``kwargs`` (``SVI.step(self, *args, **kwargs)``); ``None``
+    outside such a call. What the guide (and the model) are run on to read the guide's trace.
     """
     frame = sys._getframe(1)
     for _ in range(_ARGS_DEPTH):
@@ -257,7 +265,7 @@ def step_arguments(guide) -> Optional[Tuple[tuple, dict]]:
         owner = local.get("self")
         if (owner is not None and getattr(owner, "guide", None) is guide
                 and isinstance(local.get("args"), tuple) and isinstance(local.get("kwargs"), dict)):
-            return local["args"], local["kwargs"]
+            return StepCall(getattr(owner, "model", None), local["args"], local["kwargs"])
         frame = frame.f_back
     return None
 
@@ -357,25 +365,30 @@ def _structural_sites(guide, store) -> Tuple[List[Site], bool]:
     return sites, rest
 
 
-def guide_view(guide, args: Sequence = (), kwargs: Optional[dict] = None) -> GuideView:
+def guide_view(guide, args: Sequence = (), kwargs: Optional[dict] = None, model=None) -> GuideView:
     """
     The Gaussian sites of ``guide`` and its other parts. Parts whose storage is known are
     read from their structure; if any other part is left (or ``guide`` is not an
     autoguide), ``guide`` is run once on ``args``/``kwargs`` under
     :func:`~pyro_ngvi.guide_trace.trace_guide` (random streams untouched) and the rest is
-    read off the trace (:func:`~pyro_ngvi.guide_trace.read_trace`).
+    read off the trace (:func:`~pyro_ngvi.guide_trace.read_trace`); with ``model`` given,
+    the model is replayed once against that trace too, and a Gaussian built from a param
+    the model also reads is not taken (:func:`~pyro_ngvi.guide_trace.model_params`).
 
     :param guide: what ``SVI`` was handed as the guide.
     :param args: the arguments of the step (what the guide is run on).
     :param kwargs: its keyword arguments.
+    :param model: the model (default: None, not checked).
     """
     store = pyro.get_param_store()
+    kwargs = kwargs or {}
     sites, rest = _structural_sites(guide, store)
     if not rest:
         return GuideView(sites, [])
-    trace = trace_guide(guide, *args, **(kwargs or {}))
+    trace = trace_guide(guide, *args, **kwargs)
     claimed = [t for site in sites for t in site.tensors]
-    blocks, others = read_trace(trace, claimed, store)
+    model_reads = model_params(model, trace, *args, **kwargs) if model is not None else ()
+    blocks, others = read_trace(trace, claimed, store, model_reads)
     for block in blocks:
         name = block.site
         if name.endswith("_unconstrained") and name[: -len("_unconstrained")] in trace.nodes:
@@ -452,7 +465,7 @@ def warn_not_gaussian(guide, others: List[NotGaussian], warned: Optional[set] = 
 
 
 def split_params(guide, params, args: Optional[Sequence] = None, kwargs: Optional[dict] = None,
-                 warned: Optional[set] = None) -> Tuple[List[Site], List[torch.Tensor]]:
+                 warned: Optional[set] = None, model=None) -> Tuple[List[Site], List[torch.Tensor]]:
     """
     Split the tensors ``SVI.step`` hands an optimizer into the Gaussian sites of
     ``guide`` (:func:`guide_view`) whose ``loc`` is among them, and everything else
@@ -466,15 +479,20 @@ def split_params(guide, params, args: Optional[Sequence] = None, kwargs: Optiona
     :param params: the tensors ``SVI.step`` hands over.
     :param args: the step's arguments, to run a guide read off its trace on (default:
         those of the ``SVI.step`` on the call stack whose guide is ``guide``, see
-        :func:`step_arguments`, else none).
+        :func:`calling_step`, else none).
     :param kwargs: the step's keyword arguments (default: as ``args``).
     :param warned: the caller's record of structures warned about (default: one per guide).
+    :param model: the model, replayed to find guide params it reads too (default: that of
+        the ``SVI.step`` on the call stack, if found with ``args``).
     """
     if args is None:
-        found = step_arguments(guide)
-        args, kwargs = found if found is not None else ((), kwargs)
+        found = calling_step(guide)
+        if found is not None:
+            model, args, kwargs = model if model is not None else found.model, found.args, found.kwargs
+        else:
+            args = ()
     params = list(params)
-    view = guide_view(guide, args, kwargs)
+    view = guide_view(guide, args, kwargs, model)
     warn_not_gaussian(guide, view.others, warned)
     present = {id(p) for p in params}
     sites = [site for site in view.sites if id(site.loc) in present]

@@ -29,6 +29,7 @@ another site's draw depends on that draw, not on how it was drawn).
 
 import math
 import random
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
@@ -97,13 +98,32 @@ def trace_guide(guide, *args, **kwargs) -> poutine.Trace:
     read, and so are the buffers of a guide that is a module (BatchNorm running
     statistics of an encoder).
     """
-    buffers = [(b, b.detach().clone()) for b in guide.buffers()] if isinstance(guide, torch.nn.Module) else []
+    with _untouched(guide):
+        return poutine.trace(guide).get_trace(*args, **kwargs)
+
+
+def model_params(model, guide_trace: poutine.Trace, *args, **kwargs) -> Set[str]:
+    """
+    The names of the params ``model`` reads when replayed against ``guide_trace`` (as an
+    ELBO runs it), under :func:`trace_guide`'s guarantees (random streams and the model's
+    buffers as they were). A guide param the model reads too (Pyro's ``test_median_module``:
+    a ``PyroModule`` model and a guide that both call ``x_loc``) is not the guide's own.
+    """
+    with _untouched(model):
+        trace = poutine.trace(poutine.replay(model, trace=guide_trace), param_only=True).get_trace(*args, **kwargs)
+    return {name for name, site in trace.nodes.items() if site["type"] == "param"}
+
+
+@contextmanager
+def _untouched(module):
+    """Run a block and restore the random streams and ``module`` 's buffers (if it is one)."""
+    buffers = [(b, b.detach().clone()) for b in module.buffers()] if isinstance(module, torch.nn.Module) else []
     python_state = random.getstate()
     numpy_state = _numpy_state()
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     try:
         with torch.random.fork_rng(devices=devices):
-            return poutine.trace(guide).get_trace(*args, **kwargs)
+            yield
     finally:
         random.setstate(python_state)
         if numpy_state is not None:
@@ -128,8 +148,8 @@ def _numpy_state():
 # --------------------------------------------------------------------------- #
 
 
-def read_trace(trace: poutine.Trace, claimed: Iterable[torch.Tensor] = (), store=None
-               ) -> Tuple[List[GaussianBlock], List[NotGaussian]]:
+def read_trace(trace: poutine.Trace, claimed: Iterable[torch.Tensor] = (), store=None,
+               model_reads: Iterable[str] = ()) -> Tuple[List[GaussianBlock], List[NotGaussian]]:
     """
     The Gaussian sites of a guide's ``trace`` and the other parts that depend on params.
 
@@ -138,6 +158,8 @@ def read_trace(trace: poutine.Trace, claimed: Iterable[torch.Tensor] = (), store
         ``AutoMultivariateNormal`` part): sites built from them are neither returned nor
         reported.
     :param store: the param store (default: Pyro's global one).
+    :param model_reads: names of the params the model reads (:func:`model_params`): a
+        Gaussian built from one of them is not a Gaussian of the guide alone.
     :returns: ``(gaussians, others)``: :class:`GaussianBlock` s in trace order, and a
         :class:`NotGaussian` per site that depends on params outside them (sites that
         depend on no param, e.g. AutoNormal's ``Delta`` after its Gaussian, are neither).
@@ -158,6 +180,11 @@ def read_trace(trace: poutine.Trace, claimed: Iterable[torch.Tensor] = (), store
         elif reason is not None:
             reasons[name] = reason
     _drop_shared(blocks, reasons)
+    model_reads = set(model_reads)
+    for name in [name for name, b in blocks.items() if b.loc in model_reads or b.scale in model_reads]:
+        block = blocks.pop(name)
+        read = block.loc if block.loc in model_reads else block.scale
+        reasons[name] = f"its param '{read}' is read by the model too"
     while True:  # a Gaussian's params must enter no other site directly
         stop = {trace.nodes[name]["value"].grad_fn for name in blocks} - {None}
         own = {id(store._params[p]): (name, p) for name, b in blocks.items() for p in (b.loc, b.scale)}
@@ -192,7 +219,10 @@ def _gaussian_block(name, site, values, store) -> Tuple[Optional[GaussianBlock],
     """The :class:`GaussianBlock` of a sample site, or ``None`` and why not."""
     fn = site["fn"]
     base = fn
-    while isinstance(base, torch.distributions.Independent):
+    while isinstance(base, (torch.distributions.Independent, torch.distributions.TransformedDistribution)):
+        if isinstance(base, torch.distributions.TransformedDistribution) and not all(
+                t.bijective for t in base.transforms):
+            return None, "it transforms a distribution by a map that is not a bijection"
         base = base.base_dist
     if type(base) not in _NORMALS:
         return None, _family_reason(base)
@@ -205,7 +235,8 @@ def _gaussian_block(name, site, values, store) -> Tuple[Optional[GaussianBlock],
         return None, "it is masked (poutine.mask): masked elements carry no entropy term"
     loc = _param_of(base.loc, values, store)
     if loc is None or not _is_identity(store, loc[0]):
-        return None, "its loc is not a pyro.param's unconstrained tensor (e.g. a network's output)"
+        return None, ("its loc is not a pyro.param's unconstrained tensor itself (it is computed: a network's "
+                      "output, a sum, a transform)")
     scale = _param_of(base.scale, values, store)
     if scale is None:
         return None, "its scale is not a pyro.param of the site's shape"
@@ -227,6 +258,9 @@ def _gaussian_block(name, site, values, store) -> Tuple[Optional[GaussianBlock],
 def _family_reason(base) -> str:
     if isinstance(base, dist.Delta):
         return "it is a Delta (a point estimate)"
+    if type(base).__name__ == "LowRankPrecisionMultivariateNormal":  # pyro_ngvi.LowRankPrecisionNormal's
+        return ("NGVI does not take LowRankPrecisionNormal's natural-gradient steps yet "
+                "(pyro_ngvi.low_rank.low_rank_step is the update)")
     if isinstance(base, dist.LowRankMultivariateNormal):
         return ("its LowRankMultivariateNormal covariance is not closed under the natural-gradient step; "
                 "pyro_ngvi.LowRankPrecisionNormal is (low-rank-plus-diagonal precision)")

@@ -21,8 +21,10 @@ from pyro.infer.autoguide import (
     AutoDiagonalNormal,
     AutoGuide,
     AutoGuideList,
+    AutoHierarchicalNormalMessenger,
     AutoLowRankMultivariateNormal,
     AutoNormal,
+    AutoNormalMessenger,
 )
 from pyro.infer.reparam import LocScaleReparam
 from pyro.nn import PyroModule, PyroParam
@@ -263,6 +265,55 @@ def test_autoguidelist_with_a_callable_part_gets_natural_gradients_everywhere(ma
     assert abs(median["x"].item()) < 0.1
     assert abs(median["y"].item() - 1.0) < 0.1
     assert abs(median["z"].item() - 0.5) < 0.1
+
+
+def test_an_autonormalmessenger_is_read_as_gaussians_in_the_unconstrained_coordinates():
+    """AutoNormalMessenger samples TransformedDistribution(Normal(loc, scale), biject_to(support)):
+    a Gaussian on u; its hierarchical sibling computes its loc from the prior (not one)."""
+    median_model()
+    guide = AutoNormalMessenger(median_model)
+    guide()
+    view = guide_view(guide, (), {}, median_model)
+    assert [site.name for site in view.sites] == ["x", "y", "z"] and view.others == []
+    store = pyro.get_param_store()
+    assert [store.param_name(site.loc) for site in view.sites] == ["locs.x", "locs.y", "locs.z"]
+    pyro.clear_param_store()
+    guide = AutoHierarchicalNormalMessenger(median_model)
+    guide()
+    view = guide_view(guide, (), {}, median_model)
+    assert view.sites == [] and [o.site for o in view.others] == ["x", "y", "z"]
+    assert all("computed" in o.reason for o in view.others)
+
+
+class SharedParamsModel(PyroModule):
+    """Pyro's test_median_module model: its prior reads params named like the guide's."""
+
+    def __init__(self):
+        super().__init__()
+        self.x_loc = torch.nn.Parameter(torch.tensor(1.0))
+        self.x_scale = PyroParam(torch.tensor(0.1), constraints.positive)
+
+    def forward(self):
+        x = pyro.sample("x", dist.Normal(self.x_loc, self.x_scale))
+        pyro.sample("y", dist.Normal(2.0, 0.1))
+        pyro.sample("z", dist.Normal(1.0, 0.1), obs=x)
+
+
+def test_a_guide_param_the_model_reads_too_is_not_a_gaussian_of_the_guide():
+    """The guide's x_loc and x_scale are the model's prior params (the same param-store names):
+    an NGVI step on them would ignore the prior's dependence on them. They get the point
+    optimizer (as Adam trains them in Pyro's test), the other part its natural gradient."""
+    model = SharedParamsModel()
+    guide = callable_guide_list(model)
+    svi = SVI(model, guide, NGVI(), Trace_ELBO())
+    with pytest.warns(NotGaussianWarning, match="'x' \\(its param 'x_loc' is read by the model too"):
+        svi.step()
+    sites = guide_view(guide, (), {}, model).sites
+    assert [type(s).__name__ for s in sites] == ["GaussianSite"] and sites[0].name == "AutoGuideList.1"
+    for _ in range(19):
+        svi.step()
+    median = guide.median()  # Pyro's tolerances after its 20 steps
+    assert abs(median["x"].item() - 1.0) < 0.1 and abs(median["y"].item() - 2.0) < 0.1
 
 
 # ------------------------------------------------------------------ what is not a Gaussian
