@@ -454,11 +454,10 @@ def warn_not_gaussian(guide, others: List[NotGaussian], warned: Optional[set] = 
     parts = "; ".join(f"'{part.site}' ({part.reason}; params {', '.join(repr(p) for p in part.params)})"
                       for part in others)
     warnings.warn(
-        "NGVI takes natural-gradient steps on Gaussian guide sites only (a Normal, possibly "
-        ".to_event(), whose loc is a pyro.param and whose scale is a positive pyro.param, of the "
-        "site's shape). These guide sites are trained by NGVI's point optimizer with the ordinary "
-        f"ELBO gradient instead (the step Adam would take): {parts}. Filter "
-        "pyro_ngvi.NotGaussianWarning to silence this.",
+        f"NGVI trains these guide sites with its point optimizer (the ordinary ELBO gradient, the step "
+        f"Adam would take), not with natural-gradient steps: {parts}. Natural-gradient steps need a "
+        "Normal (possibly .to_event()) whose loc is a pyro.param and whose scale is a positive "
+        "pyro.param, of the site's shape. Filter pyro_ngvi.NotGaussianWarning to silence this.",
         NotGaussianWarning,
         stacklevel=4,
     )
