@@ -185,8 +185,10 @@ def read_trace(trace: poutine.Trace, claimed: Iterable[torch.Tensor] = (), store
         block = blocks.pop(name)
         read = block.loc if block.loc in model_reads else block.scale
         reasons[name] = f"its param '{read}' is read by the model too"
+    # a site built from another site's draw depends on that site, not on how it was drawn: the
+    # autograd graph is read up to the draws (sample values) of the sites
+    stop = {site["value"].grad_fn for _, site in sites if torch.is_tensor(site["value"])} - {None}
     while True:  # a Gaussian's params must enter no other site directly
-        stop = {trace.nodes[name]["value"].grad_fn for name in blocks} - {None}
         own = {id(store._params[p]): (name, p) for name, b in blocks.items() for p in (b.loc, b.scale)}
         uses = {name: _param_leaves(site, stop) for name, site in sites if name not in blocks}
         entered = {}
@@ -226,6 +228,10 @@ def _gaussian_block(name, site, values, store) -> Tuple[Optional[GaussianBlock],
         base = base.base_dist
     if type(base) not in _NORMALS:
         return None, _family_reason(base)
+    if isinstance(fn, torch.distributions.TransformedDistribution) or isinstance(
+            getattr(fn, "base_dist", None), torch.distributions.TransformedDistribution):
+        if any(t.requires_grad for transform in _transforms(fn) for t in _tensors(transform)):
+            return None, "it is a Normal transformed by maps with params of their own (a flow)"
     if site["is_observed"]:
         return None, "its value is given (observed or conditioned), not drawn from the guide"
     if not fn.has_rsample or not getattr(base, "has_rsample", True):
@@ -361,7 +367,8 @@ def _drop_shared(blocks: Dict[str, GaussianBlock], reasons: Dict[str, str]) -> N
 
 def _param_leaves(site, stop: Set) -> List[torch.Tensor]:
     """The leaf tensors requiring grad that a site's distribution and value are computed
-    from, not looking behind the autograd nodes in ``stop`` (Gaussian sites' draws)."""
+    from, not looking behind the autograd nodes in ``stop`` (the sites' draws: a site's own
+    params are reached through its distribution's tensors)."""
     roots = list(_tensors(site["fn"]))
     value = site["value"]
     if torch.is_tensor(value):
@@ -392,18 +399,29 @@ def _param_leaves(site, stop: Set) -> List[torch.Tensor]:
     return list(leaves.values())
 
 
+def _transforms(fn):
+    """The transforms of the TransformedDistributions a site's distribution is made of."""
+    while isinstance(fn, (torch.distributions.Independent, torch.distributions.TransformedDistribution)):
+        if isinstance(fn, torch.distributions.TransformedDistribution):
+            yield from fn.transforms
+        fn = fn.base_dist
+
+
 def _tensors(obj, depth: int = 0, seen=None):
     """Tensors held by a distribution (its parameters, its base distribution's, its
-    transforms')."""
+    transforms', a transform module's parameters)."""
     seen = set() if seen is None else seen
     if id(obj) in seen or depth > 6:
         return
     seen.add(id(obj))
     if torch.is_tensor(obj):
         yield obj
+    elif isinstance(obj, torch.nn.Module):  # a transform module (a flow's layers)
+        yield from obj.parameters()
     elif isinstance(obj, (list, tuple)):
         for item in obj:
             yield from _tensors(item, depth + 1, seen)
     elif isinstance(obj, (torch.distributions.Distribution, torch.distributions.Transform)):
-        for item in vars(obj).values():
-            yield from _tensors(item, depth + 1, seen)
+        for key, item in vars(obj).items():
+            if not key.startswith("_cache"):  # a transform's cache holds its last (x, y), not params
+                yield from _tensors(item, depth + 1, seen)

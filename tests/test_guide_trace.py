@@ -22,6 +22,7 @@ from pyro.infer.autoguide import (
     AutoGuide,
     AutoGuideList,
     AutoHierarchicalNormalMessenger,
+    AutoIAFNormal,
     AutoLowRankMultivariateNormal,
     AutoNormal,
     AutoNormalMessenger,
@@ -492,6 +493,24 @@ def test_low_rank_multivariate_normal_is_trained_by_the_point_optimizer_with_a_p
     before = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
     svi.step()
     assert all(not torch.equal(before[k], v.detach()) for k, v in pyro.get_param_store().items())
+
+
+def test_only_the_sites_that_hold_params_are_named():
+    """An AutoContinuous guide samples one latent and splits it into Deltas: the Deltas are built
+    from the latent's draw, not from params of their own, so only the latent is named."""
+    guide = AutoLowRankMultivariateNormal(median_model)
+    guide()
+    view = guide_view(guide, (), {}, median_model)
+    assert view.sites == []
+    (part,) = view.others
+    assert part.site == "_AutoLowRankMultivariateNormal_latent" and "LowRankPrecisionNormal" in part.reason
+    assert set(part.params) == {"AutoLowRankMultivariateNormal.loc", "AutoLowRankMultivariateNormal.cov_factor",
+                                "AutoLowRankMultivariateNormal.scale"}
+    pyro.clear_param_store()
+    guide = AutoIAFNormal(median_model)
+    guide()
+    (part,) = guide_view(guide, (), {}, median_model).others
+    assert part.site == "_AutoIAFNormal_latent" and "flow" in part.reason
 
 
 # ------------------------------------------------------------------ the trace leaves no trace
