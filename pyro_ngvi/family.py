@@ -31,7 +31,7 @@ import sys
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.distributions import biject_to, transform_to

@@ -11,7 +11,6 @@ at full size with ClippedAdam, recipe (b) and a NUTS reference):
 Criterion: every latent coordinate's guide mean within 0.1 exact posterior sd of its exact mean.
 """
 
-import math
 
 import pytest
 import torch
