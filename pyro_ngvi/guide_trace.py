@@ -203,8 +203,8 @@ def read_trace(trace: poutine.Trace, claimed: Iterable[torch.Tensor] = (), store
             reasons[name] = f"its params also enter site '{user}' directly"
     others = []
     for name, site in sites:
-        if name in blocks:
-            continue
+        if name in blocks or site["is_observed"]:  # an observed site (a model run inside the guide,
+            continue  # as AutoMessenger guides do) is no guide part: its params are the model's
         params = []
         for leaf in uses[name]:
             if id(leaf) in claimed_ids:

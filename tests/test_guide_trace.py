@@ -286,6 +286,22 @@ def test_an_autonormalmessenger_is_read_as_gaussians_in_the_unconstrained_coordi
     assert all("computed" in o.reason for o in view.others)
 
 
+def test_a_model_run_inside_the_guide_adds_no_part():
+    """AutoNormalMessenger runs the model inside the guide: the model's observed site and its own
+    param ('noise') appear in the guide's trace, but they are the model's, not guide parts."""
+    def model(y):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0))
+        noise = pyro.param("noise", torch.tensor(1.0), constraint=constraints.positive)
+        with pyro.plate("data", len(y)):
+            pyro.sample("obs", dist.Normal(w, noise), obs=y)
+
+    y = torch.randn(4)
+    guide = AutoNormalMessenger(model)
+    guide(y)
+    view = guide_view(guide, (y,), {}, model)
+    assert [site.name for site in view.sites] == ["w"] and view.others == []
+
+
 class SharedParamsModel(PyroModule):
     """Pyro's test_median_module model: its prior reads params named like the guide's."""
 
