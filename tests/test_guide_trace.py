@@ -34,7 +34,6 @@ from pyro_ngvi import NGVI
 from pyro_ngvi.family import NotGaussianWarning, guide_view, split_params
 from pyro_ngvi.guide_trace import read_trace, trace_guide
 
-torch.set_default_dtype(torch.float64)  # (restored by conftest after each test)
 
 
 @pytest.fixture(autouse=True)
