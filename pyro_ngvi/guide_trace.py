@@ -240,6 +240,8 @@ def _gaussian_block(name, site, values, store) -> Tuple[Optional[GaussianBlock],
     if site["mask"] is not None and site["mask"] is not True:
         return None, "it is masked (poutine.mask): masked elements carry no entropy term"
     loc = _param_of(base.loc, values, store)
+    if loc is None and _is_broadcast_param(base.loc, values):
+        return None, "its loc is a pyro.param broadcast over the site (one value shared by several elements)"
     if loc is None or not _is_identity(store, loc[0]):
         return None, ("its loc is not a pyro.param's unconstrained tensor itself (it is computed: a network's "
                       "output, a sum, a transform)")
@@ -292,6 +294,12 @@ def _param_of(t, values: Dict[int, str], store) -> Optional[Tuple[str, bool]]:
             name = values[id(candidate)]
             return (name, False) if name in store._params else None
     return None
+
+
+def _is_broadcast_param(t, values) -> bool:
+    """Whether ``t`` is an expand view of a param's value of another shape (amortised over a plate)."""
+    base = t._base if torch.is_tensor(t) else None
+    return base is not None and id(base) in values and base.shape != t.shape
 
 
 def _subsampled(t, param, store) -> Optional[Tuple[str, bool]]:

@@ -441,8 +441,25 @@ def test_a_normal_without_rsample_or_with_a_broadcast_scale_is_not_a_gaussian():
     assert blocks == []
     reasons = {o.site: o.reason for o in others}
     assert "reparameterised" in reasons["p"]
+    assert "broadcast" not in reasons["q"]  # its scale is broadcast, its loc is not
     assert "scale" in reasons["q"]
     assert "exp or softplus" in reasons["r"]
+
+
+def test_a_loc_shared_by_the_elements_of_a_plate_is_not_a_mean_field_gaussian():
+    """AutoNormalMessenger(amortized_plates=...): one loc broadcast over the plate (Pyro's
+    test_subsample_model_amortized)."""
+    def model(x):
+        with pyro.plate("batch", len(x)):
+            pyro.sample("sigma", dist.LogNormal(0.0, 1.0))
+
+    x = torch.zeros(5)
+    guide = AutoNormalMessenger(model, amortized_plates=("batch",))
+    guide(x)
+    view = guide_view(guide, (x,), {}, model)
+    assert view.sites == []
+    (part,) = view.others
+    assert part.site == "sigma" and "broadcast over the site" in part.reason
 
 
 def named_like_gaussians(y):
