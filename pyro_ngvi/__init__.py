@@ -11,7 +11,9 @@ from .nn import BayesianNet
 from .optim import NGVI, NGVIWarning
 from .continual import posterior_as_prior, start_task, with_priors
 from .handlers import PriorMessenger
+from .family import NotGaussianWarning
 from .kronecker import KroneckerNormal
+from .low_rank_guide import LowRankPrecisionNormal
 from .priors import conjugate_normal
 
 __all__ = [
@@ -20,8 +22,10 @@ __all__ = [
     "KroneckerNormal",
     "LaplaceResult",
     "LaplaceWarning",
+    "LowRankPrecisionNormal",
     "NGVI",
     "NGVIWarning",
+    "NotGaussianWarning",
     "PriorMessenger",
     "conjugate_normal",
     "laplace",
