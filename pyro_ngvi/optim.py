@@ -279,7 +279,7 @@ class NGVI(PyroOptim):
         records, plan.safeguards = plan.safeguards, []
         elbo_flag, plan.elbo_flag = plan.elbo_flag, None
         flags = [f for r in records for f in r.flags()] + ([] if elbo_flag is None else [elbo_flag])
-        checks = torch.stack(finite_flags + flags).tolist()  # one device sync
+        checks = torch.stack(finite_flags + flags).tolist() if finite_flags or flags else []  # one device sync
         ok, engaged = checks[: len(finite_flags)], checks[len(finite_flags):]
         if not all(ok):  # or finite values whose sum overflowed: tell them apart
             ok = [good or bool(finite(*t, mask=mask, exact=True)) for good, (t, mask) in zip(ok, checked)]

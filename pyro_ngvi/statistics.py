@@ -72,7 +72,9 @@ def site_statistics(site, live: bool = True, one_draw: bool = False):
         )
     if isinstance(site, FullCovarianceSite):
         return full_reparam_curvature(site)
-    return reparam_curvature(site, one_draw)
+    # a guide site scaled by s (poutine.scale beyond its plates) weighs its entropy by s: its h
+    # carries (1 - s) lambda, and sigma h / g is no draw
+    return reparam_curvature(site, one_draw and getattr(site, "weight", 1.0) == 1.0)
 
 
 def reparam_curvature(site: GaussianSite, one_draw: bool = False) -> SiteCurvature:

@@ -59,7 +59,6 @@ def params():
     return {name: value.detach().clone() for name, value in pyro.get_param_store().items()}
 
 
-@pytest.mark.xfail(strict=True, reason=WAITING)
 def test_one_ngvi_shared_by_two_svis_gives_the_solo_runs_results():
     models = [regression(3, 0), regression(3, 1)]
     solo = {}
@@ -78,7 +77,6 @@ def test_one_ngvi_shared_by_two_svis_gives_the_solo_runs_results():
         assert torch.equal(shared[name], solo[name]), name
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=WAITING + " (compares sites with ==)")
 def test_two_guides_with_a_site_w_of_different_shapes_share_one_ngvi():
     models = [regression(3, 0), regression(5, 1)]
     optim, elbo = recipe_b()
@@ -87,7 +85,6 @@ def test_two_guides_with_a_site_w_of_different_shapes_share_one_ngvi():
     assert pyro.param("GuideA.locs.w").shape == (3,) and pyro.param("GuideB.locs.w").shape == (5,)
 
 
-@pytest.mark.xfail(strict=True, reason=WAITING + " (it survives pyro.clear_param_store())")
 def test_ngvi_reused_after_clear_param_store_behaves_like_a_fresh_one():
     model = regression(4, 2)
     reused, elbo = recipe_b()
@@ -114,8 +111,6 @@ class EmbeddingModel(pyro.nn.PyroModule):
             pyro.sample("obs", dist.Normal(w + self.embedding(index).squeeze(-1), 0.5), obs=y)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 23: the point optimizer runs after the guide sites were "
-                                        "written (optim.py, the shell: run it first, or validate before writing)")
 def test_a_point_optimizer_failing_inside_a_step_leaves_the_guide_and_the_count_unchanged():
     model = EmbeddingModel()
     guide = AutoNormal(model)

@@ -43,9 +43,6 @@ def plates(independent):
     return create_plates
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="issue 23: NGVI._step stacks an empty list of checks when SVI hands it no "
-                          "tensor (optim.py, the shell: skip the sync when there is nothing to check)")
 @pytest.mark.parametrize("independent", [True, False], ids=["independent", "dependent"])
 @pytest.mark.parametrize("auto_class", [AutoDelta, AutoNormal])
 def test_a_step_with_no_tensors_changes_nothing_and_does_not_crash(auto_class, independent):

@@ -97,18 +97,22 @@ def test_regression_reference_is_the_conjugate_posterior_where_sigma_is_known():
     assert 0.65 < sigma < 0.75  # the residual scale of a linear fit to diabetes (R^2 ~ 0.52)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 23: NGVI()'s mean-field mean step is a Jacobi iteration "
-                                        "(kappa(D^-1 H) = 414 here) whose adaptive steps decay before the "
-                                        "correlated coefficients converge (0.74 sd after 2,000 steps); waits "
-                                        "for a mean step preconditioned by each site's dense curvature")
 def test_diabetes_regression_ngvi_reaches_the_exact_means():
+    """NGVI() with no settings gets every mean within 0.1 posterior sd of the exact one (the
+    mean step coupled by the cross terms' Hessian estimate: 750-1000 steps on 3 seeds, see
+    benchmarks/results/user_models.md; the element-wise step was still 0.4-0.74 sd away after
+    2,000, the best decayed ClippedAdam 0.30)."""
     x, y = diabetes()
     mean, sd = regression_exact(x, y)
     model = Regression(x.shape[1])
     svi = SVI(model, AutoNormal(model), NGVI(), Trace_ELBO())
-    for _ in range(300):  # a mean step with each site's dense curvature: 0.068 sd at 300 (prototype)
+    errors = []
+    for step in range(1200):
         svi.step(x, y)
-    assert ((regression_means() - mean) / sd).abs().max() < 0.1
+        if step % 100 == 99:
+            errors.append(float(((regression_means() - mean) / sd).abs().max()))
+    assert errors[-1] < 0.1 and errors[-2] < 0.1  # there and staying
+    assert errors[3] > 0.5  # ... and a slow problem at first: 400 steps are not enough
 
 
 # ------------------------------------------------------------------ the hierarchical model
