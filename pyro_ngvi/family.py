@@ -55,6 +55,7 @@ from .handover import (  # noqa: F401 (re-exported: the ELBOs and NGVI import th
     pop_curvature,
 )
 from .kronecker import KroneckerNormal, KroneckerSite
+from .low_rank_guide import LowRankPrecisionNormal, LowRankSite
 from .monitor import NGVIWarning
 from .scales import FastSoftplus, known_scale
 
@@ -334,8 +335,8 @@ class GuideView(NamedTuple):
 
 def _structural_sites(guide, store) -> Tuple[List[Site], bool]:
     """The sites of the parts of ``guide`` whose storage is known (exact AutoNormal,
-    AutoDiagonalNormal, AutoMultivariateNormal, KroneckerNormal), and whether any other
-    part is left for the trace to read."""
+    AutoDiagonalNormal, AutoMultivariateNormal, KroneckerNormal, LowRankPrecisionNormal), and
+    whether any other part is left for the trace to read."""
     sites: List[Site] = []
     rest = False
     for part in guide_parts(guide):
@@ -360,6 +361,9 @@ def _structural_sites(guide, store) -> Tuple[List[Site], bool]:
             site = _full_covariance_site(part, store)
             if site is not None:
                 sites.append(site)
+        elif type(part) is LowRankPrecisionNormal:
+            if part.prototype_trace is not None and f"{part._pyro_name}.loc" in store._params:
+                sites.append(LowRankSite.of(part))
         else:
             rest = True
     return sites, rest

@@ -267,8 +267,8 @@ def _family_reason(base) -> str:
     if isinstance(base, dist.Delta):
         return "it is a Delta (a point estimate)"
     if type(base).__name__ == "LowRankPrecisionMultivariateNormal":  # pyro_ngvi.LowRankPrecisionNormal's
-        return ("NGVI does not take LowRankPrecisionNormal's natural-gradient steps yet "
-                "(pyro_ngvi.low_rank.low_rank_step is the update)")
+        return ("NGVI takes LowRankPrecisionNormal's natural-gradient steps on the guide handed to SVI "
+                "itself, not on one wrapped in a handler or a subclass of it")
     if isinstance(base, dist.LowRankMultivariateNormal):
         return ("its LowRankMultivariateNormal covariance is not closed under the natural-gradient step; "
                 "pyro_ngvi.LowRankPrecisionNormal is (low-rank-plus-diagonal precision)")

@@ -21,8 +21,9 @@ from pyro.infer.autoguide.initialization import init_to_median
 from pyro.nn.module import PyroParam
 
 from . import low_rank
+from .handover import live_handover
 
-__all__ = ["LowRankPrecisionMultivariateNormal", "LowRankPrecisionNormal", "LowRankSite"]
+__all__ = ["LowRankCurvature", "LowRankPrecisionMultivariateNormal", "LowRankPrecisionNormal", "LowRankSite"]
 
 
 class LowRankPrecisionMultivariateNormal(TorchDistribution):
@@ -46,7 +47,7 @@ class LowRankPrecisionMultivariateNormal(TorchDistribution):
     support = constraints.real_vector
     has_rsample = True
 
-    def __init__(self, loc, precision_factor, precision_diag, validate_args=None):
+    def __init__(self, loc, precision_factor, precision_diag, validate_args=None, record=None):
         if loc.dim() != 1 or precision_factor.dim() != 2 or precision_diag.shape != loc.shape \
                 or precision_factor.shape[0] != loc.shape[0]:
             raise ValueError(
@@ -54,6 +55,7 @@ class LowRankPrecisionMultivariateNormal(TorchDistribution):
                 f"precision_diag (D,), got {tuple(loc.shape)}, {tuple(precision_factor.shape)} and "
                 f"{tuple(precision_diag.shape)}")
         self.loc, self.precision_factor, self.precision_diag = loc, precision_factor, precision_diag
+        self._record = record  # told every draw's displacement z (the guide's, for NGVI)
         super().__init__(torch.Size(), loc.shape, validate_args=validate_args)
 
     @lazy_property
@@ -64,7 +66,10 @@ class LowRankPrecisionMultivariateNormal(TorchDistribution):
         shape = torch.Size(sample_shape)
         eps = torch.randn(shape + self.loc.shape, dtype=self.loc.dtype, device=self.loc.device)
         xi = torch.randn(shape + self.precision_factor.shape[-1:], dtype=self.loc.dtype, device=self.loc.device)
-        return self.loc + low_rank.displacement(self.precision_factor, self.precision_diag, eps, xi, self._tril)
+        z = low_rank.displacement(self.precision_factor, self.precision_diag, eps, xi, self._tril)
+        if self._record is not None:
+            self._record(z.detach())
+        return self.loc + z
 
     def log_prob(self, value):
         if self._validate_args:
@@ -147,7 +152,22 @@ class LowRankPrecisionNormal(AutoContinuous):
         self.precision_diag = PyroParam(diag, self.diag_constraint)
 
     def get_posterior(self, *args, **kwargs):
-        return LowRankPrecisionMultivariateNormal(self.loc, self.precision_factor, self.precision_diag)
+        return LowRankPrecisionMultivariateNormal(self.loc, self.precision_factor, self.precision_diag,
+                                                  record=self._record_draw)
+
+    def _record_draw(self, displacement: torch.Tensor) -> None:
+        """Keep the draws made since NGVI's last step (under the live hand-over): its Price
+        curvature needs the draw the ELBO's gradients were taken at."""
+        handover = live_handover()
+        kept = getattr(self, "_draws", None)
+        if kept is None or kept[0] != handover:
+            kept = self._draws = (handover, [])
+        kept[1].append(displacement)
+
+    def draws(self) -> list:
+        """The displacements :math:`z = u - \\mu` drawn since NGVI's last step."""
+        kept = getattr(self, "_draws", None)
+        return [] if kept is None or kept[0] != live_handover() else list(kept[1])
 
     def _loc_scale(self, *args, **kwargs):
         variance = low_rank.marginal_variance(self.precision_factor, self.precision_diag)
@@ -155,11 +175,29 @@ class LowRankPrecisionNormal(AutoContinuous):
 
 
 @dataclass
+class LowRankCurvature:
+    """
+    The statistics of a :class:`LowRankSite` for one step: the gradient :math:`g` at the
+    draw and the Price curvature :math:`\\hat H = G_+G_+^\\top - G_-G_-^\\top` as factors
+    (:func:`~pyro_ngvi.low_rank.price_factors`).
+    """
+
+    grad: torch.Tensor
+    plus: torch.Tensor
+    minus: torch.Tensor
+    sampled: bool = True
+
+    @property
+    def tensors(self):
+        return self.grad, self.plus, self.minus
+
+
+@dataclass
 class LowRankSite:
     """
     The tensors of a :class:`LowRankPrecisionNormal` in the param store, for an optimizer:
     ``loc`` :math:`\\mu`, ``raw_factor`` :math:`U` (unconstrained: the factor itself) and
-    ``raw_diag`` (:math:`d` through its constraint's bijection).
+    ``raw_diag`` (:math:`d` through its constraint's bijection), and the guide (its draws).
     """
 
     name: str
@@ -167,13 +205,43 @@ class LowRankSite:
     raw_factor: torch.Tensor
     raw_diag: torch.Tensor
     diag_name: str
+    guide: object = None
 
     @classmethod
     def of(cls, guide: LowRankPrecisionNormal) -> "LowRankSite":
         """The site of a set-up guide (its params read from the param store)."""
         store, prefix = pyro.get_param_store(), guide._pyro_name
         names = [f"{prefix}.{kind}" for kind in ("loc", "precision_factor", "precision_diag")]
-        return cls(prefix, *(store._params[name] for name in names), names[2])
+        return cls(prefix, *(store._params[name] for name in names), names[2], guide)
+
+    @property
+    def key(self) -> str:
+        return pyro.get_param_store().param_name(self.loc) or self.name
+
+    @property
+    def scale_name(self) -> str:  # the name by which NGVI checks the param store still holds it
+        return self.diag_name
+
+    @property
+    def raw_scale(self) -> torch.Tensor:
+        return self.raw_diag
+
+    @torch.no_grad()
+    def statistics(self, one_draw: bool) -> LowRankCurvature:
+        """:math:`g` = ``loc.grad`` and the Price factors at the one draw the ELBO took.
+
+        :raises ValueError: unless the gradients come from one draw (a one-particle
+            ``Trace_ELBO``), the only case where the draw they were taken at is known."""
+        draws = self.guide.draws()
+        if not one_draw or len(draws) != 1 or self.loc.grad is None:
+            raise ValueError(
+                f"NGVI's step for the LowRankPrecisionNormal '{self.name}' reads its curvature off the "
+                "draw its gradients were taken at (Price's theorem): train it with a one-particle "
+                f"pyro.infer.Trace_ELBO (found {len(draws)} draws since the last step"
+                f"{'' if self.loc.grad is not None else ' and no gradient on its loc'}).")
+        grad = self.loc.grad.detach()
+        plus, minus = low_rank.price_factors(self.factor, self.diag, draws[0][None], grad[None])
+        return LowRankCurvature(grad, plus, minus)
 
     @property
     def tensors(self):

@@ -28,6 +28,7 @@ from .distributed import all_reduce_stats, is_distributed
 from .family import FullCovarianceSite, GaussianSite, SiteCurvature, calling_svi, end_handover, split_params
 from .groups import Group, flat, group_sites, statistics_kind
 from .kronecker import KroneckerSite
+from .low_rank_guide import LowRankSite
 from .monitor import SKIPS_IN_A_ROW, ElboWatch, NGVIWarning, SpreadWatch, power_of_two, stuck_message
 from .policies import (DENSE, DENSE_SAMPLED, FULL_BATCH, MINIBATCH, Schedule, Settings, at_step, check_schedule,
                        defaults, resolve)
@@ -192,7 +193,7 @@ class NGVI(PyroOptim):
             self.num_rejected_steps += 1
             self._restart_momentum(sites)
             return False
-        dense_sites = [site for site in sites if isinstance(site, (FullCovarianceSite, KroneckerSite))]
+        dense_sites = [site for site in sites if isinstance(site, (FullCovarianceSite, KroneckerSite, LowRankSite))]
         cross = cross_terms(mean_field, stats, self._state) if self.control_variate else None
         groups = plan.groups_for(mean_field, stats)
         group_stats = [[stats[site.key] for site in group.sites] for group in groups]
@@ -210,7 +211,9 @@ class NGVI(PyroOptim):
         dense_steps = []
         for site in dense_sites:
             adaptive = dense_adaptive(site, stats[site.key], context.options)
-            settings = self._settings(stats[site.key], lr, beta, dense=True, sampled=adaptive)
+            # (a low-rank site's adaptive steps start from the constant ones: one draw's rank-2 target)
+            settings = self._settings(stats[site.key], lr, beta, dense=True,
+                                      sampled=adaptive and isinstance(site, FullCovarianceSite))
             step = dense_site(context, site, stats[site.key], settings, tau, state_of[site.key], adaptive)
             if step is None:
                 self.num_skipped_steps += 1
@@ -258,11 +261,12 @@ class NGVI(PyroOptim):
         """Each site's statistics (:func:`~pyro_ngvi.statistics.site_statistics`), counted only
         when this step's ELBO made them (else they are stale)."""
         live = svi is None or getattr(getattr(svi.loss_and_grads, "__self__", None), "produces_curvature", False)
-        draws = self.control_variate and one_draw(svi)
-        stats = {site.key: site_statistics(site, live, draws) for site in sites}
+        single = one_draw(svi)
+        stats = {site.key: site_statistics(site, live, single, self.control_variate) for site in sites}
         if is_distributed():
-            if any(isinstance(site, KroneckerSite) for site in sites):
-                raise NotImplementedError("NGVI does not average Kronecker factors across processes yet")
+            if any(isinstance(site, (KroneckerSite, LowRankSite)) for site in sites):
+                raise NotImplementedError("NGVI does not average Kronecker or low-rank factors across "
+                                          "processes yet")
             # draws differ between ranks: no control variate
             stats = {key: replace(s, eps_mean=None, eps_sq_mean=None) if isinstance(s, SiteCurvature) else s
                      for key, s in stats.items()}

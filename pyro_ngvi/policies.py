@@ -258,10 +258,10 @@ def pooled_noise(group: Group, states, squares, seen) -> Tuple[torch.Tensor, tor
 # --------------------------------------------------------------------------- #
 
 
-def dense_rates(settings: Settings, state) -> Tuple[float, float, float]:
+def dense_rates(settings: Settings, state, start: float = 1.0) -> Tuple[float, float, float]:
     """
-    ``(lr, beta, n)`` of a full-covariance site's adaptive step: with the site's
-    count :math:`n` (1 at its first step),
+    ``(lr, beta, n)`` of a full-covariance (or low-rank) site's adaptive step: with the
+    site's count :math:`n` (``start`` at its first step: 1 takes the first target whole),
 
     .. math:: \\beta_t = \\max(1/n, \\beta_{\\min}), \\qquad
               \\alpha_t = \\max\\big(\\alpha / (1 + \\alpha \\max(n - 1/\\beta, 0)),
@@ -273,7 +273,7 @@ def dense_rates(settings: Settings, state) -> Tuple[float, float, float]:
     average of Newton steps.
     """
     lr, beta = settings.lr, settings.beta
-    n = 1.0 if state.count is None else float(state.count.reshape(-1)[0])
+    n = start if state.count is None else float(state.count.reshape(-1)[0])
     rate = max(1.0 / n, DENSE_FLOOR)
     step = max(lr / (1.0 + lr * max(n - 1.0 / beta, 0.0)), DENSE_FLOOR)
     return min(step, lr), min(rate, 1.0), n

@@ -19,6 +19,8 @@ import torch
 from .family import FullCovarianceSite, SiteCurvature
 from .groups import Group, flat as _flat
 from .kronecker import KroneckerSite
+from .low_rank import low_rank_step, marginal_variance, solve
+from .low_rank_guide import LowRankSite
 from .monitor import spread
 from .policies import Settings, adaptive_rates, dense_count, dense_rates, first_count, warm_start_rates
 from .safeguards import clamp_precision_, clip_, clip_target, far_elements, mostly, precision_trust_region
@@ -325,7 +327,8 @@ def dense_site(ctx: Context, site, stats, settings: Settings, tau: float, state,
     """
     The step of :func:`~pyro_ngvi.update.full_covariance.natural_step` for a
     full-covariance site (of :func:`~pyro_ngvi.update.kronecker.kronecker_step` for a
-    Kronecker-factored layer), not yet written: ``(values to write, momentum,
+    Kronecker-factored layer, of :func:`~pyro_ngvi.low_rank.low_rank_step` for a
+    low-rank-plus-diagonal precision), not yet written: ``(values to write, momentum,
     state to keep)``, or ``None`` when a new precision is not positive definite.
     Same ``lr``, ``beta``, ``tau``, momentum, damping, trust region (sampled
     curvature) and first-step warm start as the mean-field update (a Kronecker
@@ -345,6 +348,17 @@ def dense_site(ctx: Context, site, stats, settings: Settings, tau: float, state,
         step = kronecker_step(site.mean, site.row_factor, site.col_factor, direction, stats, lr, beta,
                               tau, damping, first=not state.started)
         return None if step is None else (tuple(step), direction, {})
+    if isinstance(site, LowRankSite):
+        count = None
+        if adaptive:  # (a rank-2 Price estimate is never taken whole: from n = 1 / beta)
+            lr, beta, count = dense_rates(settings, state, start=1.0 / beta)
+        step = low_rank_step(site.mean, site.factor, site.diag, direction, lr, beta, stats.plus / tau ** 0.5,
+                             stats.minus / tau ** 0.5, damping=damping)
+        kept = {}
+        if adaptive:  # the drift test on the Newton step in the new guide's standard deviations
+            newton = solve(step.factor, step.diag, direction) / marginal_variance(step.factor, step.diag).sqrt()
+            kept = dense_count(settings, state, count, newton)
+        return (step.mean, step.factor, step.diag), direction, kept
     count = None
     if adaptive:
         lr, beta, count = dense_rates(settings, state)
@@ -389,6 +403,6 @@ def couple_means(cross, start: tuple, max_step: Optional[float]) -> None:
 
 
 def dense_adaptive(site, stats, options: Options) -> bool:
-    """Whether a full-covariance site takes the adaptive steps (sampled statistics, with
-    ``averaging`` on and no schedule of the user's)."""
-    return options.adaptive and isinstance(site, FullCovarianceSite) and bool(stats.sampled)
+    """Whether a full-covariance or low-rank site takes the adaptive steps (sampled
+    statistics, with ``averaging`` on and no schedule of the user's)."""
+    return options.adaptive and isinstance(site, (FullCovarianceSite, LowRankSite)) and bool(stats.sampled)
