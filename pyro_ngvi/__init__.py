@@ -1,7 +1,7 @@
 """
 pyro_ngvi: natural-gradient variational inference (the Bayesian learning rule,
-VON / VOGN) for Pyro's AutoNormal and AutoMultivariateNormal guides (and a
-Kronecker-factored guide for network layers), driven by Pyro's own ``SVI``.
+VON / VOGN) for the Gaussian guides of Pyro models (mean-field, full covariance,
+low-rank-plus-diagonal precision, Kronecker-factored layers), driven by Pyro's own ``SVI``.
 """
 
 from .checkpoint import load_param_store

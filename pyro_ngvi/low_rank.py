@@ -39,8 +39,8 @@ Pure functions of tensors, computed in float64 and returned in the caller's dtyp
 
 **References**
 
-[1] `SLANG: Fast Structured Covariance Approximations for Bayesian Deep Learning with
-    Natural Gradient`, Aaron Mishkin, Frederik Kunstner, Didrik Nielsen, Mark Schmidt,
+[1] `SLANG: Fast Structured Covariance Approximations for Bayesian Deep Learning with Natural Gradient`,
+    Aaron Mishkin, Frederik Kunstner, Didrik Nielsen, Mark Schmidt,
     Mohammad Emtiyaz Khan (NeurIPS 2018)
 [2] `The Variational Gaussian Approximation Revisited`, Manfred Opper, Cedric Archambeau
     (Neural Computation 2009)

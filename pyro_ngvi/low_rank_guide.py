@@ -124,9 +124,9 @@ class LowRankPrecisionNormal(AutoContinuous):
 
     **References**
 
-    [1] `SLANG: Fast Structured Covariance Approximations for Bayesian Deep Learning with
-        Natural Gradient`, Aaron Mishkin, Frederik Kunstner, Didrik Nielsen, Mark Schmidt,
-        Mohammad Emtiyaz Khan (NeurIPS 2018)
+    [1] `SLANG: Fast Structured Covariance Approximations for Bayesian Deep Learning with Natural Gradient`,
+        Aaron Mishkin, Frederik Kunstner, Didrik Nielsen, Mark Schmidt, Mohammad Emtiyaz Khan
+        (NeurIPS 2018)
     """
 
     diag_constraint = constraints.softplus_positive
