@@ -461,7 +461,9 @@ def warn_not_gaussian(guide, others: List[NotGaussian], warned: Optional[set] = 
         f"NGVI trains these guide sites with its point optimizer (the ordinary ELBO gradient, the step "
         f"Adam would take), not with natural-gradient steps: {parts}. Natural-gradient steps need a "
         "Normal (possibly .to_event()) whose loc is a pyro.param and whose scale is a positive "
-        "pyro.param, of the site's shape. Filter pyro_ngvi.NotGaussianWarning to silence this.",
+        "pyro.param, of the site's shape. The point optimizer is NGVI(point_optim=torch.optim.Adam, "
+        "point_optim_args={'lr': 0.01}) by default: a whole guide it trains may want the lr you "
+        "would give Adam. Filter pyro_ngvi.NotGaussianWarning to silence this.",
         NotGaussianWarning,
         stacklevel=4,
     )
