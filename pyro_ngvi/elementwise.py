@@ -47,6 +47,7 @@ class Branches(NamedTuple):
     branch_free: bool = False  # no branch on tensor values (compiled)
     at_most_one: bool = False  # every new sigma <= 1 (a floor >= 1): the raw scale by its series alone
     in_place: bool = False  # the new mean and raw scale written into ``mean`` and ``raw_scale`` (compiled)
+    masked: bool = False  # written only if ``ok`` (a 0-d flag: the statistics are finite; pyro_ngvi.checks)
 
 
 class Inputs(NamedTuple):
@@ -73,6 +74,7 @@ class Inputs(NamedTuple):
     drift: Optional[torch.Tensor] = None
     hdrift: Optional[torch.Tensor] = None
     noise: Optional[NoiseState] = None
+    ok: Optional[torch.Tensor] = None  # masked: whether to write at all
     out_mean: Optional[torch.Tensor] = None  # where to write mu', the raw scale and sigma (else new tensors)
     out_raw_scale: Optional[torch.Tensor] = None
     out_scale: Optional[torch.Tensor] = None
@@ -199,6 +201,8 @@ def mean_field_pass(b: Branches, t: Inputs, n: Numbers, transform) -> Outputs:
     else:  # mu - lr (g + lambda_0 (mu - m_0)) / (lambda' + gamma) in one kernel
         new_mean = mean_step(mean, direction, pull, denominator, step_lr, out=t.out_mean)
     del precision, pull, denominator
+    if b.masked:  # a step with non-finite statistics writes nothing
+        new_mean = torch.where(t.ok, new_mean, mean)
     if t.out_mean is not None and new_mean is not t.out_mean:
         new_mean = t.out_mean.copy_(new_mean)
     if b.in_place:
@@ -211,6 +215,8 @@ def mean_field_pass(b: Branches, t: Inputs, n: Numbers, transform) -> Outputs:
     else:
         new_scale = torch.rsqrt(new_precision, out=t.out_scale)
     new_raw, small = _inverse(b, transform, new_scale, t.out_raw_scale, lowest)
+    if b.masked:
+        new_raw = torch.where(t.ok, new_raw, t.raw_scale)
     if t.out_raw_scale is not None and new_raw is not t.out_raw_scale:
         new_raw = t.out_raw_scale.copy_(new_raw)
     if b.in_place:
@@ -219,10 +225,35 @@ def mean_field_pass(b: Branches, t: Inputs, n: Numbers, transform) -> Outputs:
     if mask is None:
         # (every sigma' <= 1 gives r' < 1: softplus need not look for its linear part)
         read = _forward(b, transform, new_raw, linear=False if small else None)
+        if b.masked:  # (bit for bit the old sigma: not read again)
+            read = torch.where(t.ok, read, t.scale if b.known_scale else _forward(b, transform, t.raw_scale))
         if t.out_scale is not None:
             read = t.out_scale.copy_(read)
+    if b.masked:
+        direction, clamped, signs, far, steps = _unchanged(b, t, direction, clamped, signs, far, steps)
     return Outputs(new_mean, new_raw, read, None if b.momentum == "none" else direction, clamped, signs, far,
                    dot, predicted, steps)
+
+
+def _unchanged(b: Branches, t: Inputs, direction, clamped, signs, far, steps):
+    """The state a masked step keeps: its new values where ``ok``, else the old ones (a first
+    momentum average starts at 0), and flags that do not count."""
+    ok = t.ok
+    if b.momentum == "average":
+        direction = torch.where(ok, direction, t.momentum)
+    elif b.momentum == "mixed":
+        direction = torch.where(ok, direction, torch.where(t.started, t.momentum, 0.0))
+    if signs is not None and t.last_signs is not None:
+        signs = torch.where(ok, signs, t.last_signs.to(signs.dtype))
+    if far is not None:
+        far = torch.where(ok, far, torch.zeros_like(far))
+    if steps is not None:
+        noise = t.noise
+        steps = steps._replace(
+            count=torch.where(ok, steps.count, t.count), hdrift=torch.where(ok, steps.hdrift, t.hdrift),
+            drift=None if steps.drift is None else torch.where(ok, steps.drift, t.drift),
+            steps=torch.where(ok, steps.steps, noise.steps), noise=torch.where(ok, steps.noise, noise.noise))
+    return direction, clamped & ok, signs, far, steps
 
 
 def _count(flags: torch.Tensor) -> torch.Tensor:

@@ -66,6 +66,7 @@ class Context(NamedTuple):
     spread_watch: object  # pyro_ngvi.monitor.SpreadWatch
     guarded: Optional[GuardedStep]
     compiled: bool = False  # the element-wise pass compiled (pyro_ngvi.update.fused)
+    ok: Optional[torch.Tensor] = None  # a deferred check (pyro_ngvi.checks): write only if it holds
 
 
 def adaptive_for(stats: SiteCurvature, options: Options) -> bool:
@@ -89,7 +90,8 @@ def mean_field_group(ctx: Context, group: Group, stats: List[SiteCurvature], gra
     first = stats[0]
     size = grad.numel()
     if (len(group.sites) > 1 or first.mask is not None or size <= SPAN or adaptive_for(first, ctx.options)
-            or compiled(ctx, group, size)):  # (a compiled pass has no temporaries: the whole site at once)
+            or compiled(ctx, group, size) or ctx.ok is not None):
+        # (a compiled pass has no temporaries, a masked one writes at its end: the whole site at once)
         result = span_step(ctx, group, stats, grad, curvature, settings, tau, states)
     else:
         run = Spans(ctx, group, states[0], first.sampled, settings.momentum)
@@ -141,7 +143,8 @@ def span_step(ctx: Context, group: Group, stats: List[SiteCurvature], grad: torc
     fuse = compiled(ctx, group, grad.numel())
     inputs = dict(
         mean=cut(group.locs[0] if one else _flat([site.loc for site in sites])),
-        raw_scale=cut(group.raw_scales[0]) if one else None if known else _flat([site.raw_scale for site in sites]),
+        raw_scale=(cut(group.raw_scales[0]) if one else None if known and ctx.ok is None
+                   else _flat([site.raw_scale for site in sites])),
         grad=grad, curvature=curvature, scale=cut(_flat(scales)) if known else None, mask=mask,
         prior_precision=cut(group.flat_of("prior_precision", [s.prior_precision for s in stats])) if prior else None,
         prior_loc=cut(group.flat_of("prior_loc", [s.prior_loc for s in stats])) if prior else None,
@@ -173,6 +176,8 @@ def span_step(ctx: Context, group: Group, stats: List[SiteCurvature], grad: torc
     trust = first.sampled and options.max_step is not None
     guarded = ctx.guarded is not None and not adaptive and not trust
     last = None
+    if ctx.ok is not None:
+        inputs["ok"] = ctx.ok
     if first.sampled:  # the stall test's signs of the group's last step
         last = run.last_signs if run is not None else _last_signs(ctx, group)
         if last is not None:
@@ -187,7 +192,7 @@ def span_step(ctx: Context, group: Group, stats: List[SiteCurvature], grad: torc
         # a floor >= 1 keeps every new sigma <= 1 (compiled: the raw scale's series alone)
         at_most_one=fuse and first.min_precision is not None
         and group.least("min_precision", [s.min_precision for s in stats]) >= 1.0,
-        in_place=fuse and one and mask is None,
+        in_place=fuse and one and mask is None, masked=ctx.ok is not None,
     )
     numbers = Numbers(lr, beta, rho, settings.damping, tau, options.max_step,
                       ctx.guarded.factor if guarded else 1.0, first_count(beta, options.warm_start))
