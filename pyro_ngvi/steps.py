@@ -28,8 +28,9 @@ from .update import full_covariance
 from .update import fused
 from .update.kronecker import kronecker_step
 
-#: A large site's update runs in spans of this many elements (see :func:`mean_field_group`).
-SPAN = 1 << 16
+#: A large site's update runs in spans of this many elements (see :func:`mean_field_group`; 2^18
+#: measured 5-6 % faster than 2^16 and than whole sites at 0.5 and 3.8 million weights, 2-core CPU).
+SPAN = 1 << 18
 #: With ``NGVI(compile=True)``, groups of at least this many elements run compiled (:func:`compiled`).
 COMPILE_MIN = 1 << 14
 #: A full-covariance site's adaptive steps change its precision by at most this factor in any
@@ -82,10 +83,11 @@ def mean_field_group(ctx: Context, group: Group, stats: List[SiteCurvature], gra
     """
     :func:`span_step` on the whole group; a large site (beyond :data:`SPAN` elements,
     alone in its group, no mask, not the adaptive steps, whose noise is pooled over the
-    site first; not when compiled) in spans of :data:`SPAN` elements, one after the other: the same
-    element-wise update, with temporaries of a span's size that stay in cache and are
-    reused by the allocator (on the CPU, whole-vector temporaries of a large site go back
-    to the system and page-fault on every step). Returns what :func:`span_step` returns.
+    site first; not when compiled or masked) in spans of :data:`SPAN` elements, one after
+    the other: the same element-wise update, with temporaries of a span's size that stay in
+    the last-level cache and are reused by the allocator (on the CPU, whole-vector temporaries
+    of a large site go back to the system and page-fault on every step). Returns what
+    :func:`span_step` returns.
     """
     first = stats[0]
     size = grad.numel()
