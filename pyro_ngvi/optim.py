@@ -199,12 +199,12 @@ class NGVI(PyroOptim):
         # F compares guide steps only: not while other parameters move with them
         guarded = (self.safeguard and objective is not None and not callable(self.lr) and not learned
                    and not any(p.grad is not None for p in others))
-        mean_field = [site for site in sites if isinstance(site, GaussianSite)]
+        mean_field = plan.mean_field
         if guarded and plan.newton.rejects(mean_field, objective, self.num_steps):
             self.num_rejected_steps += 1
             self._restart_momentum(sites)
             return False
-        dense_sites = [site for site in sites if isinstance(site, (FullCovarianceSite, KroneckerSite))]
+        dense_sites = plan.dense_sites
         cross = cross_terms(mean_field, stats, self._state) if self.control_variate else None
         groups = plan.groups_for(mean_field, stats)
         group_stats = [[stats[site.key] for site in group.sites] for group in groups]
@@ -214,9 +214,8 @@ class NGVI(PyroOptim):
         every = sync_every(sites[0].loc.device, self.sync_every) if sites else 1
         ok = None
         if every > 1 and not (dense_sites or guarded or learned or any(p.grad is not None for p in others)):
-            ok = plan.deferred.add([finite(g, h, mask=st[0].mask, exact=True) for (g, h), st in zip(flats,
-                                                                                                     group_stats)],
-                                   [", ".join(repr(site.name) for site in group.sites) for group in groups])
+            checks = [finite(g, h, mask=st[0].mask, exact=True) for (g, h), st in zip(flats, group_stats)]
+            ok = plan.deferred.add(checks, [", ".join(repr(site.name) for site in group.sites) for group in groups])
         elif not read_checks(self, plan, sites, stats, groups, group_stats, flats, others):
             return False
         lr = at_step("lr", self.lr, self.num_steps, 0.0, math.inf)
@@ -437,6 +436,8 @@ class _Plan:
 
     def __init__(self, sites, others):
         self.sites, self.others = sites, others
+        self.mean_field = [site for site in sites if isinstance(site, GaussianSite)]
+        self.dense_sites = [site for site in sites if isinstance(site, (FullCovarianceSite, KroneckerSite))]
         self.groups: Dict[tuple, List[Group]] = {}
         self.signs: Dict = {}  # id(group) -> (group, g > 0 at its last sampled step)
         self.newton = NewtonGuard()
