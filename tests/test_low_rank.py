@@ -12,7 +12,7 @@ import pyro
 import pyro.distributions as dist
 from pyro.infer import SVI, Predictive, Trace_ELBO
 
-from pyro_ngvi import NGVI, LowRankPrecisionNormal, NotGaussianWarning
+from pyro_ngvi import NGVI, LowRankPrecisionNormal
 from pyro_ngvi import low_rank
 from pyro_ngvi.low_rank_guide import LowRankPrecisionMultivariateNormal, LowRankSite
 
