@@ -23,6 +23,7 @@ from .report import (
 from .task import Split, Task, make_split, minibatches, nll, predictive_metrics, regression_metrics
 from .tasks import (
     diabetes_mlp, digits_cnn, digits_cnn_net, digits_mlp, digits_split, mlp, random_shift, sklearn_task, suite_tasks,
+    small_tasks, SMALL_TUNING,
 )
 from .train import (
     MAP_WEIGHT_DECAYS, History, compare, elbo, evaluator, fit, gaussian_kl, log_spaced, precise_elbo, run_full_batch,
@@ -33,7 +34,7 @@ __all__ = [
     # task.py, tasks.py
     "Split", "Task", "make_split", "minibatches", "nll", "predictive_metrics", "regression_metrics",
     "mlp", "sklearn_task", "digits_mlp", "diabetes_mlp", "suite_tasks", "digits_split", "digits_cnn",
-    "digits_cnn_net", "random_shift",
+    "digits_cnn_net", "random_shift", "small_tasks", "SMALL_TUNING",
     # methods.py
     "Method", "Posterior", "PyroSVI", "ngvi", "ngvi_recipe", "bayes_by_backprop", "MAP", "IVON", "HandVOGN", "sample_outputs",
     "ivon_installed", "annealed", "decaying",

@@ -120,6 +120,12 @@ class WeightPriors:
         total = sum(getattr(self, f"_prior_log_scale_sum_{j}") for j in range(len(self._latents)))
         self.register_buffer("_prior_log_scale_total", torch.as_tensor(total, dtype=like.dtype))
 
+    def set_prior(self, prior) -> None:
+        """Replace the prior on the weights (``prior`` as in the constructor); the next step
+        uses it (e.g. :class:`~pyro_ngvi.evidence.EvidencePrior` setting it by the evidence)."""
+        self._set_priors(prior)
+        self._forget_priors()
+
     def _forget_priors(self) -> None:
         """Drop the cached views of the buffers (``.to()``, ``.double()``, ... replace them)."""
         self._prior_cache = self._flat_prior_cache = self._prior_index_cache = None
