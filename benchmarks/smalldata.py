@@ -2,11 +2,13 @@
 Issue 26: where data is scarce. The BayesianNet recipe (``bnn.guide()``, ``NGVI()``,
 ``CurvatureELBO(source)``) against MAP with its weight decay and epoch chosen on a
 validation split (``harness.tuned_map``) and ivon-opt (its documented defaults, the same
-prior), on small-data and low-signal tasks (``harness.small_tasks``: 100 to 500 training
+prior), and, second, the recipe with its prior scale and epoch chosen on the same validation
+split with the same budget (``NGVI ggn (validated)``: ``harness.validated_ngvi``,
+``pyro_ngvi.nn.selection.select_by_validation``), on small-data and low-signal tasks (``harness.small_tasks``: 100 to 500 training
 examples, and the full Fair survey; scikit-learn and statsmodels data), with the
 training trajectory of every Bayesian run.
 
-Tasks: ``harness.SMALL_TUNING`` (``synth4-200``, ``anes96-300``, ``wine-100``) are the
+Tasks: ``harness.SMALL_TUNING`` (``synth4-200``, ``anes96-300``, ``randhie-300``) are the
 tasks the recipe's settings were chosen on; the others are held out. Every run is scored
 on the test split by the predictive of 32 weight draws (MAP predicts once): accuracy,
 NLL, ECE (regression: RMSE, predictive log-likelihood, 90 % coverage), the AUROC of
@@ -40,15 +42,12 @@ import torch  # noqa: E402
 import pyro  # noqa: E402
 
 from pyro_ngvi import NGVIWarning, metrics  # noqa: E402
-from pyro_ngvi.evidence import diagonal_ggn, layer_precisions  # noqa: E402
-from pyro_ngvi.linearized import linearized_outputs  # noqa: E402
 
 import harness  # noqa: E402  (examples/harness)
 
 MAP_LABEL = "MAP (tuned)"
-#: the second predictive of every NGVI run (same training): the linearised predictive of the
-#: Laplace-GGN posterior at NGVI's mean, prior precision per layer by the evidence
-GLM_SUFFIX = " (Laplace-GLM)"
+#: the recipe with its prior scale and epoch chosen on the validation split (harness.validated_ngvi)
+VALIDATED_LABEL = "NGVI ggn (validated)"
 #: development overrides of the recipe (``--ngvi KEY=VALUE``); empty for the reported runs
 NGVI_OVERRIDES: Dict[str, object] = {}
 
@@ -75,26 +74,10 @@ def ood_inputs(task: harness.Task):
     return None
 
 
-def laplace_glm(task: harness.Task, method: harness.Method):
-    """``predict(x, S, generator)`` of the linearised predictive of the Laplace-GGN posterior at the
-    guide's mean: precision alpha_l + h, h the GGN diagonal on the training set, alpha_l per layer
-    maximising the Laplace-GGN evidence there (``pyro_ngvi.evidence``)."""
-    bnn, posterior = method.bnn, method.posterior()
-    sites = bnn.latent_sites
-    means = [posterior[site][0] for site in sites]
-    _, curvatures = diagonal_ggn(bnn, means, task.split.x_train, task.split.y_train)
-    alphas = layer_precisions(bnn, means, [bnn.prior(site)[0] for site in sites], curvatures)
-    laplace = dict(posterior)
-    laplace.update({site: (mu, (alpha + h).rsqrt().to(mu.dtype))
-                    for site, mu, alpha, h in zip(sites, means, alphas, curvatures)})
-    return lambda x, samples, generator: linearized_outputs(method.net, laplace, x, samples, generator)
-
-
-def score(task: harness.Task, method: harness.Method, samples: int = 32, glm: bool = False) -> Dict[str, float]:
-    """Test metrics of the predictive of ``samples`` draws, and the OOD AUROC where defined
-    (``glm``: of :func:`laplace_glm`'s predictive)."""
+def score(task: harness.Task, method: harness.Method, samples: int = 32) -> Dict[str, float]:
+    """Test metrics of the predictive of ``samples`` draws, and the OOD AUROC where defined."""
     with method.active():
-        predict = laplace_glm(task, method) if glm else method.predict
+        predict = method.predict
         outputs = predict(task.split.x_test, samples, torch.Generator().manual_seed(task.seed))
         result = harness.predictive_metrics(task.likelihood, outputs, task.split.y_test, method.noise_scale)
         x_ood = ood_inputs(task)
@@ -134,14 +117,20 @@ def run(task: harness.Task, label: str, epochs: int, every: int) -> Dict:
         result = score(task, method)
         result.update(seconds=method.seconds, weight_decay=method.weight_decay, epoch=method.epoch)
         return result
+    if label == VALIDATED_LABEL:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", NGVIWarning)
+            method = harness.validated_ngvi(task, epochs)
+        result = score(task, method)
+        result.update(seconds=method.seconds, prior_scale=method.prior_scale, epoch=method.epoch, **bounds(method))
+        result["warnings"] = [str(w.message)[:160] for w in caught if issubclass(w.category, NGVIWarning)]
+        return result
     method = METHODS[label](task)
     trajectory = {"epoch": []}
 
     def evaluate(m):
         scores = score(task, m)
         row = {"nll": nll_of(task, scores), **bounds(m)}
-        if label.startswith("NGVI"):
-            row["nll_glm"] = nll_of(task, score(task, m, glm=True))
         for key, value in row.items():
             trajectory.setdefault(key, []).append(value)
         return {}
@@ -155,11 +144,6 @@ def run(task: harness.Task, label: str, epochs: int, every: int) -> Dict:
     result["seconds"] = sum(history.step_times)
     result["warnings"] = [str(w.message)[:160] for w in caught if issubclass(w.category, NGVIWarning)]
     result["trajectory"] = trajectory
-    if label.startswith("NGVI"):
-        glm = score(task, method, glm=True)
-        glm.update(seconds=result["seconds"], warnings=result["warnings"],
-                   trajectory={"epoch": trajectory["epoch"], "nll": trajectory["nll_glm"]})
-        result["glm"] = glm
     return result
 
 
@@ -207,8 +191,11 @@ def report(results, tasks, seeds) -> str:
             extra = ""
             if label == MAP_LABEL:
                 extra = " (wd " + ", ".join(f"{r['weight_decay']:.0e}@{r['epoch']}" for r in rows) + ")"
+            if label == VALIDATED_LABEL:
+                extra = " (prior " + ", ".join(f"{r['prior_scale']:.2g}@{r['epoch']}" for r in rows) + ")"
             traj = [format(at_epoch(rows, "nll", e), ".3f") for e in (100, epochs)]
-            cap = [format(at_epoch(rows, k, epochs), ".2f") for k in ("at_cap", "sigma_over_cap")]
+            cap = [format(at_epoch(rows, k, epochs) if label != VALIDATED_LABEL else mean_of(rows, k), ".2f")
+                   for k in ("at_cap", "sigma_over_cap")]
             warned = "—" if label in (MAP_LABEL, "ivon-opt") else str(sum(len(r["warnings"]) for r in rows))
             lines.append(f"| {label}{extra} | " + " | ".join(cells) + " | " + " | ".join(traj + cap)
                          + f" | {warned} | {statistics.mean(r['seconds'] for r in rows):.1f} |")
@@ -227,7 +214,7 @@ def report(results, tasks, seeds) -> str:
             if ood_inputs(task) is not None and task.likelihood == "categorical":
                 a, b = mean_of(rows, "ood_auroc"), mean_of(mapped, "ood_auroc")
                 notes.append(f"OOD AUROC {a:.4f} vs {b:.4f} {'met' if a >= b else 'MISSED'}")
-            if epochs > 100:
+            if epochs > 100 and label != VALIDATED_LABEL:
                 a, b = at_epoch(rows, "nll", 100), at_epoch(rows, "nll", epochs)
                 notes.append(f"NLL @100 {a:.4f} -> @{epochs} {b:.4f} {'met' if b <= a + 0.005 else 'CLIMBS'}")
             checks.append(f"- {name}, {label}: " + "; ".join(notes))
@@ -255,12 +242,9 @@ def main(argv=None):
         NGVI_OVERRIDES[key] = eval(value)  # development only
     tasks = harness.small_tasks()
     names = args.tasks or list(tasks)
-    labels = args.methods or [*METHODS, MAP_LABEL]
+    labels = args.methods or [*METHODS, VALIDATED_LABEL, MAP_LABEL]
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     results = {name: {label: [] for label in labels} for name in names}
-    for by_method in results.values():
-        for label in [label for label in by_method if label.startswith("NGVI")]:
-            by_method[label + GLM_SUFFIX] = []
     start = time.perf_counter()
     with pyro.validation_enabled(False):
         for name in names:
@@ -273,16 +257,13 @@ def main(argv=None):
                     task = make(seed)
                     result = run(task, label, epochs, args.every)
                     results[name][label].append(result)
-                    if "glm" in result:
-                        results[name][label + GLM_SUFFIX].append(result.pop("glm"))
                     shown = " ".join(f"{k} {result.get(k, math.nan):.3f}" for k, _ in metric_keys(task))
                     traj = result.get("trajectory")
                     if traj:
                         shown += "  nll " + " ".join(f"{v:.3f}" for v in traj["nll"][::max(1, len(traj['nll']) // 6)])
                         shown += f"  cap {traj['at_cap'][-1]:.2f}" if "at_cap" in traj else ""
-                    glm = results[name].get(label + GLM_SUFFIX)
-                    if glm:
-                        shown += f"  GLM nll {nll_of(task, glm[-1]):.3f} ece {glm[-1].get('ece', math.nan):.3f}"
+                    if "prior_scale" in result:
+                        shown += f"  prior {result['prior_scale']:.3g} @ epoch {result['epoch']}"
                     print(f"{name:18s} seed {seed} {label:12s} {shown}  {result['seconds']:.1f} s"
                           + (f"  warnings {len(result['warnings'])}" if result.get("warnings") else "")
                           + f"  [{time.perf_counter() - start:.0f} s]", flush=True)

@@ -121,8 +121,9 @@ class WeightPriors:
         self.register_buffer("_prior_log_scale_total", torch.as_tensor(total, dtype=like.dtype))
 
     def set_prior(self, prior) -> None:
-        """Replace the prior on the weights (``prior`` as in the constructor); the next step
-        uses it (e.g. :class:`~pyro_ngvi.evidence.EvidencePrior` setting it by the evidence)."""
+        """Replace the prior on the weights (``prior`` as in the constructor: a scale, or a dict
+        per site); the model's next run and the fast path's next step use it (e.g. a prior set
+        by an evidence estimate between steps, ``benchmarks/smalldata_probe.py``)."""
         self._set_priors(prior)
         self._forget_priors()
 
