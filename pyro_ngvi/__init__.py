@@ -1,7 +1,7 @@
 """
 pyro_ngvi: natural-gradient variational inference (the Bayesian learning rule,
-VON / VOGN) for Pyro's AutoNormal and AutoMultivariateNormal guides (and a
-Kronecker-factored guide for network layers), driven by Pyro's own ``SVI``.
+VON / VOGN) for the Gaussian guides of Pyro models (mean-field, full covariance,
+low-rank-plus-diagonal precision, Kronecker-factored layers), driven by Pyro's own ``SVI``.
 """
 
 from .checkpoint import load_param_store
@@ -11,7 +11,9 @@ from .nn import BayesianNet, ValidationSelection, select_by_validation
 from .optim import NGVI, NGVIWarning
 from .continual import posterior_as_prior, start_task, with_priors
 from .handlers import PriorMessenger
+from .family import NotGaussianWarning
 from .kronecker import KroneckerNormal
+from .low_rank_guide import LowRankPrecisionNormal
 from .priors import conjugate_normal
 
 __all__ = [
@@ -20,8 +22,10 @@ __all__ = [
     "KroneckerNormal",
     "LaplaceResult",
     "LaplaceWarning",
+    "LowRankPrecisionNormal",
     "NGVI",
     "NGVIWarning",
+    "NotGaussianWarning",
     "PriorMessenger",
     "conjugate_normal",
     "laplace",

@@ -1,33 +1,37 @@
 """
-The exponential-family view of a Gaussian guide.
+The exponential-family view of a Gaussian guide, and which guide sites are Gaussians.
 
-:class:`~pyro.infer.autoguide.AutoNormal` and
-:class:`~pyro.infer.autoguide.AutoDiagonalNormal` store, in the unconstrained
-coordinates ``u`` of the model's latent sites, a Gaussian
+A mean-field Gaussian site stores, in the unconstrained coordinates ``u`` of the model's
+latent sites,
 
 .. math:: q(u) = \\mathcal{N}(u; \\mu, \\lambda^{-1}),
           \\qquad \\mu = \\text{loc}, \\quad \\lambda = \\text{scale}^{-2},
 
-with natural parameters :math:`\\eta_1 = \\lambda\\mu`, :math:`\\eta_2 = -\\lambda/2`.
-:class:`~pyro.infer.autoguide.AutoMultivariateNormal` stores a full-covariance
-Gaussian over the whole latent vector (:class:`FullCovarianceSite`; its algebra
-lives in :mod:`pyro_ngvi.full_covariance`). This module finds those tensors
-among the ones ``SVI`` hands an optimizer, reads the mean and precision off
-them and writes updated values back.
+with natural parameters :math:`\\eta_1 = \\lambda\\mu`, :math:`\\eta_2 = -\\lambda/2`
+(:class:`GaussianSite`). :class:`~pyro.infer.autoguide.AutoMultivariateNormal` stores a
+full-covariance Gaussian over the whole latent vector (:class:`FullCovarianceSite`; its
+algebra lives in :mod:`pyro_ngvi.full_covariance`), :class:`~pyro_ngvi.KroneckerNormal`
+Kronecker factors per layer.
 
-It also holds the one protocol by which an ELBO hands curvature to
-:class:`~pyro_ngvi.NGVI`: :class:`SiteCurvature`, attached to the site's
-unconstrained ``loc`` tensor with :func:`attach_curvature` (BackPACK style: the
-result lives on the parameter) and taken off by :func:`pop_curvature`, under a
-hand-over that the ELBO begins (:func:`begin_handover`) and the optimizer ends
-(:func:`end_handover`), accepting or rejecting the step; side effects of the
-evaluation that a rejected step must not leave behind (BatchNorm running
-statistics) are registered with :func:`on_rejected`.
+**Which sites are Gaussians** (:func:`guide_view`, :func:`split_params`). Autoguides
+whose storage is known (AutoNormal, AutoDiagonalNormal, AutoMultivariateNormal,
+KroneckerNormal, alone or as parts of an ``AutoGuideList``) are read from their
+structure, with no extra run; anything else (hand-written guides, ``AutoCallable`` parts,
+autoguides inside poutine handlers, partials, subclasses) is read off the guide's trace
+(:mod:`pyro_ngvi.guide_trace`): a ``Normal`` whose loc is a ``pyro.param`` and whose
+scale is a positive ``pyro.param``. Never off names a user chooses. Sites that are not
+Gaussians are trained by the point optimizer, and :func:`split_params` warns once per
+guide structure (:class:`NotGaussianWarning`) naming them and why.
+
+The hand-over of curvature from an ELBO to the optimizer lives in
+:mod:`pyro_ngvi.handover` (its names are re-exported here).
 """
 
 import sys
+import warnings
+import weakref
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple, Union
+from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.distributions import biject_to, transform_to
@@ -36,207 +40,41 @@ from torch.distributions.transforms import Transform
 import pyro
 from pyro.distributions import constraints
 from pyro.distributions.transforms import SoftplusTransform
-from pyro.infer.autoguide import (
-    AutoCallable,
-    AutoDelta,
-    AutoDiagonalNormal,
-    AutoGuide,
-    AutoGuideList,
-    AutoLowRankMultivariateNormal,
-    AutoMultivariateNormal,
-    AutoNormal,
-)
+from pyro.infer.autoguide import AutoDiagonalNormal, AutoGuideList, AutoMultivariateNormal, AutoNormal
 
 from . import full_covariance
+from .guide_trace import NotGaussian, model_params, read_trace, trace_guide
+from .handover import (  # noqa: F401 (re-exported: the ELBOs and NGVI import them from here)
+    PriorParam,
+    SiteCurvature,
+    attach_curvature,
+    begin_handover,
+    end_handover,
+    live_handover,
+    on_rejected,
+    pop_curvature,
+)
 from .kronecker import KroneckerNormal, KroneckerSite
+from .low_rank_guide import LowRankPrecisionNormal, LowRankSite
+from .monitor import NGVIWarning
 from .scales import FastSoftplus, known_scale
 
-_CURVATURE_ATTR = "_pyro_ngvi_curvature"
 #: The curvature of the negative log-likelihood per example assumed before the data say
 #: otherwise, in the units of a likelihood whose curvature in its output is of order one
 #: (a softmax's is at most 1/2, a Bernoulli's 1/4, a standardised Gaussian's 1; ivon-opt's
 #: ``hess_init``): a minibatch-trained guide starts at precision N times it, and NGVI's mean
 #: step is damped by as much (see NGVI and BayesianNet.guide).
 CURVATURE_PER_EXAMPLE = 1.0
-_SUPPORTED = (
-    "AutoNormal and AutoDiagonalNormal (mean-field), AutoMultivariateNormal (full "
-    "covariance) and pyro_ngvi's KroneckerNormal (per-layer Kronecker factors) guides, alone "
-    "or as parts of an AutoGuideList (where AutoDelta parts are point-estimated beside them)"
-)
 #: How far up the call stack :func:`calling_svi` looks for ``SVI.step``.
 _STACK_DEPTH = 6
-#: The id of the live hand-over (one per ELBO evaluation), see :func:`begin_handover`.
-_live_handover = [0]
-#: How to undo the live hand-over's side effects, should the optimizer reject the step.
-_undo: List[Callable[[], None]] = []
+#: How far up the call stack :func:`calling_step` looks for ``SVI.step``.
+_ARGS_DEPTH = 12
 
 
-@dataclass
-class PriorParam:
-    """
-    A ``pyro.param`` of the model that the ``loc`` or the ``scale`` of a site's
-    conjugate Normal prior (in ``u``) is, broadcast over the site: the prior
-    hyperparameter :class:`~pyro_ngvi.NGVI` sets by type-II maximum likelihood
-    (:func:`~pyro_ngvi.priors.update_learned_priors`) instead of the point
-    optimizer.
-
-    :param str name: the param's name in the param store.
-    :param torch.Tensor unconstrained: its unconstrained tensor there (written in place).
-    :param constraint: its constraint (the value is ``transform_to(constraint)(unconstrained)``).
-    :param torch.Tensor index: integer tensor of the site's ``loc`` shape: element
-        :math:`i` of the site has the prior loc (or scale) ``value.reshape(-1)[index[i]]``.
-    """
-
-    name: str
-    unconstrained: torch.Tensor
-    constraint: object
-    index: torch.Tensor
-
-
-@dataclass
-class SiteCurvature:
-    """
-    What an ELBO hands :class:`~pyro_ngvi.NGVI` for one guide site. Every tensor
-    has the shape of the site's ``loc`` (all rows, also under a subsampled plate),
-    except for a :class:`FullCovarianceSite` (``loc`` of shape ``(D,)``), whose
-    ``curvature`` and ``prior_precision`` are symmetric ``(D, D)`` matrices.
-
-    :param torch.Tensor grad: gradient of the non-conjugate part :math:`\\ell`
-        of the negative log joint w.r.t. ``u`` (likelihood plus any prior that is
-        not Normal in ``u``), averaged over particles and divided by the site's
-        own plate scale, so touched rows carry their full-data value.
-    :param torch.Tensor curvature: diagonal curvature :math:`h` of the same part.
-    :param prior_loc: mean :math:`m_0` of a conjugate Normal prior in ``u``,
-        or ``None`` when the prior is already inside ``grad``/``curvature``.
-    :param prior_precision: precision :math:`\\lambda_0` of that prior, or ``None``.
-    :param mask: boolean tensor of the rows this step touched (``None``: all).
-    :param bool sampled: ``curvature`` is a Price (reparameterisation) estimate
-        :math:`g\\epsilon/\\sigma`, whose noise grows with :math:`|g|`.
-    :param bool nonnegative: ``curvature`` is :math:`\\ge 0` by construction
-        (Gauss-Newton, Fisher): with a conjugate prior the precision target is
-        then positive and the optimizer skips its positivity correction.
-    :param scale: the guide's :math:`\\sigma` the ELBO read this step, or ``None``
-        (the optimizer then reads it from the param store itself).
-    :param bool whitened: (full-covariance sites) ``curvature`` is
-        :math:`C^\\top H C`, in the coordinates that whiten the guide's Gaussian
-        (:func:`~pyro_ngvi.full_covariance.whiten`): what the Price estimate gives
-        without an inverse.
-    :param prior_loc_param: the :class:`PriorParam` that ``prior_loc`` is, or ``None``
-        (a fixed prior loc).
-    :param prior_scale_param: the :class:`PriorParam` that the prior scale
-        :math:`\\lambda_0^{-1/2}` is, or ``None`` (a fixed prior scale).
-    :param float prior_weight: the weight of each row's :math:`\\mathrm{KL}(q \\| p_0)`
-        in the full-data ELBO (a ``poutine.scale`` factor; 1 for a plain model),
-        used to pool sites that share a learned prior param.
-    :param eps_mean: for a Price estimate whose draws are known, the mean over
-        particles of the standard-normal draws :math:`\\epsilon` (``u = mu + sigma eps``);
-        with ``eps_sq_mean`` (the mean of :math:`\\epsilon^2`) NGVI subtracts a
-        control variate from ``(grad, curvature)``; ``None`` otherwise.
-    :param eps_sq_mean: see ``eps_mean``.
-    :param float objective: for statistics evaluated at the mean (``deterministic``),
-        :math:`F(\\mu) = -\\log p(x, T(\\mu)) - \\log|\\det J_T(\\mu)|` there (the same
-        for every site of the evaluation), whose Newton step the update is; NGVI's
-        step safeguard compares it between steps. ``None`` otherwise.
-    :param int num_data: set when ``grad`` and ``curvature`` are minibatch
-        estimates of sums over ``num_data`` examples (a
-        :class:`~pyro_ngvi.BayesianNet`'s): :class:`~pyro_ngvi.NGVI` then resolves
-        its defaults for minibatch training, the damping relative to ``num_data``
-        included (``None``: full-batch statistics).
-    :param min_precision: the least precision :math:`\\lambda_{\\min}` the
-        variational family allows the site (a cap :math:`\\lambda_{\\min}^{-1/2}` on
-        its standard deviation; a tensor of the ``loc``'s shape: an expanded view of
-        one number costs no memory), or ``None``:
-        :class:`~pyro_ngvi.NGVI` keeps :math:`\\lambda' \\ge \\lambda_{\\min}` (the
-        step projected on the family).
-    :param loss: the ELBO evaluation's loss (the negative ELBO estimate ``SVI.step``
-        returns; a 0-d tensor or a float, the same for every site of the
-        evaluation), for :class:`~pyro_ngvi.NGVI`'s watch on a worsening ELBO, or
-        ``None``.
-    :param int handover: the ELBO evaluation that made these statistics
-        (set by :func:`attach_curvature`).
-    """
-
-    grad: torch.Tensor
-    curvature: torch.Tensor
-    prior_loc: Optional[torch.Tensor] = None
-    prior_precision: Optional[torch.Tensor] = None
-    mask: Optional[torch.Tensor] = None
-    sampled: bool = False
-    nonnegative: bool = False
-    scale: Optional[torch.Tensor] = None
-    prior_loc_param: Optional[PriorParam] = None
-    prior_scale_param: Optional[PriorParam] = None
-    prior_weight: float = 1.0
-    handover: int = 0
-    whitened: bool = False
-    eps_mean: Optional[torch.Tensor] = None
-    eps_sq_mean: Optional[torch.Tensor] = None
-    objective: Optional[float] = None
-    num_data: Optional[int] = None
-    min_precision: Optional[torch.Tensor] = None
-    loss: Optional[torch.Tensor] = None
-
-    def prior_params(self) -> List[PriorParam]:
-        """The learned prior params of this site (none, one or two)."""
-        return [p for p in (self.prior_loc_param, self.prior_scale_param) if p is not None]
-
-
-def begin_handover() -> int:
-    """
-    Start a new hand-over: an ELBO calls this once per evaluation, before it
-    attaches anything. Statistics attached under an earlier hand-over (an
-    evaluation whose optimizer step never came: an exception, an interrupt, a
-    call outside ``SVI``) are stale from now on and never reach the optimizer;
-    that evaluation's side effects stay (as after any forward pass).
-    """
-    _live_handover[0] += 1
-    _undo.clear()
-    return _live_handover[0]
-
-
-def live_handover() -> int:
-    """The id of the live hand-over."""
-    return _live_handover[0]
-
-
-def on_rejected(undo: Callable[[], None]) -> None:
-    """
-    Register how to undo a side effect of the live evaluation (a model's
-    BatchNorm running statistics), run by :func:`end_handover` should the
-    optimizer reject the step (skip it, or fail before its update).
-    """
-    _undo.append(undo)
-
-
-def end_handover(accepted: bool) -> None:
-    """
-    The optimizer's verdict on the live hand-over: when not ``accepted``, undo
-    the side effects registered with :func:`on_rejected` (latest first). Either
-    way the hand-over closes: statistics still attached are stale.
-    """
-    undo = _undo[::-1]
-    _undo.clear()
-    _live_handover[0] += 1
-    if not accepted:
-        for action in undo:
-            action()
-
-
-def attach_curvature(loc: torch.Tensor, stats: SiteCurvature) -> None:
-    """Hand ``stats`` to the optimizer on the site's unconstrained ``loc`` tensor,
-    under the live hand-over (replacing anything stale left there)."""
-    stats.handover = _live_handover[0]
-    setattr(loc, _CURVATURE_ATTR, stats)
-
-
-def pop_curvature(loc: torch.Tensor) -> Optional[SiteCurvature]:
-    """Take the :class:`SiteCurvature` of the live hand-over off ``loc`` (``None``
-    when there is none; stale statistics are dropped)."""
-    stats = getattr(loc, _CURVATURE_ATTR, None)
-    if stats is None:
-        return None
-    delattr(loc, _CURVATURE_ATTR)
-    return stats if stats.handover == _live_handover[0] else None
+class NotGaussianWarning(NGVIWarning):
+    """Warned once per guide structure when some of a guide's sites are not Gaussians NGVI
+    can take natural-gradient steps on: their params get the ordinary ELBO gradient from
+    NGVI's point optimizer (the step Adam would take). The message names each site and why."""
 
 
 @dataclass
@@ -274,7 +112,13 @@ class GaussianSite(_StoredGaussian):
     """
     One mean-field Gaussian block of a guide: the unconstrained ``loc`` tensor and
     the unconstrained (raw) ``scale`` tensor as stored in Pyro's param store.
+
+    :param float weight: the ``poutine.scale`` factor of the guide site beyond its
+        plates' subsampling (1 for a plain guide; see
+        :class:`~pyro_ngvi.guide_trace.GaussianBlock`).
     """
+
+    weight: float = 1.0
 
     @property
     def tensors(self) -> Tuple[torch.Tensor, ...]:
@@ -399,6 +243,34 @@ def calling_svi(attribute: str, value) -> Optional[object]:
     return None
 
 
+class StepCall(NamedTuple):
+    """What the ``SVI.step`` running a call was given: its model and the step's arguments."""
+
+    model: object
+    args: tuple
+    kwargs: dict
+
+
+def calling_step(guide) -> Optional[StepCall]:
+    """
+    The model and ``(args, kwargs)`` of the ``SVI.step`` running this call for ``guide``:
+    read off the nearest frame on the stack whose ``self`` has ``guide`` as its guide and
+    which holds ``args`` and ``kwargs`` (``SVI.step(self, *args, **kwargs)``); ``None``
+    outside such a call. What the guide (and the model) are run on to read the guide's trace.
+    """
+    frame = sys._getframe(1)
+    for _ in range(_ARGS_DEPTH):
+        if frame is None:
+            return None
+        local = frame.f_locals
+        owner = local.get("self")
+        if (owner is not None and getattr(owner, "guide", None) is guide
+                and isinstance(local.get("args"), tuple) and isinstance(local.get("kwargs"), dict)):
+            return StepCall(getattr(owner, "model", None), local["args"], local["kwargs"])
+        frame = frame.f_back
+    return None
+
+
 def _is_autonormal(part) -> bool:
     return isinstance(part, AutoNormal) and all(
         getattr(type(part), method) is getattr(AutoNormal, method)
@@ -449,32 +321,25 @@ def guide_parts(guide) -> List[object]:
     return [guide]
 
 
-def _unsupported(part, why: str) -> NotImplementedError:
-    name = type(part).__name__ if isinstance(part, AutoGuide) else f"hand-written guide {part!r}"
-    return NotImplementedError(
-        f"NGVI cannot train {name}: {why}. NGVI supports {_SUPPORTED}; a Pyro "
-        "optimizer such as pyro.optim.Adam trains any guide."
-    )
+Site = Union[GaussianSite, FullCovarianceSite, KroneckerSite]
 
 
-def gaussian_sites(guide) -> List[Union[GaussianSite, FullCovarianceSite, KroneckerSite]]:
-    """
-    The Gaussian sites of ``guide``, found from its structure: each part that is
-    an :class:`~pyro.infer.autoguide.AutoNormal` (one site per latent site of its
-    prototype trace, the tensors Pyro registered for ``locs.<site>`` and
-    ``scales.<site>`` under the part's own name) or an
-    :class:`~pyro.infer.autoguide.AutoDiagonalNormal` (one site over the whole
-    latent vector, its ``loc`` and ``scale``). ``AutoDelta`` parts are point
-    estimates and have none.
+class GuideView(NamedTuple):
+    """What NGVI makes of a guide: the Gaussian ``sites`` it takes natural-gradient steps
+    on, and the ``others`` (:class:`~pyro_ngvi.guide_trace.NotGaussian`) whose params its
+    point optimizer trains."""
 
-    :raises NotImplementedError: for a guide (or ``AutoGuideList`` part) of any
-        other kind, naming what is supported; for an ``AutoDelta`` that is not
-        beside a Gaussian part (NGVI would have nothing to be Bayesian about).
-    """
-    store = pyro.get_param_store()
-    sites: List[Union[GaussianSite, FullCovarianceSite, KroneckerSite]] = []
-    parts = guide_parts(guide)
-    for part in parts:
+    sites: List[Site]
+    others: List[NotGaussian]
+
+
+def _structural_sites(guide, store) -> Tuple[List[Site], bool]:
+    """The sites of the parts of ``guide`` whose storage is known (exact AutoNormal,
+    AutoDiagonalNormal, AutoMultivariateNormal, KroneckerNormal, LowRankPrecisionNormal), and
+    whether any other part is left for the trace to read."""
+    sites: List[Site] = []
+    rest = False
+    for part in guide_parts(guide):
         if _is_autonormal(part):
             if part.prototype_trace is None:
                 continue
@@ -496,40 +361,51 @@ def gaussian_sites(guide) -> List[Union[GaussianSite, FullCovarianceSite, Kronec
             site = _full_covariance_site(part, store)
             if site is not None:
                 sites.append(site)
-        elif isinstance(part, AutoDelta):
-            continue
-        elif isinstance(part, AutoLowRankMultivariateNormal):
-            raise NotImplementedError(_LOW_RANK_REFUSAL.format(name=type(part).__name__))
-        elif isinstance(part, AutoGuide) and part.prototype_trace is not None and not any(
-            True for _ in part.prototype_trace.iter_stochastic_nodes()
-        ) and not isinstance(part, AutoCallable):
-            continue  # an autoguide with no latent site has nothing to train
+        elif type(part) is LowRankPrecisionNormal:
+            if part.prototype_trace is not None and f"{part._pyro_name}.loc" in store._params:
+                sites.append(LowRankSite.of(part))
         else:
-            raise _unsupported(part, "it is not a mean-field Gaussian guide NGVI can recognise "
-                                     "from its structure")
-    if not sites and any(isinstance(part, AutoDelta) and part.prototype_trace is not None
-                         and any(True for _ in part.prototype_trace.iter_stochastic_nodes())
-                         for part in parts):
-        raise _unsupported(
-            next(part for part in parts if isinstance(part, AutoDelta)),
-            "an AutoDelta is a point estimate, with no Gaussian to take natural-gradient "
-            "steps on (inside an AutoGuideList, beside an AutoNormal part, its values are "
-            "trained by the point optimizer)",
-        )
-    return sites
+            rest = True
+    return sites, rest
 
 
-#: Why a low-rank covariance is refused (README "Which guide to pick").
-_LOW_RANK_REFUSAL = (
-    "NGVI cannot train {name}: its covariance W W^T + diag(d) is not closed under the "
-    "natural-gradient step, which moves the precision, S' = (1 - beta) S + beta (S0 + H): "
-    "the inverse of diagonal-plus-low-rank plus a curvature is not diagonal-plus-low-rank, "
-    "so writing it back would truncate it (SLANG keeps a low-rank-plus-diagonal precision "
-    "instead, a different family) and the step would be inexact. Use AutoMultivariateNormal "
-    "(full covariance, exact natural gradients; an O(D^3) step that pays up to a few hundred "
-    "latent dimensions) or AutoNormal (mean-field, any size); a Pyro optimizer such as "
-    "pyro.optim.Adam trains any guide."
-)
+def guide_view(guide, args: Sequence = (), kwargs: Optional[dict] = None, model=None) -> GuideView:
+    """
+    The Gaussian sites of ``guide`` and its other parts. Parts whose storage is known are
+    read from their structure; if any other part is left (or ``guide`` is not an
+    autoguide), ``guide`` is run once on ``args``/``kwargs`` under
+    :func:`~pyro_ngvi.guide_trace.trace_guide` (random streams untouched) and the rest is
+    read off the trace (:func:`~pyro_ngvi.guide_trace.read_trace`); with ``model`` given,
+    the model is replayed once against that trace too, and a Gaussian built from a param
+    the model also reads is not taken (:func:`~pyro_ngvi.guide_trace.model_params`).
+
+    :param guide: what ``SVI`` was handed as the guide.
+    :param args: the arguments of the step (what the guide is run on).
+    :param kwargs: its keyword arguments.
+    :param model: the model (default: None, not checked).
+    """
+    store = pyro.get_param_store()
+    kwargs = kwargs or {}
+    sites, rest = _structural_sites(guide, store)
+    if not rest:
+        return GuideView(sites, [])
+    trace = trace_guide(guide, *args, **kwargs)
+    claimed = [t for site in sites for t in site.tensors]
+    model_reads = model_params(model, trace, *args, **kwargs) if model is not None else ()
+    blocks, others = read_trace(trace, claimed, store, model_reads)
+    for block in blocks:
+        name = block.site
+        if name.endswith("_unconstrained") and name[: -len("_unconstrained")] in trace.nodes:
+            name = name[: -len("_unconstrained")]  # AutoNormal's: the site it is the Gaussian of
+        sites.append(GaussianSite(name, store._params[block.loc], store._params[block.scale], block.scale,
+                                  weight=block.weight))
+    return GuideView(sites, others)
+
+
+def gaussian_sites(guide, *args, **kwargs) -> List[Site]:
+    """The Gaussian sites of ``guide`` (:func:`guide_view`; ``args``/``kwargs`` are what
+    the guide is run on, needed only for guides read off their trace)."""
+    return guide_view(guide, args, kwargs).sites
 
 
 def _full_covariance_site(part, store) -> Optional[FullCovarianceSite]:
@@ -546,22 +422,84 @@ def _full_covariance_site(part, store) -> Optional[FullCovarianceSite]:
             or raw_scale_tril.shape != loc.shape + loc.shape
             or not isinstance(tril_constraint, type(constraints.unit_lower_cholesky))
             or scale_constraint.event_dim != 0):
-        raise _unsupported(part, "its parameters are not the loc (D,), positive scale (D,) and "
-                                 "unit lower-triangular scale_tril (D, D) of pyro 1.9")
+        raise NotImplementedError(
+            f"NGVI cannot train {type(part).__name__}: its parameters are not the loc (D,), positive "
+            "scale (D,) and unit lower-triangular scale_tril (D, D) of pyro 1.9. A Pyro optimizer "
+            "such as pyro.optim.Adam trains any guide.")
     return FullCovarianceSite(prefix, loc, raw_scale, names[1], raw_scale_tril, names[2])
 
 
-def split_params(guide, params) -> Tuple[List[GaussianSite], List[torch.Tensor]]:
+# --------------------------------------------------------------------------- #
+# The split SVI's tensors: Gaussian sites, and the rest for the point optimizer
+# --------------------------------------------------------------------------- #
+
+#: Guide structures already warned about, per guide (see :func:`warn_not_gaussian`).
+_warned_guides: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_warned_ids: set = set()
+
+
+def warn_not_gaussian(guide, others: List[NotGaussian], warned: Optional[set] = None) -> None:
+    """
+    One :class:`NotGaussianWarning` naming the ``others`` of ``guide`` and why, unless
+    this structure (the same sites, reasons and params) was warned about already: in
+    ``warned`` when given (an optimizer's own record), else in a record kept per guide.
+    """
+    if not others:
+        return
+    signature = frozenset(others)
+    if warned is None:
+        try:
+            warned = _warned_guides.setdefault(guide, set())
+        except TypeError:  # not weakly referenceable
+            warned, signature = _warned_ids, (id(guide), signature)
+    if signature in warned:
+        return
+    warned.add(signature)
+    parts = "; ".join(f"'{part.site}' ({part.reason}; params {', '.join(repr(p) for p in part.params)})"
+                      for part in others)
+    warnings.warn(
+        f"NGVI trains these guide sites with its point optimizer (the ordinary ELBO gradient, the step "
+        f"Adam would take), not with natural-gradient steps: {parts}. Natural-gradient steps need a "
+        "Normal (possibly .to_event()) whose loc is a pyro.param and whose scale is a positive "
+        "pyro.param, of the site's shape. The point optimizer is NGVI(point_optim=torch.optim.Adam, "
+        "point_optim_args={'lr': 0.01}) by default: a whole guide it trains may want the lr you "
+        "would give Adam. Filter pyro_ngvi.NotGaussianWarning to silence this.",
+        NotGaussianWarning,
+        stacklevel=4,
+    )
+
+
+def split_params(guide, params, args: Optional[Sequence] = None, kwargs: Optional[dict] = None,
+                 warned: Optional[set] = None, model=None) -> Tuple[List[Site], List[torch.Tensor]]:
     """
     Split the tensors ``SVI.step`` hands an optimizer into the Gaussian sites of
-    ``guide`` (:func:`gaussian_sites`) whose ``loc`` is among them, and
-    everything else (model parameters, ``AutoDelta`` values), which a point
-    optimizer trains. A site's scale need not be among ``params``: an ELBO that
-    hands :math:`\\sigma` over in :class:`SiteCurvature` need not read it through
-    ``pyro.param`` (:class:`~pyro_ngvi.BayesianNet`'s fast path does not).
+    ``guide`` (:func:`guide_view`) whose ``loc`` is among them, and everything else
+    (model parameters, params of guide parts that are not Gaussians), which a point
+    optimizer trains; warns (:func:`warn_not_gaussian`) about guide parts that are not
+    Gaussians. A site's scale need not be among ``params``: an ELBO that hands
+    :math:`\\sigma` over in :class:`SiteCurvature` need not read it through ``pyro.param``
+    (:class:`~pyro_ngvi.BayesianNet`'s fast path does not).
+
+    :param guide: the guide.
+    :param params: the tensors ``SVI.step`` hands over.
+    :param args: the step's arguments, to run a guide read off its trace on (default:
+        those of the ``SVI.step`` on the call stack whose guide is ``guide``, see
+        :func:`calling_step`, else none).
+    :param kwargs: the step's keyword arguments (default: as ``args``).
+    :param warned: the caller's record of structures warned about (default: one per guide).
+    :param model: the model, replayed to find guide params it reads too (default: that of
+        the ``SVI.step`` on the call stack, if found with ``args``).
     """
+    if args is None:
+        found = calling_step(guide)
+        if found is not None:
+            model, args, kwargs = model if model is not None else found.model, found.args, found.kwargs
+        else:
+            args = ()
     params = list(params)
+    view = guide_view(guide, args, kwargs, model)
+    warn_not_gaussian(guide, view.others, warned)
     present = {id(p) for p in params}
-    sites = [site for site in gaussian_sites(guide) if id(site.loc) in present]
+    sites = [site for site in view.sites if id(site.loc) in present]
     used = {id(t) for site in sites for t in site.tensors}
     return sites, [p for p in params if id(p) not in used]

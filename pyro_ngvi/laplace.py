@@ -68,8 +68,8 @@ numbers coincide.
     Luke Tierney, Joseph B. Kadane (JASA 1986)
 [2] `A Practical Bayesian Framework for Backpropagation Networks`,
     David J. C. MacKay (Neural Computation 1992)
-[3] `Scalable Marginal Likelihood Estimation for Model Selection in Deep
-    Learning`, Alexander Immer, Matthias Bauer, Vincent Fortuin, Gunnar Ratsch,
+[3] `Scalable Marginal Likelihood Estimation for Model Selection in Deep Learning`,
+    Alexander Immer, Matthias Bauer, Vincent Fortuin, Gunnar Ratsch,
     Mohammad Emtiyaz Khan (ICML 2021)
 [4] `Laplace Redux -- Effortless Bayesian Deep Learning`, Erik Daxberger,
     Agustinus Kristiadi, Alexander Immer, Runa Eschenhagen, Matthias Bauer,

@@ -23,13 +23,12 @@ training loop); a bad input raises :class:`ValueError` naming the argument.
 [3] `Obtaining Well Calibrated Probabilities Using Bayesian Binning`,
     Mahdi Pakdaman Naeini, Gregory F. Cooper, Milos Hauskrecht (AAAI 2015)
 
-[4] `A Baseline for Detecting Misclassified and Out-of-Distribution Examples
-    in Neural Networks`, Dan Hendrycks, Kevin Gimpel (ICLR 2017)
+[4] `A Baseline for Detecting Misclassified and Out-of-Distribution Examples in Neural Networks`,
+    Dan Hendrycks, Kevin Gimpel (ICLR 2017)
     https://arxiv.org/abs/1610.02136
 
-[5] `On a Test of Whether one of Two Random Variables is Stochastically Larger
-    than the Other`, Henry B. Mann, Donald R. Whitney (Annals of Mathematical
-    Statistics, 1947)
+[5] `On a Test of Whether one of Two Random Variables is Stochastically Larger than the Other`,
+    Henry B. Mann, Donald R. Whitney (Annals of Mathematical Statistics, 1947)
 """
 
 import math

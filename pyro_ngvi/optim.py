@@ -24,19 +24,21 @@ import pyro
 from pyro.optim.optim import PyroOptim
 
 from .checkpoint import safe_load
+from .checks import DeferredChecks, read_checks, sync_every
 from .distributed import all_reduce_stats, is_distributed
 from .family import FullCovarianceSite, GaussianSite, SiteCurvature, calling_svi, end_handover, split_params
 from .groups import Group, flat, group_sites, statistics_kind
 from .kronecker import KroneckerSite
-from .monitor import SKIPS_IN_A_ROW, ElboWatch, NGVIWarning, SpreadWatch, power_of_two, stuck_message
+from .low_rank_guide import LowRankSite
+from .monitor import ElboWatch, NGVIWarning, SpreadWatch, power_of_two
 from .policies import (DENSE, DENSE_SAMPLED, FULL_BATCH, MINIBATCH, Schedule, Settings, at_step, check_schedule,
                        defaults, resolve)
-from .point import check_point_optim, check_point_states, param_label, probe_point_step
+from .point import check_point_optim, check_point_states, probe_point_step
 from .priors import update_learned_priors
-from .safeguards import NewtonGuard, Safeguards, finite, report
+from .safeguards import NewtonGuard, Safeguards, finite
 from .state import SiteState, check_state
-from .statistics import one_draw, site_statistics, tensors
-from .steps import Context, GuardedStep, Options, dense_adaptive, dense_site, mean_field_group
+from .statistics import one_draw, site_statistics
+from .steps import Context, GuardedStep, Options, couple_means, dense_adaptive, dense_site, mean_field_group, start_of
 from .variance import cross_terms
 
 __all__ = ["NGVI", "NGVIWarning", "Settings", "defaults", "FULL_BATCH", "DENSE", "DENSE_SAMPLED", "MINIBATCH"]
@@ -66,8 +68,8 @@ class NGVI(PyroOptim):
     [5] (:mod:`~pyro_ngvi.variance`), adaptive steps (Polyak-Ruppert averaging once
     progress stalls, :mod:`~pyro_ngvi.policies`) and a trust region; statistics at the mean
     take the Newton-step safeguard [6] (:mod:`~pyro_ngvi.safeguards`). Parameters that are
-    not Gaussian sites are trained by ``point_optim`` in the same step. The user guide
-    ("The update") derives every piece and says how each default was chosen.
+    not Gaussian sites are trained by ``point_optim`` in the same step. The user guide,
+    :doc:`/guide/update`, derives every piece and says how each default was chosen.
 
     :param lr: step :math:`\\alpha > 0` on the mean, or a callable of the step count
         (default: None, per site by :func:`defaults`)
@@ -88,9 +90,16 @@ class NGVI(PyroOptim):
     :param dict point_optim_args: its arguments, checked at construction (default: ``{"lr": 0.01}``)
     :param guide: the guide whose sites to update, when NGVI runs outside ``SVI``
         (default: None, the calling ``SVI``'s guide)
+    :param bool compile: run the element-wise update of mean-field sites compiled by
+        :func:`torch.compile` (one fused loop per group, :mod:`pyro_ngvi.update.fused`):
+        the same step to a few ulps, faster for large sites, after a compilation of
+        seconds to a minute per configuration and process (default: False)
 
     :ivar int num_steps: updates taken. :ivar int num_skipped_steps: steps skipped for
         non-finite values. :ivar int num_rejected_steps: steps undone by the safeguard.
+    :ivar sync_every: the host reads a step's checks (finiteness, the safeguards' flags) once
+        every this many steps, a skipped step writing nothing meanwhile (:mod:`pyro_ngvi.checks`;
+        default None: 16 on CUDA, 1 elsewhere).
 
     **References**
 
@@ -109,7 +118,7 @@ class NGVI(PyroOptim):
                  momentum: Optional[float] = None, damping: Optional[float] = None, tau: Schedule = 1.0,
                  max_step: Optional[float] = 3.0, warm_start: bool = True, averaging: Optional[bool] = None,
                  control_variate: bool = True, safeguard: bool = True, point_optim=torch.optim.Adam,
-                 point_optim_args: Optional[Dict] = None, guide=None):
+                 point_optim_args: Optional[Dict] = None, guide=None, compile: bool = False):
         # None: the defaults, resolved per site from its statistics (policies.defaults)
         self.lr = None if lr is None else check_schedule("lr", lr, 0.0, math.inf)
         self.beta = None if beta is None else check_schedule("beta", beta, 0.0, 1.0)
@@ -121,13 +130,17 @@ class NGVI(PyroOptim):
         self.max_step = None if max_step is None else _number("max_step", max_step, 0.0, math.inf,
                                                                "a positive number or None", low_open=True)
         for name, value in (("warm_start", warm_start), ("averaging", averaging),
-                            ("control_variate", control_variate), ("safeguard", safeguard)):
+                            ("control_variate", control_variate), ("safeguard", safeguard), ("compile", compile)):
             if not (isinstance(value, bool) or (name == "averaging" and value is None)):
                 raise ValueError(f"{name} must be True or False, got {value!r}")
         if averaging is None:  # with the defaults; steps the user chose run as chosen
             averaging = lr is None and beta is None
         self.warm_start, self.averaging = warm_start, averaging
         self.control_variate, self.safeguard = control_variate, safeguard
+        self.compile = compile
+        #: the host reads the finiteness and safeguard flags every this many steps (pyro_ngvi.checks;
+        #: None: 16 on CUDA, 1 elsewhere)
+        self.sync_every: Optional[int] = None
         super().__init__(point_optim, check_point_optim(point_optim, point_optim_args))
         self.guide = guide
         self.num_steps = 0
@@ -187,30 +200,40 @@ class NGVI(PyroOptim):
         # F compares guide steps only: not while other parameters move with them
         guarded = (self.safeguard and objective is not None and not callable(self.lr) and not learned
                    and not any(p.grad is not None for p in others))
-        mean_field = [site for site in sites if isinstance(site, GaussianSite)]
+        mean_field = plan.mean_field
         if guarded and plan.newton.rejects(mean_field, objective, self.num_steps):
             self.num_rejected_steps += 1
             self._restart_momentum(sites)
             return False
-        dense_sites = [site for site in sites if isinstance(site, (FullCovarianceSite, KroneckerSite))]
+        dense_sites = plan.dense_sites
         cross = cross_terms(mean_field, stats, self._state) if self.control_variate else None
         groups = plan.groups_for(mean_field, stats)
         group_stats = [[stats[site.key] for site in group.sites] for group in groups]
         flats = [(flat([s.grad for s in st]), flat([s.curvature for s in st])) for st in group_stats]
-        if not self._check_finite(plan, sites, stats, groups, group_stats, flats, others):
+        # on CUDA the host reads the checks every few steps (pyro_ngvi.checks): meanwhile a step
+        # with non-finite statistics writes nothing (masked)
+        every = sync_every(sites[0].loc.device, self.sync_every) if sites else 1
+        ok = None
+        if every > 1 and not (dense_sites or guarded or learned or cross is not None and cross.sites
+                              or any(p.grad is not None for p in others)):
+            checks = [finite(g, h, mask=st[0].mask, exact=True) for (g, h), st in zip(flats, group_stats)]
+            ok = plan.deferred.add(checks, [", ".join(repr(site.name) for site in group.sites) for group in groups])
+        elif not read_checks(self, plan, sites, stats, groups, group_stats, flats, others):
             return False
         lr = at_step("lr", self.lr, self.num_steps, 0.0, math.inf)
         beta = at_step("beta", self.beta, self.num_steps, 0.0, 1.0)
         tau = at_step("tau", self.tau, self.num_steps, 0.0, math.inf)
         state_of = {site.key: state for site, state in zip(sites, states)}
         context = Context(self._options, self.num_steps, plan.signs, self._spread_watch,
-                          GuardedStep(plan.newton.factor) if guarded else None)
+                          GuardedStep(plan.newton.factor) if guarded else None, self.compile, ok)
         # full-covariance steps are computed before anything is written: one whose new
         # precision is not positive definite skips the whole step
         dense_steps = []
         for site in dense_sites:
             adaptive = dense_adaptive(site, stats[site.key], context.options)
-            settings = self._settings(stats[site.key], lr, beta, dense=True, sampled=adaptive)
+            # (a low-rank site's adaptive steps start from the constant ones: one draw's rank-2 target)
+            settings = self._settings(stats[site.key], lr, beta, dense=True,
+                                      sampled=adaptive and isinstance(site, FullCovarianceSite))
             step = dense_site(context, site, stats[site.key], settings, tau, state_of[site.key], adaptive)
             if step is None:
                 self.num_skipped_steps += 1
@@ -221,6 +244,7 @@ class NGVI(PyroOptim):
         self._point_step(others, *args, **kwargs)  # before any guide write: it may still fail
         if guarded:  # the point to come back to
             plan.newton.keep(mean_field, objective)
+        coupled_start = None if cross is None else start_of(cross.sites)
         new_scales = {}  # sigma after the update, for the prior M-step
         for group, st, (grad, curvature) in zip(groups, group_stats, flats):
             group_states = [state_of[site.key] for site in group.sites]
@@ -236,7 +260,8 @@ class NGVI(PyroOptim):
         if guarded:
             plan.newton.predicted = float(context.guarded.predicted)
         if cross is not None:  # the regression takes this step's gradients (not before: a skipped step)
-            cross[0].cross = cross[1]
+            cross.state.cross = cross.new
+            couple_means(cross, coupled_start, self.max_step)
         for site, ((step, direction, kept), rho) in zip(dense_sites, dense_steps):
             site.write(*step)
             state = state_of[site.key]
@@ -250,56 +275,24 @@ class NGVI(PyroOptim):
                                     stats[site.key]) for site in mean_field if stats[site.key].prior_params()])
         self._watch_elbo(plan, stats, tau)
         self.num_steps += 1
+        if ok is not None and len(plan.deferred) >= every:
+            read_checks(self, plan, [], {}, [], [], [], [])  # the deferred steps' checks
         return True
 
     def _statistics(self, sites, svi) -> Dict:
         """Each site's statistics (:func:`~pyro_ngvi.statistics.site_statistics`), counted only
         when this step's ELBO made them (else they are stale)."""
         live = svi is None or getattr(getattr(svi.loss_and_grads, "__self__", None), "produces_curvature", False)
-        draws = self.control_variate and one_draw(svi)
-        stats = {site.key: site_statistics(site, live, draws) for site in sites}
+        single = one_draw(svi)
+        stats = {site.key: site_statistics(site, live, single, self.control_variate) for site in sites}
         if is_distributed():
-            if any(isinstance(site, KroneckerSite) for site in sites):
-                raise NotImplementedError("NGVI does not average Kronecker factors across processes yet")
+            if any(isinstance(site, (KroneckerSite, LowRankSite)) for site in sites):
+                raise NotImplementedError("NGVI does not average Kronecker or low-rank factors across "
+                                          "processes yet")
             # draws differ between ranks: no control variate
             stats = {key: replace(s, eps_mean=None, eps_sq_mean=None) if isinstance(s, SiteCurvature) else s
                      for key, s in stats.items()}
         return stats
-
-    def _check_finite(self, plan, sites, stats, groups, group_stats, flats, others) -> bool:
-        """Whether every statistic and point gradient is finite; the last step's safeguard flags
-        are read in the same device sync, and reported. A step that is not is skipped whole."""
-        others_with_grad = [p for p in others if p.grad is not None]
-        checked = [((grad, curvature), st[0].mask) for (grad, curvature), st in zip(flats, group_stats)]
-        checked += [((p.grad,), None) for p in others_with_grad]
-        checked += [(tensors(stats[site.key]), None) for site in sites if not isinstance(site, GaussianSite)]
-        finite_flags = [finite(*t, mask=mask) for t, mask in checked]
-        records, plan.safeguards = plan.safeguards, []
-        elbo_flag, plan.elbo_flag = plan.elbo_flag, None
-        flags = [f for r in records for f in r.flags()] + ([] if elbo_flag is None else [elbo_flag])
-        checks = torch.stack(finite_flags + flags).tolist()  # one device sync
-        ok, engaged = checks[: len(finite_flags)], checks[len(finite_flags):]
-        if not all(ok):  # or finite values whose sum overflowed: tell them apart
-            ok = [good or bool(finite(*t, mask=mask, exact=True)) for good, (t, mask) in zip(ok, checked)]
-        report(records, engaged, self.num_steps, self._spread_watch)
-        if elbo_flag is not None and engaged[-1]:
-            message = plan.elbo_watch.message(self.num_steps)
-            if message:
-                warnings.warn(message, NGVIWarning, stacklevel=4)
-        if all(ok):
-            plan.skips_in_a_row = 0
-            return True
-        bad = [site.name for site in sites
-               if not bool(finite(*tensors(stats[site.key]), mask=getattr(stats[site.key], "mask", None), exact=True))]
-        bad += [param_label(p) for p, good in zip(others_with_grad, ok[len(groups):]) if not good]
-        self.num_skipped_steps += 1
-        plan.skips_in_a_row += 1
-        if plan.skips_in_a_row >= SKIPS_IN_A_ROW:
-            largest = max((float(site.mean.abs().max()) for site in sites), default=math.nan)
-            raise RuntimeError(stuck_message(plan.skips_in_a_row, ", ".join(repr(b) for b in bad), largest))
-        self._skip(f"non-finite gradient or curvature at {', '.join(repr(b) for b in bad)}; the guide is "
-                   "unchanged", f"{SKIPS_IN_A_ROW} in a row raise.", stacklevel=5)
-        return False
 
     def _skip(self, why: str, advice: str, every: bool = False, stacklevel: int = 4) -> None:
         """Warn of a skipped step, counted already (at the 1st, 2nd, 4th, ... unless ``every``),
@@ -332,7 +325,9 @@ class NGVI(PyroOptim):
         if tau != 1:
             plan.elbo_watch.reset()
             return
-        plan.elbo_flag = plan.elbo_watch.add(loss)
+        flag = plan.elbo_watch.add(loss)
+        if flag is not None:  # (kept until the host reads it: not every step does)
+            plan.elbo_flag = flag
 
     # ---------------------------------------------------------------- sites and state
     def _plan(self, params, svi=None) -> "_Plan":
@@ -387,6 +382,9 @@ class NGVI(PyroOptim):
         point optimizers'. Plain tensors, numbers and strings: it loads with
         ``torch.load(..., weights_only=True)``. A copy: later steps leave it as it is.
         """
+        for plan in self._plans.values():  # the counts of steps whose checks the host has not read yet
+            if len(plan.deferred):
+                read_checks(self, plan, [], {}, [], [], [], [])
         store = pyro.get_param_store()
         sites = {}
         for state in self._states.values():
@@ -443,6 +441,8 @@ class _Plan:
 
     def __init__(self, sites, others):
         self.sites, self.others = sites, others
+        self.mean_field = [site for site in sites if isinstance(site, GaussianSite)]
+        self.dense_sites = [site for site in sites if isinstance(site, (FullCovarianceSite, KroneckerSite, LowRankSite))]
         self.groups: Dict[tuple, List[Group]] = {}
         self.signs: Dict = {}  # id(group) -> (group, g > 0 at its last sampled step)
         self.newton = NewtonGuard()
@@ -450,6 +450,7 @@ class _Plan:
         self.elbo_watch = ElboWatch()  # a training ELBO that keeps getting worse
         self.elbo_flag: Optional[torch.Tensor] = None
         self.skips_in_a_row = 0
+        self.deferred = DeferredChecks()  # steps whose checks the host has not read yet
 
     def groups_for(self, sites: List[GaussianSite], stats: Dict[str, SiteCurvature]) -> List[Group]:
         """:func:`~pyro_ngvi.groups.group_sites` for these sites and kinds of statistics, remembered."""

@@ -67,8 +67,12 @@ def check_point_states(waiting: Dict, known, others: List[torch.Tensor], constru
 
 
 def probe_point_step(p: torch.Tensor, constructor, args: Dict) -> None:
-    """:raises ValueError: when the point optimizer (``constructor``) cannot step ``p`` (e.g. a
-    sparse gradient for an optimizer without sparse support), before anything is written."""
+    """
+    Probe the point optimizer (``constructor``) on a zero gradient of ``p``'s layout.
+
+    :raises ValueError: when it cannot step ``p`` (e.g. a sparse gradient for an optimizer
+        without sparse support), before anything is written.
+    """
     probe = torch.zeros_like(p, requires_grad=True)
     probe.grad = torch.zeros_like(p).to_sparse() if p.grad.is_sparse else torch.zeros_like(p)
     try:

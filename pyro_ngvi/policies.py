@@ -14,8 +14,7 @@ stalls: each element keeps a count :math:`n` and steps with
 
 so that past :math:`n = 1/\\beta` the natural parameters are running means of the
 noisy targets; :math:`n` grows only while the running means of the innovations are
-indistinguishable from noise (why and how they were picked: the user guide,
-"The update").
+indistinguishable from noise (why and how they were picked: :doc:`/guide/update`).
 """
 
 import math
@@ -25,7 +24,7 @@ from typing import Callable, Dict, NamedTuple, Optional, Tuple, Union
 import torch
 
 from .family import CURVATURE_PER_EXAMPLE
-from .groups import Group, select
+from .groups import select
 
 Schedule = Union[float, Callable[[int], float]]
 
@@ -78,7 +77,7 @@ def defaults(num_data: Optional[int] = None, dense: bool = False, sampled: bool 
     a full-covariance or Kronecker site (``dense``: :data:`DENSE`) or of a mean-field
     site (:data:`FULL_BATCH`); a full-covariance site's sampled statistics (``dense`` and
     ``sampled``) take :data:`DENSE_SAMPLED`, the start of its adaptive steps. Why each
-    value is what it is: the user guide, "The update" and "The BayesianNet recipe".
+    value is what it is: :doc:`/guide/update` and :doc:`/guide/bnn`.
     """
     if num_data is not None:
         if isinstance(num_data, bool) or not isinstance(num_data, numbers.Integral) or num_data < 1:
@@ -140,8 +139,41 @@ def warm_start_rates(fresh: torch.Tensor, target: torch.Tensor, precision: torch
     return torch.where(fresh & (target > precision), 1.0, beta).to(target.dtype), lr
 
 
-def adaptive_rates(group: Group, states, grad, direction, drift, pull, target, precision, count, lr: float,
-                   beta: float, mask, momentum: float) -> Tuple[torch.Tensor, torch.Tensor]:
+class NoiseState(NamedTuple):
+    """What the pooled noise of :func:`adaptive_rates` reads of a group of sites: per site, the steps
+    that fed it and the two pooled variances (short, long memory), stacked, and the group's
+    constants (site lengths, :data:`NOISE_RATES`, the ceilings), made once per group."""
+
+    steps: torch.Tensor  # (sites,)
+    noise: torch.Tensor  # (innovation, site, memory)
+    lengths: torch.Tensor
+    rates: torch.Tensor
+    ceiling: torch.Tensor
+
+
+class AdaptiveSteps(NamedTuple):
+    """What :func:`adaptive_rates` returns: the per-element steps and the state to keep."""
+
+    beta: torch.Tensor
+    lr: torch.Tensor
+    count: torch.Tensor
+    hdrift: torch.Tensor
+    drift: Optional[torch.Tensor]  # (None with momentum: the momentum buffer is the drift)
+    steps: torch.Tensor
+    noise: torch.Tensor
+
+
+def noise_constants(sizes, dtype, device) -> Dict[str, torch.Tensor]:
+    """The constants of :class:`NoiseState` for sites of ``sizes`` elements."""
+    return {
+        "lengths": torch.tensor(sizes, device=device),
+        "rates": torch.tensor(NOISE_RATES, dtype=dtype, device=device),
+        "ceiling": torch.tensor([[1.0], [2.0]], dtype=dtype, device=device),
+    }
+
+
+def adaptive_rates(grad, direction, drift, pull, target, precision, count, hdrift, fresh, mask, noise: NoiseState,
+                   lr: float, beta: float, momentum: float) -> AdaptiveSteps:
     """
     Per-element steps from the measured signal-to-noise ratio of the two
     natural-gradient innovations, :math:`\\hat g` and :math:`(\\hat h - \\lambda)/\\lambda`:
@@ -154,21 +186,22 @@ def adaptive_rates(group: Group, states, grad, direction, drift, pull, target, p
 
     (:math:`r = 1/n` their averaging rate, :math:`V` the variances pooled over the site
     in standard-deviation units, :func:`pooled_noise`), and falls back to :math:`1/\\beta`
-    where :math:`z^2 > z^2_{\\rm drift}`. Keeps the new count and running means in the
-    sites' states; returns :math:`(\\beta_t, \\alpha_t)` per element.
+    where :math:`z^2 > z^2_{\\rm drift}`. ``hdrift`` and ``drift`` are the running means so
+    far (``drift`` the momentum buffer with ``momentum``), ``fresh`` the elements without them
+    yet (``None``: none). Returns :math:`(\\beta_t, \\alpha_t)` per element and the new count,
+    running means and pooled noise (:class:`AdaptiveSteps`). No device sync, no branch on values.
     """
     base = 1.0 / beta
     rate = (count + 1.0).reciprocal_()
     sigma = precision.rsqrt()
-    fresh = group.fresh(states, "hdrift")
     seen = None if fresh is None else ~fresh
     if mask is not None:
         seen = mask if seen is None else seen & mask
     # innovations and their deviation from the running means so far (noise, pooled)
     innovation = torch.sub(target, precision).div_(precision)
-    hdrift = group.buffer(states, "hdrift", 0.0)
+    old_hdrift, old_drift = hdrift, drift
     deviations = torch.stack([torch.sub(grad, drift).mul_(sigma), innovation - hdrift])
-    low, high = pooled_noise(group, states, deviations.square_(), seen)
+    low, high, steps, pooled = pooled_noise(deviations.square_(), seen, noise)
     if momentum:
         drift, drift_rate = direction, 1.0 - momentum
     else:
@@ -188,20 +221,16 @@ def adaptive_rates(group: Group, states, grad, direction, drift, pull, target, p
     new_count = select((count > 0) | (target > 0), new_count, count)
     if mask is not None:
         new_count = torch.where(mask, new_count, count)
-        hdrift = torch.where(mask, hdrift, group.buffer(states, "hdrift", 0.0))
+        hdrift = torch.where(mask, hdrift, old_hdrift)
         if not momentum:
-            drift = torch.where(mask, drift, group.buffer(states, "drift", 0.0))
-    group.keep(states, "count", new_count)
-    group.keep(states, "hdrift", hdrift)
-    if not momentum:
-        group.keep(states, "drift", drift)
+            drift = torch.where(mask, drift, old_drift)
     tiny = torch.finfo(new_count.dtype).tiny  # (1 / tiny is finite: the unselected value too)
     step_beta = select(new_count > 0, new_count.clamp(min=tiny).reciprocal(), new_count.new_tensor(beta))
     step_lr = (new_count - base).clamp_(min=0.0).mul_(lr).add_(1.0).reciprocal_().mul_(lr)
-    return step_beta, step_lr
+    return AdaptiveSteps(step_beta, step_lr, new_count, hdrift, None if momentum else drift, steps, pooled)
 
 
-def pooled_noise(group: Group, states, squares, seen) -> Tuple[torch.Tensor, torch.Tensor]:
+def pooled_noise(squares, seen, state: NoiseState) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """
     The variances of the two innovations, per site: the mean over its elements
     ``seen`` this step of ``squares`` (one row per innovation), averaged over
@@ -209,49 +238,36 @@ def pooled_noise(group: Group, states, squares, seen) -> Tuple[torch.Tensor, tor
     then). Returns the lower and the higher of the two, per element (shape
     ``squares.shape``, or ``(2, 1)`` for a group of one site), each at most the
     variance of a one-draw estimate at the fixed point (the rest is a transient,
-    not noise). No device sync.
+    not noise), and the new steps and pooled variances of the sites. No device sync.
     """
-    dtype, device = squares.dtype, squares.device
-    constants = group.cached((dtype, device), lambda: {
-        "lengths": torch.tensor(group.sizes, device=device),
-        "rates": torch.tensor(NOISE_RATES, dtype=dtype, device=device),
-        "ceiling": torch.tensor([[1.0], [2.0]], dtype=dtype, device=device),
-    })
-    single = len(states) == 1
+    dtype = squares.dtype
+    lengths = state.lengths
+    single = lengths.numel() == 1
     weights = None if seen is None else seen.to(dtype)
     if single:  # (innovation, site = 1)
         if weights is None:
-            totals, counts = squares.sum(1, keepdim=True), constants["lengths"].to(dtype)
+            totals, counts = squares.sum(1, keepdim=True), lengths.to(dtype)
         else:
             totals, counts = (squares * weights).sum(1, keepdim=True), weights.sum().reshape(1)
     else:
-        lengths = constants["lengths"]
         totals = torch.segment_reduce((squares if weights is None else squares * weights).T,
                                       "sum", lengths=lengths).T
         counts = lengths.to(dtype) if weights is None else torch.segment_reduce(weights, "sum", lengths=lengths)
     means = (totals / counts.clamp(min=1.0)).unsqueeze(-1)  # innovation, site, 1
-    if any(state.noise is None for state in states):
-        for state in states:
-            if state.noise is None:
-                state.steps = torch.zeros((), dtype=dtype, device=device)
-                state.noise = torch.full((2, 2), math.inf, dtype=dtype, device=device)
-    steps = torch.stack([state.steps for state in states])
-    noise = torch.stack([state.noise for state in states], dim=1)  # innovation, site, memory
+    noise = state.noise
     touched = counts > 0
-    steps = steps + touched.to(dtype)
-    rate = torch.maximum(steps.reciprocal()[:, None], constants["rates"])
+    steps = state.steps + touched.to(dtype)
+    rate = torch.maximum(steps.reciprocal()[:, None], state.rates)
     new = torch.where(steps[:, None] <= 1, means, torch.lerp(noise, means, rate))  # the first whole
     noise = torch.where(touched[:, None], new, noise)
-    for j, state in enumerate(states):
-        state.steps, state.noise = steps[j], noise[:, j]
     low, high = noise.aminmax(dim=-1)
     # at most 1 for g / sqrt(lambda), 2 for (h - lambda) / lambda: one draw at lambda = h
     # and at least NOISE_FLOOR: a drift below a millionth of a standard deviation is none
-    ceiling = constants["ceiling"]
+    ceiling = state.ceiling
     low, high = (torch.minimum(n, ceiling).clamp_(min=NOISE_FLOOR) for n in (low, high))
-    if single:
-        return low, high
-    return low.repeat_interleave(constants["lengths"], dim=1), high.repeat_interleave(constants["lengths"], dim=1)
+    if not single:
+        low, high = low.repeat_interleave(lengths, dim=1), high.repeat_interleave(lengths, dim=1)
+    return low, high, steps, noise
 
 
 # --------------------------------------------------------------------------- #
@@ -259,10 +275,10 @@ def pooled_noise(group: Group, states, squares, seen) -> Tuple[torch.Tensor, tor
 # --------------------------------------------------------------------------- #
 
 
-def dense_rates(settings: Settings, state) -> Tuple[float, float, float]:
+def dense_rates(settings: Settings, state, start: float = 1.0) -> Tuple[float, float, float]:
     """
-    ``(lr, beta, n)`` of a full-covariance site's adaptive step: with the site's
-    count :math:`n` (1 at its first step),
+    ``(lr, beta, n)`` of a full-covariance (or low-rank) site's adaptive step: with the
+    site's count :math:`n` (``start`` at its first step: 1 takes the first target whole),
 
     .. math:: \\beta_t = \\max(1/n, \\beta_{\\min}), \\qquad
               \\alpha_t = \\max\\big(\\alpha / (1 + \\alpha \\max(n - 1/\\beta, 0)),
@@ -274,7 +290,7 @@ def dense_rates(settings: Settings, state) -> Tuple[float, float, float]:
     average of Newton steps.
     """
     lr, beta = settings.lr, settings.beta
-    n = 1.0 if state.count is None else float(state.count.reshape(-1)[0])
+    n = start if state.count is None else float(state.count.reshape(-1)[0])
     rate = max(1.0 / n, DENSE_FLOOR)
     step = max(lr / (1.0 + lr * max(n - 1.0 / beta, 0.0)), DENSE_FLOOR)
     return min(step, lr), min(rate, 1.0), n

@@ -196,7 +196,9 @@ class NewtonGuard:
         """Undo the last step if ``objective`` (F at its result) is worse than before it."""
         if self.reference is None or not self._same_sites(sites):
             return False
-        slack = 1e-9 * max(1.0, abs(self.reference))
+        # a rise within the round-off of F in the sites' dtype is none (float32 sums of many terms)
+        rounding = max((16 * torch.finfo(site.loc.dtype).eps for site in sites), default=0.0)
+        slack = max(1e-9, rounding) * max(1.0, abs(self.reference))
         if objective <= self.reference + slack:  # accepted: relax the damping
             rho = (self.reference - objective) / self.predicted if self.predicted > 0 else 1.0
             self.factor = max(1.0, self.factor * max(1.0 / 3.0, 1.0 - (2.0 * rho - 1.0) ** 3))

@@ -64,11 +64,13 @@ def _fast(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.device.type == "cpu"
 
 
-def softplus(r: torch.Tensor) -> torch.Tensor:
-    """:math:`\\sigma = \\log(1 + e^r)` (a new tensor)."""
+def softplus(r: torch.Tensor, linear: Optional[bool] = None) -> torch.Tensor:
+    """:math:`\\sigma = \\log(1 + e^r)` (a new tensor); ``linear=False`` when the caller knows
+    every :math:`r \\le 17` (default: None, found out)."""
     if not _fast(r):
         return torch.nn.functional.softplus(r)
-    linear = not bool(r.amax() <= _LINEAR)  # also for NaN: it propagates either way
+    if linear is None:
+        linear = not bool(r.amax() <= _LINEAR)  # also for NaN: it propagates either way
     x = torch.exp(r.clamp(max=_LINEAR) if linear else r)
     u = x + 1.0
     rounded = torch.sub(u, 1.0)
@@ -116,6 +118,39 @@ def softplus_inverse_and_log(sigma: torch.Tensor, out: Optional[torch.Tensor] = 
     return (r.add_(sigma - x) if linear else r), None
 
 
+def softplus_branch_free(r: torch.Tensor) -> torch.Tensor:
+    """:func:`softplus` with no branch on values (a compiled kernel's form): the linear part
+    selected element by element. Equal to :func:`softplus` to the last ulp or so."""
+    if not _fast(r):
+        return torch.nn.functional.softplus(r)
+    x = torch.exp(r.clamp(max=_LINEAR))
+    u = x + 1.0
+    sigma = torch.log(u) + (x - (u - 1.0)) / u
+    return torch.maximum(sigma, r)
+
+
+def softplus_inverse_branch_free(sigma: torch.Tensor, at_most_one: bool = False) -> torch.Tensor:
+    """
+    :func:`softplus_inverse` with no branch on values (a compiled kernel's form), equal to it to
+    a few ulps: :math:`r = \\log a + b` with, element by element, the series
+    (:math:`a = \\sigma`) where :math:`\\sigma \\le 1` and
+    :math:`r = \\sigma + \\log(1 - e^{-\\sigma})` above (where :math:`1 - e^{-\\sigma} \\ge 0.63`
+    loses nothing): one ``exp`` and one ``log``. ``at_most_one``: the caller knows every
+    :math:`\\sigma \\le 1` (the series alone).
+    """
+    if not _fast(sigma):
+        return sigma + torch.log(-torch.expm1(-sigma))
+    square = sigma.square()
+    series = _SERIES[2] + square * _SERIES[3]
+    series = _SERIES[1] + series * square
+    series = _SERIES[0] + series * square
+    if at_most_one:
+        return torch.log(sigma) + series * square + 0.5 * sigma
+    small = sigma <= _SERIES_MAX
+    argument = torch.where(small, sigma, 1.0 - torch.exp(-sigma))
+    return torch.log(argument) + torch.where(small, series * square + 0.5 * sigma, sigma)
+
+
 def softplus_derivative(r: torch.Tensor) -> torch.Tensor:
     """:math:`d\\sigma/dr = 1 / (1 + e^{-r})`."""
     return torch.sigmoid(r)
@@ -125,8 +160,8 @@ class FastSoftplus(SoftplusTransform):
     """Pyro's :class:`~pyro.distributions.transforms.SoftplusTransform` (the scales of
     AutoNormal and AutoDiagonalNormal), with the float32 CPU kernels above."""
 
-    def _call(self, x):
-        return softplus(x)
+    def _call(self, x, linear: Optional[bool] = None):
+        return softplus(x, linear)
 
     def _inverse(self, y):
         return softplus_inverse(y)

@@ -22,8 +22,9 @@ from pyro.infer import JitTrace_ELBO, Trace_ELBO
 from . import full_covariance
 from .family import FullCovarianceSite, GaussianSite, SiteCurvature, pop_curvature
 from .kronecker import KroneckerCurvature, KroneckerSite
+from .low_rank_guide import LowRankCurvature, LowRankSite
 
-#: A recovered draw |eps| beyond this is float32 round-off, not a normal draw.
+#: A recovered draw :math:`|\epsilon|` beyond this is float32 round-off, not a normal draw.
 EPS_MAX = 8.0
 _ONE_DRAW_ELBOS = (Trace_ELBO, JitTrace_ELBO)
 
@@ -38,23 +39,25 @@ def one_draw(svi) -> bool:
 
 def tensors(stats) -> tuple:
     """The tensors of a site's statistics that must be finite."""
-    if isinstance(stats, KroneckerCurvature):
+    if isinstance(stats, (KroneckerCurvature, LowRankCurvature)):
         return stats.tensors
     return stats.grad, stats.curvature
 
 
 @torch.no_grad()
-def site_statistics(site, live: bool = True, one_draw: bool = False):
+def site_statistics(site, live: bool = True, one_draw: bool = False, recover_draws: bool = True):
     """
     The ELBO's statistics for ``site`` (when ``live``: this step's ELBO made them),
     in the site's dtype and device, or, failing that, the Price estimate recovered
     from the ordinary gradients. With one draw per step (``one_draw``) the draw of a
-    mean-field site is recovered too, :math:`\\epsilon = \\sigma h / g`, for the
-    control variate.
+    mean-field site is recovered too (``recover_draws``, for the control variate),
+    :math:`\\epsilon = \\sigma h / g`, and a low-rank site's is read off its guide.
 
     :raises ValueError: when there is neither (a loss that does not backpropagate
         through the guide, a Kronecker layer without its factors).
     """
+    if isinstance(site, LowRankSite):
+        return site.statistics(one_draw)
     stats = pop_curvature(site.loc)
     if stats is not None and live:
         return fit_to_site(stats, site) if isinstance(site, GaussianSite) else stats
@@ -72,7 +75,9 @@ def site_statistics(site, live: bool = True, one_draw: bool = False):
         )
     if isinstance(site, FullCovarianceSite):
         return full_reparam_curvature(site)
-    return reparam_curvature(site, one_draw)
+    # a guide site scaled by s (poutine.scale beyond its plates) weighs its entropy by s: its h
+    # carries (1 - s) lambda, and sigma h / g is no draw
+    return reparam_curvature(site, one_draw and recover_draws and getattr(site, "weight", 1.0) == 1.0)
 
 
 def reparam_curvature(site: GaussianSite, one_draw: bool = False) -> SiteCurvature:

@@ -11,24 +11,31 @@ mean-field sites as flat vectors (a large site in spans of :data:`SPAN` elements
 written, so that a step whose new precision is not positive definite can be skipped whole).
 """
 
+import math
 from typing import Dict, List, NamedTuple, Optional
 
 import torch
+from torch._utils import _unflatten_dense_tensors
 
+from .elementwise import Branches, Inputs, Numbers, mean_field_pass
 from .family import FullCovarianceSite, SiteCurvature
 from .groups import Group, flat as _flat
 from .kronecker import KroneckerSite
-from .monitor import spread
-from .policies import Settings, adaptive_rates, dense_count, dense_rates, first_count, warm_start_rates
-from .safeguards import clamp_precision_, clip_, clip_target, far_elements, mostly, precision_trust_region
+from .low_rank import low_rank_step, marginal_variance, solve
+from .low_rank_guide import LowRankSite
+from .policies import NoiseState, Settings, dense_count, dense_rates, first_count, noise_constants
 from .scales import known_scale, remember_scale
 from .update import full_covariance
+from .update import fused
 from .update.kronecker import kronecker_step
-from .variance import control_variate
-from .update.mean_field import mean_step, momentum, precision_step, precision_target, trusted_mean_step
+from .update.mean_field import coupled_mean_step
 
-#: A large site's update runs in spans of this many elements (see :func:`mean_field_group`).
-SPAN = 1 << 16
+#: A large site's update runs in spans of this many elements (see :func:`mean_field_group`; 2^18
+#: measured 5-6 % faster than 2^16 and than whole sites at 0.5 and 3.8 million weights, 2-core CPU).
+SPAN = 1 << 18
+#: With ``NGVI(compile=True)``, groups of at least this many elements run compiled (:func:`compiled`;
+#: 2^12 measured 8 % faster per step than 2^14 on a 784-100-100-10 MLP, whose small sites make one group).
+COMPILE_MIN = 1 << 12
 #: A full-covariance site's adaptive steps change its precision by at most this factor in any
 #: eigen-direction (4, the mean-field value, lets the upward bias of Lin et al.'s correction on
 #: noise-dominated directions inflate the precision at D = 100, K = 16: measured).
@@ -62,6 +69,8 @@ class Context(NamedTuple):
     signs: Dict  # id(group) -> (group, g > 0 at its last sampled step)
     spread_watch: object  # pyro_ngvi.monitor.SpreadWatch
     guarded: Optional[GuardedStep]
+    compiled: bool = False  # the element-wise pass compiled (pyro_ngvi.update.fused)
+    ok: Optional[torch.Tensor] = None  # a deferred check (pyro_ngvi.checks): write only if it holds
 
 
 def adaptive_for(stats: SiteCurvature, options: Options) -> bool:
@@ -77,14 +86,17 @@ def mean_field_group(ctx: Context, group: Group, stats: List[SiteCurvature], gra
     """
     :func:`span_step` on the whole group; a large site (beyond :data:`SPAN` elements,
     alone in its group, no mask, not the adaptive steps, whose noise is pooled over the
-    site first) in spans of :data:`SPAN` elements, one after the other: the same
-    element-wise update, with temporaries of a span's size that stay in cache and are
-    reused by the allocator (on the CPU, whole-vector temporaries of a large site go back
-    to the system and page-fault on every step). Returns what :func:`span_step` returns.
+    site first; not when compiled or masked) in spans of :data:`SPAN` elements, one after
+    the other: the same element-wise update, with temporaries of a span's size that stay in
+    the last-level cache and are reused by the allocator (on the CPU, whole-vector temporaries
+    of a large site go back to the system and page-fault on every step). Returns what
+    :func:`span_step` returns.
     """
     first = stats[0]
     size = grad.numel()
-    if len(group.sites) > 1 or first.mask is not None or size <= SPAN or adaptive_for(first, ctx.options):
+    if (len(group.sites) > 1 or first.mask is not None or size <= SPAN or adaptive_for(first, ctx.options)
+            or compiled(ctx, group, size) or ctx.ok is not None):
+        # (a compiled pass has no temporaries, a masked one writes at its end: the whole site at once)
         result = span_step(ctx, group, stats, grad, curvature, settings, tau, states)
     else:
         run = Spans(ctx, group, states[0], first.sampled, settings.momentum)
@@ -103,6 +115,10 @@ def span_step(ctx: Context, group: Group, stats: List[SiteCurvature], grad: torc
     The chain for the sites of ``group`` at once, as one flat vector; ``grad`` and
     ``curvature`` are the sites' ``g`` and ``h`` so flattened (this step's: written over).
     The sites share the kind of their statistics (:func:`~pyro_ngvi.groups.statistics_kind`).
+    Gathers the group's tensors and decides which parts apply from the sites' state
+    (:class:`~pyro_ngvi.elementwise.Branches`), runs the element-wise pass
+    (:func:`~pyro_ngvi.elementwise.mean_field_pass`, eager or compiled,
+    :mod:`~pyro_ngvi.update.fused`) and keeps what it returns.
 
     :returns: 0-d bool tensors (no device sync): whether the precision was clamped,
         and, for sampled curvature (else ``None``), whether most elements' gradient
@@ -112,164 +128,183 @@ def span_step(ctx: Context, group: Group, stats: List[SiteCurvature], grad: torc
         (:mod:`pyro_ngvi.monitor`; ``None`` without a prior). In a ``run`` of spans:
         ``None`` (the run gathers them).
     """
-    # In place wherever a value is not needed again: besides the flat copies of a multi-site
-    # group, the update holds about five vectors at its peak.
     options = ctx.options
-    first, sites, transform = stats[0], group.sites, group.transform
+    first, sites = stats[0], group.sites
     lr, beta, rho = settings.lr, settings.beta, settings.momentum
 
     def cut(flat):  # the span of a flat vector (all of it outside a run)
         return flat if run is None else flat[run.slice]
 
-    mean = cut(_flat([site.loc for site in sites]))
     # the sigma the ELBO read this step, else the one this optimizer wrote last (in a run, as it was
     # at the run's start: the spans before this one have written the raw scale since)
     scales = [(known_scale(site.raw_scale) if run is None else run.old_scale) if s.scale is None else s.scale
               for s, site in zip(stats, sites)]
-    if all(scale is not None for scale in scales):
-        precision = cut(_flat(scales)).pow(-2)
-    else:
-        precision = transform(cut(_flat([site.raw_scale for site in sites]))).pow_(-2)
+    known = all(scale is not None for scale in scales)
     mask = None if first.mask is None else first.mask.reshape(-1)
-    prior_precision = None if first.prior_precision is None else cut(
-        group.flat_of("prior_precision", [s.prior_precision for s in stats]))
+    prior = first.prior_precision is not None
     adaptive = adaptive_for(first, options)
     grad, curvature = cut(grad), cut(curvature)
-    grad = grad.div_(tau) if tau != 1 else grad  # from here g / tau and h / tau
-    curvature = curvature.div_(tau) if tau != 1 else curvature
+    one = len(sites) == 1  # (its flat tensors are views)
+    fuse = compiled(ctx, group, grad.numel())
+    inputs = dict(
+        mean=cut(group.locs[0] if one else _flat([site.loc for site in sites])),
+        raw_scale=(cut(group.raw_scales[0]) if one else None if known and ctx.ok is None
+                   else _flat([site.raw_scale for site in sites])),
+        grad=grad, curvature=curvature, scale=cut(_flat(scales)) if known else None, mask=mask,
+        prior_precision=cut(group.flat_of("prior_precision", [s.prior_precision for s in stats])) if prior else None,
+        prior_loc=cut(group.flat_of("prior_loc", [s.prior_loc for s in stats])) if prior else None,
+        floor=None if first.min_precision is None else cut(group.flat_of("min_precision",
+                                                                        [s.min_precision for s in stats])),
+    )
+    if run is not None:  # a span: straight into the site's tensors and remembered scale
+        inputs.update(out_mean=inputs["mean"], out_raw_scale=inputs["raw_scale"], out_scale=run.scale[run.slice])
     if adaptive:
-        count = group.buffer(states, "count", first_count(beta, options.warm_start))
-        drift = group.buffer(states, "momentum" if rho else "drift", 0.0)
-
-    # variance: the control variate takes lambda - lambda_0 for the curvature; not where the
-    # precision is started above it and floored below it (the minibatch recipe)
-    if options.control_variate and first.eps_mean is not None and first.num_data is None:
-        if adaptive:
-            known, baseline = count > first_count(beta, options.warm_start), drift
-        elif run is not None:  # one site
-            known, baseline = torch.full_like(grad, states[0].started, dtype=torch.bool), None
-        else:
-            known, baseline = group.started(states, True), None
-        eps_mean = cut(_flat([s.eps_mean for s in stats]))
-        control_variate(grad, curvature, eps_mean, cut(_flat([s.eps_sq_mean for s in stats])).sub(1.0),
-                        precision, prior_precision, known, baseline)
-    target = precision_target(curvature, prior_precision)
+        inputs.update(_adaptive_inputs(group, states, beta, rho, options.warm_start))
+    control = options.control_variate and first.eps_mean is not None and first.num_data is None
+    if control:
+        inputs.update(eps_mean=cut(_flat([s.eps_mean for s in stats])), eps_sq_mean=cut(_flat([s.eps_sq_mean
+                                                                                               for s in stats])))
+        if not adaptive:
+            inputs["known"] = (torch.full_like(grad, states[0].started, dtype=torch.bool) if run is not None
+                               else group.started(states, True))
+            if fuse:  # (a 0 / 1 mask in the control variate; compiled loops move bools slowly)
+                inputs["known"] = inputs["known"].to(grad.dtype)
+    momentum = _momentum_inputs(group, states, grad, rho, run, inputs)
     if adaptive:
-        target = clip_target(target, precision)
-    direction = momentum(group, states, grad, mask, rho, run)
-    pull = spreading = None  # the exact prior's gradient, lambda_0 (mu - m_0)
-    if prior_precision is not None:
-        deviation = mean - cut(group.flat_of("prior_loc", [s.prior_loc for s in stats]))
-        if mask is None:  # the watch on growing means (pyro_ngvi.monitor): sum lambda_0 (mu - m_0)^2
-            pull = deviation * prior_precision
-            if run is None:
-                spreading = ctx.spread_watch.flag(group, spread(deviation, pull), ctx.step)
-            else:  # summed span by span, the flag at the end of the run
-                run.spread = run.spread + torch.dot(pull, deviation)
-        else:
-            pull = deviation.mul_(prior_precision)
-        del deviation
-
-    # policies: the step sizes
-    if adaptive:
-        step_beta, step_lr = adaptive_rates(group, states, grad, direction, drift, pull, target,
-                                            precision, count, lr, beta, mask, rho)
+        rates = "adaptive"
     elif options.warm_start and not all(state.started for state in states):
-        fresh = torch.full_like(grad, True, dtype=torch.bool) if run is not None else group.started(states, False)
-        step_beta, step_lr = warm_start_rates(fresh, target, precision, beta, lr)
+        rates = "warm"
+        inputs["fresh"] = (torch.full_like(grad, True, dtype=torch.bool) if run is not None
+                           else group.started(states, False))
     else:
-        step_beta, step_lr = beta, lr
-
-    # the update of the precision, and its safeguards
-    new_precision = precision_step(precision, target, step_beta,
-                                   correct=not (first.nonnegative and prior_precision is not None))
-    del target
-    if first.sampled and options.max_step is not None:  # trust region on the precision too
-        new_precision = precision_trust_region(new_precision, precision, prior_precision)
-    # lambda' in [tiny, max / 4], and >= lambda_min where the family has a floor
-    floor = None if first.min_precision is None else cut(group.flat_of("min_precision",
-                                                                       [s.min_precision for s in stats]))
-    clamped, lowest = clamp_precision_(new_precision, floor)
-    del floor
-    damping = settings.damping
-    denominator = new_precision + damping if damping else new_precision
-    del prior_precision
-    far = _far_flag(ctx, group, grad, precision, mask, run) if first.sampled else None
-
-    # the update of the mean, and its safeguards
-    if first.sampled and options.max_step is not None:
-        # the trust region bounds the likelihood part of the step, not the prior's
-        new_mean = trusted_mean_step(mean, direction, pull, denominator, step_lr,
-                                     precision.rsqrt_().mul_(options.max_step))
-    elif ctx.guarded is not None and not torch.is_tensor(step_lr):  # guarded Newton step (at the mean)
-        numerator = direction if pull is None else pull.add_(direction)
-        step = numerator.mul(step_lr).div_(denominator)
-        if ctx.guarded.factor > 1 and options.max_step is not None:
-            # while damped, also at most max_step standard deviations (before the step)
-            step = clip_(step, precision.rsqrt_().mul_(options.max_step))
-        # the decrease of F the quadratic model predicts for it
-        ctx.guarded.predicted = (ctx.guarded.predicted + (numerator * step).sum()
-                                 - 0.5 * (new_precision * step.square()).sum())
-        new_mean = step.neg_().add_(mean)
-    else:  # mu - lr (g + lambda_0 (mu - m_0)) / (lambda' + gamma) in one kernel (a span: into loc)
-        new_mean = mean_step(mean, direction, pull, denominator, step_lr, out=None if run is None else mean)
-    del precision, pull, denominator, direction
-    return _write(group, states, mask, new_mean, new_precision, lowest, clamped, far, spreading, run, mean)
+        rates = "constant"
+    trust = first.sampled and options.max_step is not None
+    guarded = ctx.guarded is not None and not adaptive and not trust
+    last = None
+    if ctx.ok is not None:
+        inputs["ok"] = ctx.ok
+    if first.sampled:  # the stall test's signs of the group's last step
+        last = run.last_signs if run is not None else _last_signs(ctx, group)
+        if last is not None:
+            inputs["last_signs"] = cut(last)
+    branches = Branches(
+        tau=tau != 1, control_variate=control, prior=prior, mask=mask is not None, momentum=momentum, rates=rates,
+        correct=not (first.nonnegative and prior), trust=trust, floor=first.min_precision is not None,
+        damping=bool(settings.damping), guarded=guarded,
+        guard_clip=guarded and ctx.guarded.factor > 1 and options.max_step is not None,
+        signs=first.sampled, far=last is not None, spread=prior and mask is None,
+        known_scale=known, fast_scale=hasattr(group.transform, "inverse_and_log"), branch_free=fuse,
+        # a floor >= 1 keeps every new sigma <= 1 (compiled: the raw scale's series alone)
+        at_most_one=fuse and first.min_precision is not None
+        and group.least("min_precision", [s.min_precision for s in stats]) >= 1.0,
+        in_place=fuse and one and mask is None, masked=ctx.ok is not None,
+    )
+    numbers = Numbers(lr, beta, rho, settings.damping, tau, options.max_step,
+                      ctx.guarded.factor if guarded else 1.0, first_count(beta, options.warm_start))
+    out = fused.run(mean_field_pass, branches, fuse, Inputs(**inputs), numbers, None if fuse else group.transform)
+    return _keep(ctx, group, states, mask, out, run, rho)
 
 
-def _far_flag(ctx: Context, group: Group, grad, precision, mask, run) -> Optional[torch.Tensor]:
-    """The stall test's flag for sampled statistics: most elements' :math:`|g|\\sigma` beyond
-    :data:`~pyro_ngvi.safeguards.FAR`, with the sign of the group's last step (in a run,
-    counted span by span: ``None``)."""
-    positive = grad > 0
-    if run is not None:
-        if run.last_signs is not None:
-            run.far = run.far + torch.count_nonzero(
-                far_elements(grad, precision, positive, run.last_signs[run.slice]))
-        run.signs[run.slice] = positive
-        return None
+def compiled(ctx: Context, group: Group, size: int) -> bool:
+    """Whether the group's pass runs compiled: asked for (``NGVI(compile=True)``), a scale of
+    AutoNormal's softplus, and at least :data:`COMPILE_MIN` elements (below, a compiled call's own
+    cost, its guards, exceeds the kernels it saves)."""
+    return ctx.compiled and size >= COMPILE_MIN and hasattr(group.transform, "inverse_and_log")
+
+
+def _adaptive_inputs(group: Group, states, beta: float, rho: float, warm_start: bool) -> dict:
+    """The adaptive steps' state as flat vectors, and the sites' pooled noise stacked."""
+    for state in states:
+        if state.noise is None:
+            state.steps = torch.zeros((), dtype=group.locs[0].dtype, device=group.locs[0].device)
+            state.noise = torch.full((2, 2), math.inf, dtype=group.locs[0].dtype, device=group.locs[0].device)
+    like = group.locs[0]
+    constants = group.cached((like.dtype, like.device), lambda: noise_constants(group.sizes, like.dtype, like.device))
+    noise = NoiseState(torch.stack([state.steps for state in states]),
+                       torch.stack([state.noise for state in states], dim=1), **constants)
+    return dict(count=group.buffer(states, "count", first_count(beta, warm_start)),
+                drift=group.buffer(states, "momentum" if rho else "drift", 0.0),
+                hdrift=group.buffer(states, "hdrift", 0.0), fresh=group.fresh(states, "hdrift"), noise=noise)
+
+
+def _momentum_inputs(group: Group, states, grad, rho: float, run, inputs: dict) -> str:
+    """The old momentum average (:func:`~pyro_ngvi.update.mean_field.momentum`) as a flat
+    vector in ``inputs``, and which branch of it applies."""
+    if rho == 0:
+        return "none"
+    if run is not None:  # one site: its buffer's span, updated in place
+        inputs["momentum"] = run.momentum[run.slice]
+        return "span_first" if run.fresh_momentum else "span"
+    if all(state.momentum is not None for state in states):
+        inputs["momentum"] = _flat([state.momentum for state in states])
+        return "average"
+    # some site's first step: its buffer starts at g
+    pieces = grad.split(group.sizes)
+    inputs["momentum"] = _flat([piece if state.momentum is None else state.momentum.reshape(-1)
+                                for state, piece in zip(states, pieces)])
+    inputs["started"] = _flat([torch.full_like(piece, state.momentum is not None, dtype=torch.bool)
+                               for state, piece in zip(states, pieces)])
+    return "mixed"
+
+
+def _last_signs(ctx: Context, group: Group) -> Optional[torch.Tensor]:
+    """The signs of the group's gradient at its last sampled step (``None``: none yet)."""
     last = ctx.signs.get(id(group))
-    ctx.signs[id(group)] = (group, positive)
-    if last is not None and last[0] is group:
-        return mostly(far_elements(grad, precision, positive, last[1]), mask)
-    return torch.zeros((), dtype=torch.bool, device=grad.device)
+    return last[1] if last is not None and last[0] is group else None
 
 
-def _write(group: Group, states, mask, new_mean, new_precision, lowest, clamped, far, spreading, run, mean):
-    """Write :math:`\\mu'` and the raw scale of :math:`\\sigma' = \\lambda'^{-1/2}` into the
-    guide's tensors (only the ``mask`` rows) and remember :math:`\\sigma'`."""
-    transform = group.transform
-    new_scale = new_precision.rsqrt_() if run is None else torch.rsqrt(new_precision, out=run.scale[run.slice])
-    raw_out = None if run is None else group.raw_scales[0][run.slice]  # a span: straight into the raw scale
-    if hasattr(transform, "inverse_and_log"):  # (its log sigma, of sigma before the round trip: unused)
-        new_raw_scale = transform.inverse_and_log(new_scale, raw_out, lowest.rsqrt())[0]
-    else:
-        new_raw_scale = transform.inv(new_scale)
-    del new_precision
-    # the sigma the new raw scale gives when read, remembered for the next reader: exactly what a
-    # process reads from the saved param store, so a resumed run takes the same steps bit for bit
-    # (the round trip moves sigma by an ulp or so; the kernels give the same bits at any offset)
-    read = transform(new_raw_scale) if mask is None else None
-    if run is not None:  # one site, no mask: write the span
-        if new_mean is not mean:
-            group.locs[0][run.slice].copy_(new_mean)
-        if new_raw_scale is not raw_out:
-            raw_out.copy_(new_raw_scale)
-        run.scale[run.slice].copy_(read)
-        run.clamped.append(clamped)
+def _keep(ctx: Context, group: Group, states, mask, out, run, rho: float):
+    """Keep what the pass returned: the new mean and raw scale in the guide (only the ``mask`` rows),
+    :math:`\\sigma'` remembered, the momentum and adaptive state, the stall test's signs and the flags."""
+    steps = out.adaptive
+    if steps is not None:
+        group.keep(states, "count", steps.count)
+        group.keep(states, "hdrift", steps.hdrift)
+        if steps.drift is not None:
+            group.keep(states, "drift", steps.drift)
+        for j, state in enumerate(states):
+            state.steps, state.noise = steps.steps[j], steps.noise[:, j]
+    if run is not None:  # one site, no mask: the span is written
+        run.clamped.append(out.clamped)
+        if out.spread is not None:
+            run.spread = run.spread + out.spread
+        if out.signs is not None:
+            if out.far is not None:
+                run.far = run.far + out.far
+            run.signs[run.slice] = out.signs
         return None
+    if rho != 0:
+        for state, piece in zip(states, _unflatten_dense_tensors(out.momentum, [site.loc for site in group.sites])):
+            state.momentum = piece  # shaped like the site's loc
+    if ctx.guarded is not None and out.predicted is not None:  # the decrease of F the quadratic model predicts
+        numerator_step, curvature_step = out.predicted
+        ctx.guarded.predicted = ctx.guarded.predicted + numerator_step - 0.5 * curvature_step
+    far = None
+    if out.signs is not None:
+        ctx.signs[id(group)] = (group, out.signs)
+        if out.far is None:
+            far = torch.zeros((), dtype=torch.bool, device=out.signs.device)
+        elif mask is None:
+            far = out.far > out.signs.numel() // 2
+        else:
+            far = out.far * 2 > torch.count_nonzero(mask)
+    spreading = None
+    if out.spread is not None:
+        spreading = ctx.spread_watch.flag(group, out.spread / out.mean.numel(), ctx.step)
     if mask is None:
-        torch._foreach_copy_(group.locs, new_mean.split_with_sizes(group.sizes))
-        torch._foreach_copy_(group.raw_scales, new_raw_scale.split_with_sizes(group.sizes))
-        new_scale = read
+        if out.mean is not group.locs[0]:
+            torch._foreach_copy_(group.locs, out.mean.split_with_sizes(group.sizes))
+        if out.raw_scale is not group.raw_scales[0]:
+            torch._foreach_copy_(group.raw_scales, out.raw_scale.split_with_sizes(group.sizes))
+        new_scale = out.scale
         for site, piece in zip(group.sites, new_scale.split_with_sizes(group.sizes)):
             remember_scale(site.raw_scale, piece.view_as(site.loc))
     else:  # a masked site is a group of its own
         (loc,), (raw_scale,) = group.locs, group.raw_scales
-        loc.copy_(torch.where(mask, new_mean, loc))
-        raw_scale.copy_(torch.where(mask, new_raw_scale, raw_scale))
+        loc.copy_(torch.where(mask, out.mean, loc))
+        raw_scale.copy_(torch.where(mask, out.raw_scale, raw_scale))
         new_scale = None  # untouched rows keep their old scale
-    return clamped, far, new_scale, spreading
+    return out.clamped, far, new_scale, spreading
 
 
 class Spans:
@@ -324,7 +359,8 @@ def dense_site(ctx: Context, site, stats, settings: Settings, tau: float, state,
     """
     The step of :func:`~pyro_ngvi.update.full_covariance.natural_step` for a
     full-covariance site (of :func:`~pyro_ngvi.update.kronecker.kronecker_step` for a
-    Kronecker-factored layer), not yet written: ``(values to write, momentum,
+    Kronecker-factored layer, of :func:`~pyro_ngvi.low_rank.low_rank_step` for a
+    low-rank-plus-diagonal precision), not yet written: ``(values to write, momentum,
     state to keep)``, or ``None`` when a new precision is not positive definite.
     Same ``lr``, ``beta``, ``tau``, momentum, damping, trust region (sampled
     curvature) and first-step warm start as the mean-field update (a Kronecker
@@ -344,6 +380,17 @@ def dense_site(ctx: Context, site, stats, settings: Settings, tau: float, state,
         step = kronecker_step(site.mean, site.row_factor, site.col_factor, direction, stats, lr, beta,
                               tau, damping, first=not state.started)
         return None if step is None else (tuple(step), direction, {})
+    if isinstance(site, LowRankSite):
+        count = None
+        if adaptive:  # (a rank-2 Price estimate is never taken whole: from n = 1 / beta)
+            lr, beta, count = dense_rates(settings, state, start=1.0 / beta)
+        step = low_rank_step(site.mean, site.factor, site.diag, direction, lr, beta, stats.plus / tau ** 0.5,
+                             stats.minus / tau ** 0.5, damping=damping)
+        kept = {}
+        if adaptive:  # the drift test on the Newton step in the new guide's standard deviations
+            newton = solve(step.factor, step.diag, direction) / marginal_variance(step.factor, step.diag).sqrt()
+            kept = dense_count(settings, state, count, newton)
+        return (step.mean, step.factor, step.diag), direction, kept
     count = None
     if adaptive:
         lr, beta, count = dense_rates(settings, state)
@@ -363,7 +410,31 @@ def dense_site(ctx: Context, site, stats, settings: Settings, tau: float, state,
     return (step.mean, step.factor), direction, kept
 
 
+@torch.no_grad()
+def start_of(sites) -> tuple:
+    """The sites' means and standard deviations before the step (flat copies): what
+    :func:`couple_means` needs of them."""
+    return _flat([site.loc for site in sites]).clone(), _flat([site.scale for site in sites]).clone()
+
+
+@torch.no_grad()
+def couple_means(cross, start: tuple, max_step: Optional[float]) -> None:
+    """Replace the element-wise mean step the chain took on the sites of the cross terms
+    (``cross``: :class:`~pyro_ngvi.variance.CrossTerms`) by the coupled one,
+    :func:`~pyro_ngvi.update.mean_field.coupled_mean_step` (written in place), within the
+    trust region of ``max_step`` standard deviations before the step."""
+    mean, scale = start
+    sites = cross.sites
+    step = mean - _flat([site.loc for site in sites])
+    denominator = _flat([site.scale for site in sites]).pow(-2)
+    radius = scale * max_step if max_step is not None else torch.full_like(scale, math.inf)
+    radius = torch.maximum(radius, step.abs())  # never tighter than the step the chain took
+    new_mean = mean - coupled_mean_step(step, denominator, cross.off_diagonal.to(step), radius)
+    for site, piece in zip(sites, new_mean.split([site.loc.numel() for site in sites])):
+        site.loc.copy_(piece.view_as(site.loc))
+
+
 def dense_adaptive(site, stats, options: Options) -> bool:
-    """Whether a full-covariance site takes the adaptive steps (sampled statistics, with
-    ``averaging`` on and no schedule of the user's)."""
-    return options.adaptive and isinstance(site, FullCovarianceSite) and bool(stats.sampled)
+    """Whether a full-covariance or low-rank site takes the adaptive steps (sampled
+    statistics, with ``averaging`` on and no schedule of the user's)."""
+    return options.adaptive and isinstance(site, (FullCovarianceSite, LowRankSite)) and bool(stats.sampled)

@@ -20,7 +20,7 @@ unbiased; where the log joint is quadratic they are exact, with no Monte-Carlo f
 """
 
 from dataclasses import replace
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional
 
 import torch
 
@@ -62,6 +62,17 @@ def control_variate(grad, curvature, eps_mean, eps_sq_mean_minus_one, precision,
         curvature.sub_(baseline.mul(known).mul_(eps_mean).div_(sigma))
 
 
+class CrossTerms(NamedTuple):
+    """What :func:`cross_terms` found for this step: the sites it covers (flat, in order),
+    :math:`\\tilde H` (their symmetrised off-diagonal Hessian estimate, zero until it is
+    usable), the state to keep the regression in and its new value (kept once the step is taken)."""
+
+    sites: List[GaussianSite]
+    off_diagonal: torch.Tensor
+    state: object
+    new: torch.Tensor
+
+
 def _takes_cross_terms(stats: SiteCurvature) -> bool:
     """Sampled statistics with known draws, no mask, not a BayesianNet's minibatch statistics."""
     return (stats.sampled and stats.eps_mean is not None and stats.eps_sq_mean is not None
@@ -69,7 +80,7 @@ def _takes_cross_terms(stats: SiteCurvature) -> bool:
 
 
 def cross_terms(sites: List[GaussianSite], stats: Dict[str, SiteCurvature],
-                state_of: Callable) -> Optional[Tuple[object, torch.Tensor]]:
+                state_of: Callable) -> Optional[CrossTerms]:
     """
     Subtract the cross terms of the control variate of the small mean-field sites
     (together at most :data:`CROSS_MAX` elements, each with known draws, no mask, not
@@ -92,8 +103,9 @@ def cross_terms(sites: List[GaussianSite], stats: Dict[str, SiteCurvature],
     :math:`S_{ww}` is not positive definite or the term is not finite, it is 0 (no
     device sync). The state, one :math:`(2D + 3) \\times D` tensor (count, the two means,
     :math:`S_{ww}`, :math:`S_{gw}`), is kept with the first of the sites (``state_of(site)``;
-    for another total size it starts afresh). Returns the state to keep it in and the
-    new state, to be kept once the step is taken (``None``: no cross terms this step).
+    for another total size it starts afresh). Returns :class:`CrossTerms` (``None``: no
+    cross terms this step); its :math:`\\tilde H` also couples the sites' mean step
+    (:func:`~pyro_ngvi.update.mean_field.coupled_mean_step`).
     """
     chosen = [(site, state_of(site)) for site in sites if _takes_cross_terms(stats[site.key])]
     size = sum(site.loc.numel() for site, _ in chosen)
@@ -120,6 +132,7 @@ def cross_terms(sites: List[GaussianSite], stats: Dict[str, SiteCurvature],
         correction = off @ z
         usable = (n > size) & (info == 0) & torch.isfinite(correction).all()
         correction = torch.where(usable, correction, 0.0)
+        off = torch.where(usable, off, 0.0)
         curvature_correction = correction * eps / sigma
         pieces = zip(correction.split([s.grad.numel() for s in picked]),
                      curvature_correction.split([s.grad.numel() for s in picked]))
@@ -136,4 +149,4 @@ def cross_terms(sites: List[GaussianSite], stats: Dict[str, SiteCurvature],
         new[2] = mean_g + weight * dg
         new[3:3 + size] = (cov_ww + weight * torch.outer(dw, dw)).mul_(1 - weight)
         new[3 + size:] = (cov_gw + weight * torch.outer(dg, dw)).mul_(1 - weight)
-    return state, new
+    return CrossTerms([site for site, _ in chosen], off, state, new)

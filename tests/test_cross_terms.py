@@ -108,7 +108,8 @@ def test_cross_terms_use_past_draws_only():
             kept = pyro_ngvi.variance.cross_terms([site], stats, optim._state)
             return stats[site.key], kept
 
-        out, (state, new) = corrected(raw)
+        out, kept = corrected(raw)
+        state, new = kept.state, kept.new
         shifted = raw + 10.0 * torch.randn(d, generator=g, dtype=torch.float64)
         other, _ = corrected(shifted)
         z = sigma * eps
@@ -145,7 +146,8 @@ def test_cross_terms_are_exact_on_a_quadratic_after_d_plus_one_steps():
         raw = b + hessian @ (loc + z)
         stats = {site.key: SiteCurvature(raw.clone(), torch.ones(d, dtype=torch.float64), sampled=True,
                                          eps_mean=eps, eps_sq_mean=eps.square())}
-        state, new = pyro_ngvi.variance.cross_terms([site], stats, optim._state)
+        kept = pyro_ngvi.variance.cross_terms([site], stats, optim._state)
+        state, new = kept.state, kept.new
         if t > d:
             torch.testing.assert_close(raw - stats[site.key].grad, off_diagonal_sym(hessian) @ z,
                                        rtol=1e-8, atol=1e-10)
@@ -185,3 +187,29 @@ def test_resume_is_bit_identical_with_the_cross_terms(tmp_path):
     assert resumed == uninterrupted
     for k, v in pyro.get_param_store().items():
         assert torch.equal(v, expected[k]), k
+
+
+def test_coupled_mean_step_is_the_newton_step_and_falls_back_where_not_positive_definite():
+    """With the off-diagonal Hessian known, the element-wise step delta = D^-1 r becomes the
+    Newton step H^-1 r (D the diagonal of H); where D + H_off is not positive definite, or
+    no off-diagonal estimate exists yet, the element-wise step is kept as it was."""
+    from pyro_ngvi.update.mean_field import coupled_mean_step
+
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(6, 6, generator=g, dtype=torch.float64)
+    hessian = a @ a.T + 0.5 * torch.eye(6, dtype=torch.float64)
+    diagonal = hessian.diagonal().clone()
+    off = hessian - torch.diag(diagonal)
+    r = torch.randn(6, generator=g, dtype=torch.float64)
+    wide = torch.full((6,), 1e6, dtype=torch.float64)
+    newton = coupled_mean_step(r / diagonal, diagonal, off, wide)
+    torch.testing.assert_close(newton, torch.linalg.solve(hessian, r), rtol=1e-10, atol=1e-12)
+    # clipped to the radius element-wise
+    radius = torch.full((6,), 0.01, dtype=torch.float64)
+    assert coupled_mean_step(r / diagonal, diagonal, off, radius).abs().max() <= 0.01
+    # not positive definite: the element-wise step, bit for bit
+    step = r / diagonal
+    indefinite = -30.0 * off
+    assert torch.linalg.eigvalsh(indefinite + torch.diag(diagonal)).min() < 0
+    assert torch.equal(coupled_mean_step(step, diagonal, indefinite, wide), step)
+    assert torch.equal(coupled_mean_step(step, diagonal, torch.zeros(6, 6, dtype=torch.float64), wide), step)

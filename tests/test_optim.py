@@ -16,7 +16,7 @@ from pyro.infer import SVI, JitTrace_ELBO, Trace_ELBO
 from pyro.infer.autoguide import AutoDelta, AutoDiagonalNormal, AutoLowRankMultivariateNormal, AutoNormal
 
 from pyro_ngvi import NGVI, NGVIWarning
-from pyro_ngvi.family import GaussianSite, SiteCurvature
+from pyro_ngvi.family import GaussianSite, NotGaussianWarning, SiteCurvature
 from pyro_ngvi.groups import Group
 from pyro_ngvi.steps import Context, mean_field_group
 
@@ -328,21 +328,25 @@ def test_schedule_returning_invalid_value_raises():
 
 
 @pytest.mark.parametrize("guide_class", [AutoDelta, AutoLowRankMultivariateNormal])
-def test_unsupported_guide_names_what_is_supported(guide_class):
+def test_guide_without_gaussian_sites_is_trained_by_the_point_optimizer_with_a_warning(guide_class):
     guide = guide_class(normal_normal)
     svi = SVI(normal_normal, guide, NGVI(), Trace_ELBO())
-    with pytest.raises(NotImplementedError, match="AutoNormal"):
+    with pytest.warns(NotGaussianWarning, match="point optimizer"):
         svi.step(DATA)
+    before = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+    svi.step(DATA)
+    assert any(not torch.equal(before[k], v.detach()) for k, v in pyro.get_param_store().items())
 
 
-def test_hand_written_guide_is_rejected():
+def test_hand_written_delta_guide_is_trained_by_the_point_optimizer_with_a_warning():
     def guide(data):
         m = pyro.param("m", torch.tensor(0.0))
         pyro.sample("loc", dist.Delta(m))
 
     svi = SVI(normal_normal, guide, NGVI(), Trace_ELBO())
-    with pytest.raises(NotImplementedError, match="AutoNormal"):
+    with pytest.warns(NotGaussianWarning, match="'loc' \\(it is a Delta"):
         svi.step(DATA)
+    assert pyro.param("m").item() != 0.0
 
 
 def two_site_model(data):

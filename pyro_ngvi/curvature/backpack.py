@@ -13,21 +13,22 @@ tensor, the gradient :math:`\\nabla_w L` and one of these diagonals:
 =========== ======================================================= ===================
 source      curvature                                               BackPACK extension
 =========== ======================================================= ===================
-``ef``      :math:`c^2 \\sum_i (\\nabla_w \\ell_i)^2` (empirical      ``SumGradSquared``
+``ef``      :math:`c^2 \\sum_i (\\nabla_w \\ell_i)^2` (empirical       ``SumGradSquared``
             Fisher, VOGN's Gauss-Newton)
-``ggn``     :math:`c \\,\\mathrm{diag} \\sum_i J_i^\\top H_i J_i`      ``DiagGGNExact``
+``ggn``     :math:`c \\,\\mathrm{diag} \\sum_i J_i^\\top H_i J_i`       ``DiagGGNExact``
             (:math:`J_i = \\partial f_i / \\partial w`,
             :math:`H_i = \\partial^2 \\ell_i / \\partial f_i^2`)
-``ggn_mc``  the same with :math:`H_i` replaced by                    ``DiagGGNMC``
+``ggn_mc``  the same with :math:`H_i` replaced by                   ``DiagGGNMC``
             :math:`\\frac1M\\sum_{m} \\nabla_f \\ell(f_i, \\tilde y_m)
             \\nabla_f \\ell(f_i, \\tilde y_m)^\\top`,
             :math:`\\tilde y_m \\sim p(y \\mid f_i)`
-``kflr``    Kronecker factors of the ``ggn`` block of a ``Linear``        ``KFLR``
-            weight: :math:`[c \\sum_i G_i, \\tfrac1B\\sum_i a_i a_i^\\top]`
+``kflr``    Kronecker factors of the ``ggn`` block of a             ``KFLR``
+            ``Linear`` weight:
+            :math:`[c \\sum_i G_i, \\tfrac1B\\sum_i a_i a_i^\\top]`
             (:math:`G_i` the GGN w.r.t. the layer's output,
             :math:`a_i` its input)
-``kfac``    the same with :math:`G_i` from sampled targets               ``KFAC``
-``reparam`` none (plain backward; the caller forms the Price/Stein   --
+``kfac``    the same with :math:`G_i` from sampled targets          ``KFAC``
+``reparam`` none (plain backward; the caller forms the Price/Stein  --
             estimate :math:`g\\,\\epsilon/\\sigma` itself)
 ``none``    none (plain backward)                                   --
 =========== ======================================================= ===================

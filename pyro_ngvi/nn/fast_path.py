@@ -71,8 +71,9 @@ class BackpackStep(BackpackTwin):
                 else:
                     torch._foreach_add_(draws[0], noises)
                     torch._foreach_addcmul_(draws[1], noises, noises)
-            result = network_curvature(
-                self.twin, self.loss_module, x, target, source, mc_samples=mc_samples, loss_scale=loss_scale,
+            result = network_curvature(  # (reparam: a plain backward, on the plain network)
+                self.net if source == "none" else self.twin, self.loss_module, x, target, source,
+                mc_samples=mc_samples, loss_scale=loss_scale,
                 params=self.params,
                 check_output=partial(model._check_targets, y) if particle == 0 else None,
             )

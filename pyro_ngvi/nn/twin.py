@@ -43,6 +43,7 @@ class BackpackTwin:
         for twin_module, module in zip(twin.modules(), net.modules()):
             twin_module._parameters = module._parameters
             twin_module._buffers = module._buffers
+        self.net = net  # the plain network: a pass that needs no extension runs it, without BackPACK's hooks
         self.twin = extend(twin)
         self.loss_module = extend(LOSS_MODULES[likelihood](reduction="sum"))
         self.module_pairs = list(zip(twin.modules(), net.modules()))

@@ -22,9 +22,7 @@ import math
 from typing import Optional
 
 import torch
-from torch._utils import _unflatten_dense_tensors
 
-from ..groups import flat
 from ..safeguards import clip_
 
 
@@ -35,13 +33,18 @@ def precision_target(curvature: torch.Tensor, prior_precision: Optional[torch.Te
     return curvature
 
 
-def precision_step(precision: torch.Tensor, target: torch.Tensor, beta, correct: bool = True) -> torch.Tensor:
+def precision_step(precision: torch.Tensor, target: torch.Tensor, beta, correct: bool = True,
+                   fused: bool = False) -> torch.Tensor:
     """
     :math:`\\lambda' = (1-\\beta)\\lambda + \\beta\\hat h`, plus Lin et al.'s correction
     :math:`\\tfrac{\\beta^2}{2\\lambda}(\\lambda - \\hat h)^2` where :math:`\\hat h \\le 0`
-    (with ``correct``; a target known to be positive needs none). A new tensor.
+    (with ``correct``; a target known to be positive needs none). A new tensor. ``fused``: in the
+    form a compiler fuses best (a selection), the same values.
     """
     new_precision = torch.lerp(precision, target, beta)
+    if correct and fused:
+        correction = (precision - target).square() * (beta**2 / 2) / precision
+        return new_precision + torch.where(target <= 0, correction, 0.0)
     if correct:
         correction = torch.sub(precision, target).square_().mul_(beta**2 / 2).div_(precision)
         # only where target <= 0 (a 0 / 1 mask: an overflowed correction times 0 is nan, made 0)
@@ -70,32 +73,45 @@ def trusted_mean_step(mean, direction, pull, denominator, lr, radius) -> torch.T
     return new_mean
 
 
-def momentum(group, states, grad: torch.Tensor, mask, rho: float, run=None) -> torch.Tensor:
+def coupled_mean_step(step: torch.Tensor, denominator: torch.Tensor, off_diagonal: torch.Tensor,
+                      radius: torch.Tensor) -> torch.Tensor:
     """
-    :math:`\\bar g \\leftarrow \\rho \\bar g + (1 - \\rho) g` (a site's first step takes
-    g), as one flat vector; each site's buffer is kept as a view of it. In a run of
-    spans (one site), the span of the site's buffer, updated in place.
+    The mean step of a few sites coupled by :math:`\\tilde H`, an estimate of the
+    off-diagonal part of the Hessian (:func:`~pyro_ngvi.variance.cross_terms`): with
+    :math:`D = \\mathrm{diag}(\\lambda' + \\gamma)` and the element-wise step
+    :math:`\\delta = D^{-1}\\alpha r` this step took,
+
+    .. math:: \\delta' = (D + \\tilde H)^{-1} D\\,\\delta,
+
+    a Newton step on the mean where the element-wise one is a Jacobi iteration (on a
+    quadratic log joint with :math:`\\tilde H` exact and :math:`\\alpha = 1`, the exact
+    mean in one step). Its fixed point is the same (:math:`\\delta' = 0` iff
+    :math:`\\delta = 0`): the mean-field optimum. Clipped to ``radius`` element-wise (the
+    trust region); where :math:`D + \\tilde H` is not positive definite, :math:`\\delta`.
     """
-    if rho == 0:
-        return grad
-    if run is not None:
-        buffer = run.momentum[run.slice]
-        if run.fresh_momentum:
-            return buffer.copy_(grad)
-        return torch.lerp(grad, buffer, rho, out=buffer)
-    sites = group.sites
-    if all(state.momentum is not None for state in states):
-        old = flat([state.momentum for state in states])
-        new = torch.lerp(grad, old, rho)
-        if mask is not None:
-            new = torch.where(mask, new, old)
-    else:  # some site's first step: its buffer starts at g
-        pieces = grad.split(group.sizes)
-        old = flat([piece if state.momentum is None else state.momentum.reshape(-1)
-                    for state, piece in zip(states, pieces)])
-        started = flat([torch.full_like(piece, state.momentum is not None, dtype=torch.bool)
-                        for state, piece in zip(states, pieces)])
-        new = torch.where(started, torch.lerp(grad, old, rho), grad)
-    for state, piece in zip(states, _unflatten_dense_tensors(new, [site.loc for site in sites])):
-        state.momentum = piece  # shaped like the site's loc
+    matrix = off_diagonal + torch.diag(denominator)
+    factor, info = torch.linalg.cholesky_ex(matrix)
+    coupled = torch.cholesky_solve((denominator * step).unsqueeze(-1), factor).squeeze(-1)
+    coupled = torch.minimum(torch.maximum(coupled, -radius), radius)
+    usable = (info == 0) & torch.isfinite(coupled).all() & off_diagonal.any()
+    return torch.where(usable, coupled, step)
+
+
+def momentum(grad: torch.Tensor, old: Optional[torch.Tensor], rho: float, started: Optional[torch.Tensor] = None,
+             mask: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """
+    :math:`\\bar g \\leftarrow \\rho \\bar g + (1 - \\rho) g` from the ``old`` average
+    (``None``: a first step, which takes g); where ``started`` is given, only its
+    elements average (the others take g); where ``mask`` is, only its rows change.
+    ``out``: the old average's own tensor, updated in place (a new one otherwise).
+    """
+    if old is None:
+        return grad if out is None else out.copy_(grad)
+    if out is not None:
+        return torch.lerp(grad, old, rho, out=out)
+    new = torch.lerp(grad, old, rho)
+    if started is not None:
+        return torch.where(started, new, grad)
+    if mask is not None:
+        new = torch.where(mask, new, old)
     return new

@@ -1,0 +1,130 @@
+"""
+The checks the host reads after a step's statistics are in (:func:`read_checks`): their
+finiteness (a step whose gradient or curvature is not finite is skipped, the guide untouched)
+and the flags the safeguards and watches raised at the steps before, in one device sync.
+
+Read once every K steps (:class:`DeferredChecks`): on CUDA reading a
+tensor's value is a device synchronisation, which would stall the queue of kernels once per
+step. There a step of mean-field sites takes its statistics' finiteness as a 0-d flag on the
+device and writes the guide under it (a masked write, :mod:`~pyro_ngvi.elementwise`: a step with
+a non-finite gradient or curvature leaves the guide and the optimizer's state unchanged); the
+host reads the flags of the steps since its last read, with the safeguards' flags, in one
+synchronisation every :data:`SYNC_EVERY_CUDA` steps, and counts and warns of the skipped ones
+then. On the CPU a read costs nothing: every step is checked before any write (K = 1).
+
+What a deferred step cannot do: the point optimizer's step and full-covariance or Kronecker
+sites need the check before they write (their steps read the host anyway), and so does a
+Newton-guarded step or a learned prior; a step with any of them is checked at once. Between
+reads, a skipped step still counts in ``NGVI.num_steps`` (the read corrects it) and a site's
+first step is taken as done.
+"""
+
+import math
+import warnings
+from typing import List, NamedTuple
+
+import torch
+
+from .family import GaussianSite
+from .monitor import SKIPS_IN_A_ROW, NGVIWarning, stuck_message
+from .point import param_label
+from .safeguards import finite, report
+from .statistics import tensors
+
+#: On CUDA the host reads the finiteness and safeguard flags once every this many steps.
+SYNC_EVERY_CUDA = 16
+
+
+class Pending(NamedTuple):
+    """One deferred step: its finiteness flag per group (0-d bool tensors) and the groups' site names."""
+
+    flags: List[torch.Tensor]
+    names: List[str]
+
+
+class DeferredChecks:
+    """The steps of one guide structure taken since the host last read their flags."""
+
+    def __init__(self):
+        self.pending: List[Pending] = []
+
+    def __len__(self) -> int:
+        return len(self.pending)
+
+    def add(self, flags: List[torch.Tensor], names: List[str]) -> torch.Tensor:
+        """Keep a step's finiteness flags; returns whether all hold (a 0-d bool tensor, no sync)."""
+        self.pending.append(Pending(flags, names))
+        return torch.stack(flags).all()
+
+    def take(self) -> List[Pending]:
+        """The pending steps, oldest first (and forget them)."""
+        pending, self.pending = self.pending, []
+        return pending
+
+
+def sync_every(device: torch.device, every) -> int:
+    """K for a guide on ``device``: ``every`` if given, else :data:`SYNC_EVERY_CUDA` on CUDA and 1 elsewhere."""
+    if every is not None:
+        return every
+    return SYNC_EVERY_CUDA if device.type == "cuda" else 1
+
+
+def read_checks(optim, plan, sites, stats, groups, group_stats, flats, others) -> bool:
+    """Whether every statistic and point gradient of ``optim``'s step is finite; the last steps'
+    safeguard flags and the deferred steps' checks are read in the same device sync, and reported
+    (:func:`~pyro_ngvi.safeguards.report`). A step that is not is skipped whole (counted, warned
+    about by ``optim._skip``)."""
+    others_with_grad = [p for p in others if p.grad is not None]
+    checked = [((grad, curvature), st[0].mask) for (grad, curvature), st in zip(flats, group_stats)]
+    checked += [((p.grad,), None) for p in others_with_grad]
+    checked += [(tensors(stats[site.key]), None) for site in sites if not isinstance(site, GaussianSite)]
+    finite_flags = [finite(*t, mask=mask) for t, mask in checked]
+    pending = plan.deferred.take()
+    records, plan.safeguards = plan.safeguards, []
+    elbo_flag, plan.elbo_flag = plan.elbo_flag, None
+    flags = [f for step in pending for f in step.flags] + [f for r in records for f in r.flags()]
+    flags += [] if elbo_flag is None else [elbo_flag]
+    checks = torch.stack(finite_flags + flags).tolist() if finite_flags or flags else []  # one device sync
+    ok, engaged = checks[: len(finite_flags)], checks[len(finite_flags):]
+    engaged = _deferred_skips(optim, plan, pending, engaged)
+    if not all(ok):  # or finite values whose sum overflowed: tell them apart
+        ok = [good or bool(finite(*t, mask=mask, exact=True)) for good, (t, mask) in zip(ok, checked)]
+    report(records, engaged, optim.num_steps, optim._spread_watch)
+    if elbo_flag is not None and engaged[-1]:
+        message = plan.elbo_watch.message(optim.num_steps)
+        if message:
+            warnings.warn(message, NGVIWarning, stacklevel=4)
+    if all(ok):
+        if checked:
+            plan.skips_in_a_row = 0
+        return True
+    bad = [site.name for site in sites
+           if not bool(finite(*tensors(stats[site.key]), mask=getattr(stats[site.key], "mask", None), exact=True))]
+    bad += [param_label(p) for p, good in zip(others_with_grad, ok[len(groups):]) if not good]
+    optim.num_skipped_steps += 1
+    plan.skips_in_a_row += 1
+    if plan.skips_in_a_row >= SKIPS_IN_A_ROW:
+        largest = max((float(site.mean.abs().max()) for site in sites), default=math.nan)
+        raise RuntimeError(stuck_message(plan.skips_in_a_row, ", ".join(repr(b) for b in bad), largest))
+    optim._skip(f"non-finite gradient or curvature at {', '.join(repr(b) for b in bad)}; the guide is "
+                "unchanged", f"{SKIPS_IN_A_ROW} in a row raise.", stacklevel=5)
+    return False
+
+
+def _deferred_skips(optim, plan, pending, engaged: List[bool]) -> List[bool]:
+    """Count and warn of the deferred steps whose statistics were not finite (taken as
+    steps, written as none); returns the flags after theirs."""
+    for step in pending:
+        good, engaged = engaged[: len(step.flags)], engaged[len(step.flags):]
+        if all(good):
+            plan.skips_in_a_row = 0
+            continue
+        optim.num_steps -= 1
+        optim.num_skipped_steps += 1
+        plan.skips_in_a_row += 1
+        bad = ", ".join(name for name, g in zip(step.names, good) if not g)
+        if plan.skips_in_a_row >= SKIPS_IN_A_ROW:
+            raise RuntimeError(stuck_message(plan.skips_in_a_row, bad, math.nan))
+        optim._skip(f"non-finite gradient or curvature at {bad} (read {len(pending)} steps late); the "
+                    "guide is unchanged", f"{SKIPS_IN_A_ROW} in a row raise.", stacklevel=6)
+    return engaged

@@ -1,0 +1,435 @@
+"""
+The Gaussian sites of a guide, read off its trace.
+
+A guide is whatever ``SVI`` is handed: an autoguide, a function, an autoguide inside
+poutine handlers, a ``functools.partial``, a ``PyroModule``. What it *does* is in its
+trace: which sites it samples, from which distributions, built from which params.
+:func:`read_trace` takes natural-gradient steps only where the trace shows a
+mean-field Gaussian over param tensors, in the coordinates ``u`` it samples:
+
+.. math:: u \\sim \\mathcal{N}(\\mu, \\sigma^2) \\;[\\text{.to\\_event}(k)], \\qquad
+          \\mu = \\theta_\\mu, \\qquad \\sigma = T(\\theta_\\sigma),
+
+where :math:`\\theta_\\mu` *is* the unconstrained tensor of a ``pyro.param`` (constraint
+real: the distribution's ``loc`` is the param-store tensor itself), :math:`\\theta_\\sigma`
+that of a positive param whose bijection :math:`T` acts as ``exp`` or ``softplus``
+(recognised by what it computes, not by ``==``), both of the site's batch shape (no
+broadcasting), or rows of them picked by a subsampling plate (Pyro's own protocol: the
+value carries ``_pyro_unconstrained_param``). A site whose value is then transformed to a
+constrained support (AutoNormal's ``<name>_unconstrained``, then a ``Delta``) is the
+Gaussian on ``u``; the ``Delta`` trains nothing of its own.
+
+Everything else that depends on params (a ``Delta``, another family, a ``Normal`` whose
+``loc`` is a network's output or whose ``scale`` is not a param, params shared between
+sites) is a :class:`NotGaussian` part: its params get the ordinary ELBO gradient from the
+point optimizer. Which params a site depends on is read off the autograd graph of its
+distribution and value, stopping at the values of Gaussian sites (a site built from
+another site's draw depends on that draw, not on how it was drawn).
+"""
+
+import math
+import random
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Optional, Set, Tuple
+
+import torch
+from torch.distributions import biject_to, transform_to
+
+import pyro
+import pyro.distributions as dist
+from pyro import poutine
+
+#: Distribution classes read as a Gaussian (subclasses may sample otherwise).
+_NORMALS = (dist.Normal, torch.distributions.Normal)
+#: Probe points of a scale's bijection, and how exactly it must act as ``exp`` or ``softplus``.
+_PROBE = (-20.0, -3.0, -0.5, 0.0, 0.5, 3.0, 20.0)
+_PROBE_RTOL = 1e-9
+
+
+@dataclass(frozen=True)
+class GaussianBlock:
+    """
+    A mean-field Gaussian site of a guide's trace, in the param store's names.
+
+    :param str site: the guide's sample site.
+    :param str loc: param-store name of :math:`\\mu` (its unconstrained tensor is the loc).
+    :param str scale: param-store name of the raw scale :math:`\\theta_\\sigma`.
+    :param str bijection: ``"exp"`` or ``"softplus"``, what :math:`T` computes.
+    :param bool subsampled: rows of the params were picked by a subsampling plate.
+    :param float weight: the site's ``poutine.scale`` factor beyond its plates' subsampling
+        factor (1 for a plain guide): the ELBO's entropy term of the site carries it.
+    """
+
+    site: str
+    loc: str
+    scale: str
+    bijection: str
+    subsampled: bool = False
+    weight: float = 1.0
+
+
+@dataclass(frozen=True)
+class NotGaussian:
+    """
+    A guide site that gets no natural-gradient step: its params (``params``, param-store
+    names) are trained by the point optimizer with the ordinary ELBO gradient.
+
+    :param str site: the guide's sample site.
+    :param str reason: why it is not read as a Gaussian.
+    :param tuple params: the param-store names it trains.
+    """
+
+    site: str
+    reason: str
+    params: Tuple[str, ...]
+
+
+# --------------------------------------------------------------------------- #
+# Tracing the guide without a trace left behind
+# --------------------------------------------------------------------------- #
+
+
+def trace_guide(guide, *args, **kwargs) -> poutine.Trace:
+    """
+    ``poutine.trace(guide).get_trace(*args, **kwargs)``, leaving the run as it was: the
+    random streams (torch's, on the CPU and on every initialised CUDA device, Python's
+    and NumPy's) are restored afterwards, so a run's draws do not change for having been
+    read, and so are the buffers of a guide that is a module (BatchNorm running
+    statistics of an encoder).
+    """
+    with _untouched(guide):
+        return poutine.trace(guide).get_trace(*args, **kwargs)
+
+
+def model_params(model, guide_trace: poutine.Trace, *args, **kwargs) -> Set[str]:
+    """
+    The names of the params ``model`` reads when replayed against ``guide_trace`` (as an
+    ELBO runs it), under :func:`trace_guide`'s guarantees (random streams and the model's
+    buffers as they were). A guide param the model reads too (Pyro's ``test_median_module``:
+    a ``PyroModule`` model and a guide that both call ``x_loc``) is not the guide's own.
+    """
+    with _untouched(model):
+        trace = poutine.trace(poutine.replay(model, trace=guide_trace), param_only=True).get_trace(*args, **kwargs)
+    return {name for name, site in trace.nodes.items() if site["type"] == "param"}
+
+
+@contextmanager
+def _untouched(module):
+    """Run a block and restore the random streams and ``module`` 's buffers (if it is one)."""
+    buffers = [(b, b.detach().clone()) for b in module.buffers()] if isinstance(module, torch.nn.Module) else []
+    python_state = random.getstate()
+    numpy_state = _numpy_state()
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(python_state)
+        if numpy_state is not None:
+            import numpy
+
+            numpy.random.set_state(numpy_state)
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+
+
+def _numpy_state():
+    try:
+        import numpy
+    except ImportError:  # pragma: no cover - numpy ships with pyro
+        return None
+    return numpy.random.get_state()
+
+
+# --------------------------------------------------------------------------- #
+# Reading the trace
+# --------------------------------------------------------------------------- #
+
+
+def read_trace(trace: poutine.Trace, claimed: Iterable[torch.Tensor] = (), store=None,
+               model_reads: Iterable[str] = ()) -> Tuple[List[GaussianBlock], List[NotGaussian]]:
+    """
+    The Gaussian sites of a guide's ``trace`` and the other parts that depend on params.
+
+    :param trace: a trace of the guide (:func:`trace_guide`).
+    :param claimed: param-store tensors already taken by a site found otherwise (an
+        ``AutoMultivariateNormal`` part): sites built from them are neither returned nor
+        reported.
+    :param store: the param store (default: Pyro's global one).
+    :param model_reads: names of the params the model reads (:func:`model_params`): a
+        Gaussian built from one of them is not a Gaussian of the guide alone.
+    :returns: ``(gaussians, others)``: :class:`GaussianBlock` s in trace order, and a
+        :class:`NotGaussian` per site that depends on params outside them (sites that
+        depend on no param, e.g. AutoNormal's ``Delta`` after its Gaussian, are neither).
+    """
+    store = pyro.get_param_store() if store is None else store
+    claimed_ids = {id(t) for t in claimed}
+    values = {id(site["value"]): name for name, site in trace.nodes.items() if site["type"] == "param"}
+    sites = [(name, site) for name, site in trace.nodes.items() if site["type"] == "sample"]
+    blocks: Dict[str, GaussianBlock] = {}
+    reasons: Dict[str, str] = {}
+    for name, site in sites:
+        block, reason = _gaussian_block(name, site, values, store)
+        if block is not None and (id(store._params[block.loc]) in claimed_ids
+                                  or id(store._params[block.scale]) in claimed_ids):
+            block, reason = None, None  # found otherwise
+        if block is not None:
+            blocks[name] = block
+        elif reason is not None:
+            reasons[name] = reason
+    _drop_shared(blocks, reasons)
+    model_reads = set(model_reads)
+    for name in [name for name, b in blocks.items() if b.loc in model_reads or b.scale in model_reads]:
+        block = blocks.pop(name)
+        read = block.loc if block.loc in model_reads else block.scale
+        reasons[name] = f"its param '{read}' is read by the model too"
+    # a site built from another site's draw depends on that site, not on how it was drawn: the
+    # autograd graph is read up to the draws (sample values) of the sites
+    stop = {site["value"].grad_fn for _, site in sites if torch.is_tensor(site["value"])} - {None}
+    while True:  # a Gaussian's params must enter no other site directly
+        own = {id(store._params[p]): (name, p) for name, b in blocks.items() for p in (b.loc, b.scale)}
+        uses = {name: _param_leaves(site, stop) for name, site in sites if name not in blocks}
+        entered = {}
+        for user, leaves in uses.items():
+            for leaf in leaves:
+                if id(leaf) in own:
+                    entered.setdefault(own[id(leaf)][0], user)
+        if not entered:
+            break
+        for name, user in entered.items():
+            del blocks[name]
+            reasons[name] = f"its params also enter site '{user}' directly"
+    others = []
+    for name, site in sites:
+        if name in blocks or site["is_observed"]:  # an observed site (a model run inside the guide,
+            continue  # as AutoMessenger guides do) is no guide part: its params are the model's
+        params = []
+        for leaf in uses[name]:
+            if id(leaf) in claimed_ids:
+                continue
+            param = store.param_name(leaf)
+            if param is not None and param not in params:
+                params.append(param)
+        if params:
+            others.append(NotGaussian(name, reasons.get(name, "it depends on params"), tuple(sorted(params))))
+    return [blocks[name] for name, _ in sites if name in blocks], others
+
+
+def _gaussian_block(name, site, values, store) -> Tuple[Optional[GaussianBlock], Optional[str]]:
+    """The :class:`GaussianBlock` of a sample site, or ``None`` and why not."""
+    fn = site["fn"]
+    base = fn
+    while isinstance(base, (torch.distributions.Independent, torch.distributions.TransformedDistribution)):
+        if isinstance(base, torch.distributions.TransformedDistribution) and not all(
+                t.bijective for t in base.transforms):
+            return None, "it transforms a distribution by a map that is not a bijection"
+        base = base.base_dist
+    if type(base) not in _NORMALS:
+        return None, _family_reason(base)
+    if isinstance(fn, torch.distributions.TransformedDistribution) or isinstance(
+            getattr(fn, "base_dist", None), torch.distributions.TransformedDistribution):
+        if any(t.requires_grad for transform in _transforms(fn) for t in _tensors(transform)):
+            return None, "it is a Normal transformed by maps with params of their own (a flow)"
+    if site["is_observed"]:
+        return None, "its value is given (observed or conditioned), not drawn from the guide"
+    if not fn.has_rsample or not getattr(base, "has_rsample", True):
+        return None, ("it has no reparameterised sampler (score-function gradients): no "
+                      "curvature can be recovered from its gradients")
+    if site["mask"] is not None and site["mask"] is not True:
+        return None, "it is masked (poutine.mask): masked elements carry no entropy term"
+    loc = _param_of(base.loc, values, store)
+    if loc is None and _is_broadcast_param(base.loc, values):
+        return None, "its loc is a pyro.param broadcast over the site (one value shared by several elements)"
+    if loc is None or not _is_identity(store, loc[0]):
+        return None, ("its loc is not a pyro.param's unconstrained tensor itself (it is computed: a network's "
+                      "output, a sum, a transform)")
+    scale = _param_of(base.scale, values, store)
+    if scale is None:
+        return None, "its scale is not a pyro.param of the site's shape"
+    bijection = _bijection(store._constraints[scale[0]])
+    if bijection is None:
+        return None, (f"its scale's constraint {store._constraints[scale[0]]} is not one whose bijection "
+                      "is exp or softplus")
+    shape = base.batch_shape
+    if base.loc.shape != shape or base.scale.shape != shape:
+        return None, "its loc and scale are broadcast to the site's shape"
+    if loc[0] == scale[0]:
+        return None, "its loc and scale are the same param"
+    weight = _weight(site)
+    if weight is None:
+        return None, "it is scaled by a tensor (poutine.scale), not by a number"
+    return GaussianBlock(name, loc[0], scale[0], bijection, loc[1] or scale[1], weight), None
+
+
+def _family_reason(base) -> str:
+    if isinstance(base, dist.Delta):
+        return "it is a Delta (a point estimate)"
+    if type(base).__name__ == "LowRankPrecisionMultivariateNormal":  # pyro_ngvi.LowRankPrecisionNormal's
+        return ("NGVI takes LowRankPrecisionNormal's natural-gradient steps on the guide handed to SVI "
+                "itself, not on one wrapped in a handler or a subclass of it")
+    if isinstance(base, dist.LowRankMultivariateNormal):
+        return ("its LowRankMultivariateNormal covariance is not closed under the natural-gradient step; "
+                "pyro_ngvi.LowRankPrecisionNormal is (low-rank-plus-diagonal precision)")
+    return f"it is a {type(base).__name__}, not a Normal"
+
+
+def _param_of(t, values: Dict[int, str], store) -> Optional[Tuple[str, bool]]:
+    """
+    The param whose value ``t`` is: ``(name, subsampled)``, or ``None``. ``t`` is the
+    param's (constrained) value as the trace recorded it, an expand view of it of the
+    same shape and layout, or its rows picked by subsampling plates.
+    """
+    if not torch.is_tensor(t):
+        return None
+    for candidate in (t, t._base):  # the tensor, or an expand view of it of the same layout
+        if candidate is None or not (candidate.shape == t.shape and candidate.stride() == t.stride()
+                                     and candidate.storage_offset() == t.storage_offset()):
+            continue
+        param = getattr(candidate, "_pyro_unconstrained_param", None)
+        if param is not None:  # rows picked by subsampling plates
+            return _subsampled(candidate, param, store)
+        if id(candidate) in values:
+            name = values[id(candidate)]
+            return (name, False) if name in store._params else None
+    return None
+
+
+def _is_broadcast_param(t, values) -> bool:
+    """Whether ``t`` is an expand view of a param's value of another shape (amortised over a plate)."""
+    base = t._base if torch.is_tensor(t) else None
+    return base is not None and id(base) in values and base.shape != t.shape
+
+
+def _subsampled(t, param, store) -> Optional[Tuple[str, bool]]:
+    """``(name, True)`` if ``t`` is rows of the param ``param`` picked by subsampling plates
+    (Pyro's protocol: ``param._pyro_subsample`` maps each dim to the rows picked)."""
+    name = store.param_name(param)
+    picked = getattr(param, "_pyro_subsample", None)
+    if name is None or store._params.get(name) is not param or not picked:
+        return None
+    shape = list(param.shape)
+    for dim, indices in picked.items():
+        if -dim > len(shape):
+            return None
+        shape[dim] = indices.numel()
+    return (name, True) if tuple(t.shape) == tuple(shape) else None
+
+
+def _is_identity(store, name: str) -> bool:
+    """Whether the param's constrained value is its unconstrained tensor (constraint real)."""
+    unconstrained = store._params[name]
+    return transform_to(store._constraints[name])(unconstrained) is unconstrained
+
+
+def _bijection(constraint) -> Optional[str]:
+    """``"exp"`` or ``"softplus"``: what ``biject_to(constraint)`` computes, element-wise,
+    probed on a few points; ``None`` for anything else."""
+    try:
+        transform = biject_to(constraint)
+        if transform.domain.event_dim or transform.codomain.event_dim:
+            return None
+        x = torch.tensor(_PROBE, dtype=torch.float64)
+        y = transform(x)
+    except (NotImplementedError, TypeError, RuntimeError, ValueError):
+        return None
+    if not torch.is_tensor(y) or y.shape != x.shape:
+        return None
+    for kind, reference in (("exp", x.exp()), ("softplus", torch.nn.functional.softplus(x))):
+        if torch.allclose(y, reference, rtol=_PROBE_RTOL, atol=0.0):
+            return kind
+    return None
+
+
+def _weight(site) -> Optional[float]:
+    """The site's scale over its plates' subsampling factor (``None``: a tensor scale)."""
+    scale = site["scale"]
+    if torch.is_tensor(scale):
+        if scale.numel() != 1:
+            return None
+        scale = float(scale)
+    plates = 1.0
+    for frame in site["cond_indep_stack"]:
+        full = frame.full_size if frame.full_size is not None else frame.size
+        if frame.size:
+            plates *= full / frame.size
+    weight = scale / plates
+    return 1.0 if math.isclose(weight, 1.0, rel_tol=1e-12) else weight
+
+
+def _drop_shared(blocks: Dict[str, GaussianBlock], reasons: Dict[str, str]) -> None:
+    """Sites that share a param are not mean-field blocks of their own."""
+    users: Dict[str, List[str]] = {}
+    for name, block in blocks.items():
+        for param in (block.loc, block.scale):
+            users.setdefault(param, []).append(name)
+    for param, names in users.items():
+        if len(names) > 1:
+            for name in names:
+                if name in blocks:
+                    del blocks[name]
+                    reasons[name] = f"it shares the param '{param}' with site(s) " + ", ".join(
+                        repr(n) for n in names if n != name)
+
+
+def _param_leaves(site, stop: Set) -> List[torch.Tensor]:
+    """The leaf tensors requiring grad that a site's distribution and value are computed
+    from, not looking behind the autograd nodes in ``stop`` (the sites' draws: a site's own
+    params are reached through its distribution's tensors)."""
+    roots = list(_tensors(site["fn"]))
+    value = site["value"]
+    if torch.is_tensor(value):
+        roots.append(value)
+        try:
+            roots.append(site["fn"].log_prob(value))
+        except Exception:  # a log density that cannot be evaluated here: its tensors suffice
+            pass
+    leaves: Dict[int, torch.Tensor] = {}
+    nodes = []
+    for t in roots:
+        if not torch.is_tensor(t) or not t.requires_grad:
+            continue
+        if t.grad_fn is None:
+            leaves[id(t)] = t
+        else:
+            nodes.append(t.grad_fn)
+    seen = set()
+    while nodes:
+        node = nodes.pop()
+        if node in seen or node in stop:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            leaves[id(variable)] = variable
+        nodes.extend(n for n, _ in node.next_functions if n is not None)
+    return list(leaves.values())
+
+
+def _transforms(fn):
+    """The transforms of the TransformedDistributions a site's distribution is made of."""
+    while isinstance(fn, (torch.distributions.Independent, torch.distributions.TransformedDistribution)):
+        if isinstance(fn, torch.distributions.TransformedDistribution):
+            yield from fn.transforms
+        fn = fn.base_dist
+
+
+def _tensors(obj, depth: int = 0, seen=None):
+    """Tensors held by a distribution (its parameters, its base distribution's, its
+    transforms', a transform module's parameters)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or depth > 6:
+        return
+    seen.add(id(obj))
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, torch.nn.Module):  # a transform module (a flow's layers)
+        yield from obj.parameters()
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors(item, depth + 1, seen)
+    elif isinstance(obj, (torch.distributions.Distribution, torch.distributions.Transform)):
+        for key, item in vars(obj).items():
+            if not key.startswith("_cache"):  # a transform's cache holds its last (x, y), not params
+                yield from _tensors(item, depth + 1, seen)

@@ -1,0 +1,591 @@
+"""
+Gaussian sites read off a guide's trace (issue 23): hand-written guides, autoguides inside
+poutine handlers, partials and PyroModule containers, AutoGuideList with AutoCallable
+parts; everything else trained by the point optimizer with one NotGaussianWarning.
+"""
+
+import functools
+import warnings
+
+import pytest
+import torch
+
+import pyro
+import pyro.distributions as dist
+from pyro import poutine
+from pyro.distributions import constraints
+from pyro.infer import SVI, Trace_ELBO
+from pyro.infer.autoguide import (
+    AutoCallable,
+    AutoDelta,
+    AutoDiagonalNormal,
+    AutoGuide,
+    AutoGuideList,
+    AutoHierarchicalNormalMessenger,
+    AutoIAFNormal,
+    AutoLowRankMultivariateNormal,
+    AutoNormal,
+    AutoNormalMessenger,
+)
+from pyro.infer.reparam import LocScaleReparam
+from pyro.nn import PyroModule, PyroParam
+
+from pyro_ngvi import NGVI
+from pyro_ngvi.family import NotGaussianWarning, guide_view, split_params
+from pyro_ngvi.guide_trace import read_trace, trace_guide
+
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    torch.set_default_dtype(torch.float64)
+
+
+# ------------------------------------------------------------------ conjugate models
+def means_model(y):
+    """Independent Normal means (3 of them) and a log-scale site: the exact posterior is
+    diagonal, so the mean-field family holds it exactly."""
+    w = pyro.sample("w", dist.Normal(torch.zeros(3), 2.0).to_event(1))
+    s = pyro.sample("s", dist.LogNormal(0.0, 1.0))
+    with pyro.plate("data", y.shape[0]):
+        pyro.sample("obs", dist.Normal(w, 0.5).to_event(1), obs=y[:, :3])
+        pyro.sample("pos", dist.LogNormal(s.log(), 1.0), obs=y[:, 3])
+
+
+def means_data(n=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randn(n, 4, generator=g)
+    y[:, :3] = torch.tensor([1.0, -0.5, 2.0]) + 0.5 * y[:, :3]
+    y[:, 3] = (0.7 + y[:, 3]).exp()
+    return y
+
+
+def means_posterior(y):
+    """Means and standard deviations of w (3) and of u = log s, in closed form."""
+    n = y.shape[0]
+    precision_w = 1 / 4 + n / 0.25
+    mean_w = (y[:, :3].sum(0) / 0.25) / precision_w
+    precision_u = 1.0 + n
+    mean_u = y[:, 3].log().sum() / precision_u
+    return mean_w, precision_w**-0.5, mean_u, precision_u**-0.5
+
+
+def hand_written_guide(y, constraint=constraints.positive):
+    """A mean-field Gaussian written by hand: w in one .to_event(1) site, s through its log
+    (a Gaussian on u and a Delta on exp(u), as AutoNormal does)."""
+    w_loc = pyro.param("w_loc", torch.zeros(3))
+    w_scale = pyro.param("w_scale", torch.ones(3), constraint=constraint)
+    pyro.sample("w", dist.Normal(w_loc, w_scale).to_event(1))
+    u_loc = pyro.param("u_loc", torch.tensor(0.0))
+    u_scale = pyro.param("u_scale", torch.tensor(1.0), constraint=constraint)
+    u = pyro.sample("u", dist.Normal(u_loc, u_scale), infer={"is_auxiliary": True})
+    pyro.sample("s", dist.Delta(u.exp(), log_density=-u))
+
+
+@pytest.mark.parametrize("constraint", [constraints.positive, constraints.softplus_positive],
+                         ids=["exp", "softplus"])
+def test_hand_written_gaussian_guide_matches_the_exact_posterior(constraint):
+    y = means_data()
+    guide = functools.partial(hand_written_guide, constraint=constraint)
+    svi = SVI(means_model, guide, NGVI(), Trace_ELBO())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no NotGaussianWarning: every part is a Gaussian
+        for _ in range(150):
+            svi.step(y)
+    mean_w, sd_w, mean_u, sd_u = means_posterior(y)  # (0.13 sd and 4 % off after 50 steps)
+    assert ((pyro.param("w_loc") - mean_w) / sd_w).abs().max() < 0.01
+    assert (pyro.param("w_scale") / sd_w - 1).abs().max() < 0.002
+    assert abs((pyro.param("u_loc") - mean_u) / sd_u) < 0.01
+    assert abs(pyro.param("u_scale") / sd_u - 1) < 0.002
+
+
+def test_hand_written_guide_takes_natural_gradient_steps_not_adam_steps():
+    """Ten NGVI steps from a far start land near the exact posterior: Newton-like steps,
+    which Adam's (at most lr each) cannot be."""
+    y = means_data()
+    svi = SVI(means_model, hand_written_guide, NGVI(), Trace_ELBO(num_particles=64, vectorize_particles=True))
+    view = guide_view(hand_written_guide, (y,))
+    assert sorted(site.name for site in view.sites) == ["u", "w"] and view.others == []
+    for _ in range(10):
+        svi.step(y)
+    mean_w, sd_w, _, _ = means_posterior(y)
+    # from 10 sd away (Adam, lr 0.01, moves at most 0.1 in 10 steps: 0.6 sd)
+    assert ((pyro.param("w_loc") - mean_w) / sd_w).abs().max() < 0.3
+
+
+# ------------------------------------------------------------------ handlers
+class Marker(poutine.messenger.Messenger):
+    """A messenger that marks params on their way, as Pyro's forecaster does."""
+
+    def _postprocess_message(self, msg):
+        if msg["type"] == "param":
+            msg["value"].unconstrained()._marked = True
+
+
+class GuideModule(PyroModule):
+    """The hand-written guide as a PyroModule container."""
+
+    def __init__(self):
+        super().__init__()
+        self.w_loc = PyroParam(torch.zeros(3))
+        self.w_scale = PyroParam(torch.ones(3), constraint=constraints.positive)
+
+    def forward(self, y):
+        pyro.sample("w", dist.Normal(self.w_loc, self.w_scale).to_event(1))
+
+
+def view_of(guide, *args):
+    store = pyro.get_param_store()
+    return [(site.name, store.param_name(site.loc), site.scale_name, site.weight)
+            for site in guide_view(guide, args).sites]
+
+
+WRAPPERS = {
+    "messenger": lambda g: Marker()(g),
+    "block": lambda g: poutine.block(g, hide=["obs"]),
+    "condition": lambda g: poutine.condition(g, data={"obs": torch.zeros(3)}),
+    "reparam": lambda g: poutine.reparam(g, config={"obs": LocScaleReparam(0.0)}),
+    "partial": lambda g: functools.partial(g),
+    "nested": lambda g: Marker()(poutine.block(functools.partial(g), hide=["obs"])),
+}
+
+
+@pytest.mark.parametrize("wrap", list(WRAPPERS))
+def test_a_hand_written_guide_in_a_handler_is_read_as_the_bare_one(wrap):
+    y = means_data()
+    bare = view_of(hand_written_guide, y)
+    assert [name for name, *_ in bare] == ["w", "u"]
+    assert view_of(WRAPPERS[wrap](hand_written_guide), y) == bare
+
+
+@pytest.mark.parametrize("wrap", list(WRAPPERS))
+def test_an_autonormal_in_a_handler_is_read_as_the_bare_one(wrap):
+    """The bare AutoNormal is read from its structure, the wrapped one off its trace."""
+    y = means_data()
+    guide = AutoNormal(means_model)
+    guide(y)
+    bare = view_of(guide, y)
+    assert [name for name, *_ in bare] == ["w", "s"]
+    assert view_of(WRAPPERS[wrap](guide), y) == bare
+
+
+def test_poutine_scale_on_the_guide_is_read_with_its_weight():
+    y = means_data()
+    bare = view_of(hand_written_guide, y)
+    scaled = view_of(poutine.scale(hand_written_guide, scale=2.0), y)
+    assert scaled == [(name, loc, scale, 2.0) for name, loc, scale, _ in bare]
+
+
+def test_a_pyro_module_guide_is_read_off_its_trace():
+    y = means_data()
+    guide = GuideModule()
+    (site,) = guide_view(guide, (y,)).sites
+    assert site.name == "w" and site.loc is pyro.get_param_store()._params["w_loc"]
+    assert site.scale_name == "w_scale"
+
+
+def subsampled_model(y, idx):
+    with pyro.plate("groups", 10, subsample=idx, dim=-2):
+        with pyro.plate("items", 6, subsample_size=3, dim=-1) as items:
+            theta = pyro.sample("theta", dist.Normal(0.0, 1.0))
+            pyro.sample("obs", dist.Normal(theta, 1.0), obs=y[idx][:, items])
+
+
+@pytest.mark.parametrize("wrap", [None, "messenger"])
+def test_subsampled_autonormal_is_read_off_its_trace_like_its_structure(wrap):
+    """Rows picked by two subsampling plates: the trace finds the whole params."""
+    y = torch.randn(10, 6)
+    guide = AutoNormal(subsampled_model)
+    idx = torch.tensor([1, 4, 7])
+    guide(y, idx)
+    store = pyro.get_param_store()
+    structural = [(store.param_name(s.loc), s.scale_name) for s in guide_view(guide, (y, idx)).sites]
+    traced = WRAPPERS[wrap](guide) if wrap else guide
+    blocks, others = read_trace(trace_guide(traced, y, idx))
+    assert [(b.loc, b.scale) for b in blocks] == structural == [("AutoNormal.locs.theta", "AutoNormal.scales.theta")]
+    assert blocks[0].subsampled and blocks[0].weight == 1.0 and others == []
+
+
+# ------------------------------------------------------------------ AutoGuideList, AutoCallable
+def median_model():
+    pyro.sample("x", dist.Normal(0.0, 1.0))
+    pyro.sample("y", dist.LogNormal(0.0, 1.0))
+    pyro.sample("z", dist.Beta(2.0, 2.0))
+
+
+def callable_guide_list(model):
+    """Pyro's own idiom (tests/infer/test_autoguide.py, auto_guide_callable)."""
+    def guide_x():
+        x_loc = pyro.param("x_loc", torch.tensor(1.0))
+        x_scale = pyro.param("x_scale", torch.tensor(0.1), constraint=constraints.positive)
+        pyro.sample("x", dist.Normal(x_loc, x_scale))
+
+    def median_x():
+        return {"x": pyro.param("x_loc", torch.tensor(1.0))}
+
+    guide = AutoGuideList(model)
+    guide.append(AutoCallable(model, guide_x, median_x))
+    guide.append(AutoDiagonalNormal(poutine.block(model, hide=["x"])))
+    return guide
+
+
+class GuideX(AutoGuide):
+    def __init__(self, model):
+        super().__init__(model)
+        self.x_loc = torch.nn.Parameter(torch.tensor(1.0))
+        self.x_scale = PyroParam(torch.tensor(0.1), constraint=constraints.positive)
+
+    def forward(self, *args, **kwargs):
+        return {"x": pyro.sample("x", dist.Normal(self.x_loc, self.x_scale))}
+
+    def median(self, *args, **kwargs):
+        return {"x": self.x_loc.detach()}
+
+
+def module_guide_list(model):
+    """Pyro's auto_guide_module_callable: an AutoGuide subclass with its own params."""
+    guide = AutoGuideList(model)
+    guide.custom = GuideX(model)
+    guide.diagnorm = AutoDiagonalNormal(poutine.block(model, hide=["x"]))
+    return guide
+
+
+@pytest.mark.parametrize("make", [callable_guide_list, module_guide_list], ids=["callable", "module"])
+def test_autoguidelist_with_a_callable_part_gets_natural_gradients_everywhere(make):
+    guide = make(median_model)
+    elbo = Trace_ELBO(num_particles=100, vectorize_particles=True)
+    svi = SVI(median_model, guide, NGVI(), elbo)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every part is a Gaussian: no warning
+        for _ in range(100):  # Pyro's test_median: 100 steps, tolerance 0.1
+            svi.step()
+        names = sorted(site.name for site in guide_view(guide).sites)
+    assert len(names) == 2 and "x" in names  # x (read off the trace) and the diagonal part
+    median = guide.median()
+    assert abs(median["x"].item()) < 0.1
+    assert abs(median["y"].item() - 1.0) < 0.1
+    assert abs(median["z"].item() - 0.5) < 0.1
+
+
+def test_an_autonormalmessenger_is_read_as_gaussians_in_the_unconstrained_coordinates():
+    """AutoNormalMessenger samples TransformedDistribution(Normal(loc, scale), biject_to(support)):
+    a Gaussian on u; its hierarchical sibling computes its loc from the prior (not one)."""
+    median_model()
+    guide = AutoNormalMessenger(median_model)
+    guide()
+    view = guide_view(guide, (), {}, median_model)
+    assert [site.name for site in view.sites] == ["x", "y", "z"] and view.others == []
+    store = pyro.get_param_store()
+    assert [store.param_name(site.loc) for site in view.sites] == ["locs.x", "locs.y", "locs.z"]
+    pyro.clear_param_store()
+    guide = AutoHierarchicalNormalMessenger(median_model)
+    guide()
+    view = guide_view(guide, (), {}, median_model)
+    assert view.sites == [] and [o.site for o in view.others] == ["x", "y", "z"]
+    assert all("computed" in o.reason for o in view.others)
+
+
+def test_a_model_run_inside_the_guide_adds_no_part():
+    """AutoNormalMessenger runs the model inside the guide: the model's observed site and its own
+    param ('noise') appear in the guide's trace, but they are the model's, not guide parts."""
+    def model(y):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0))
+        noise = pyro.param("noise", torch.tensor(1.0), constraint=constraints.positive)
+        with pyro.plate("data", len(y)):
+            pyro.sample("obs", dist.Normal(w, noise), obs=y)
+
+    y = torch.randn(4)
+    guide = AutoNormalMessenger(model)
+    guide(y)
+    view = guide_view(guide, (y,), {}, model)
+    assert [site.name for site in view.sites] == ["w"] and view.others == []
+
+
+class SharedParamsModel(PyroModule):
+    """Pyro's test_median_module model: its prior reads params named like the guide's."""
+
+    def __init__(self):
+        super().__init__()
+        self.x_loc = torch.nn.Parameter(torch.tensor(1.0))
+        self.x_scale = PyroParam(torch.tensor(0.1), constraints.positive)
+
+    def forward(self):
+        x = pyro.sample("x", dist.Normal(self.x_loc, self.x_scale))
+        pyro.sample("y", dist.Normal(2.0, 0.1))
+        pyro.sample("z", dist.Normal(1.0, 0.1), obs=x)
+
+
+def test_a_guide_param_the_model_reads_too_is_not_a_gaussian_of_the_guide():
+    """The guide's x_loc and x_scale are the model's prior params (the same param-store names):
+    an NGVI step on them would ignore the prior's dependence on them. They get the point
+    optimizer (as Adam trains them in Pyro's test), the other part its natural gradient."""
+    model = SharedParamsModel()
+    guide = callable_guide_list(model)
+    svi = SVI(model, guide, NGVI(), Trace_ELBO())
+    with pytest.warns(NotGaussianWarning, match="'x' \\(its param 'x_loc' is read by the model too"):
+        svi.step()
+    sites = guide_view(guide, (), {}, model).sites
+    assert [type(s).__name__ for s in sites] == ["GaussianSite"] and sites[0].name == "AutoGuideList.1"
+    for _ in range(19):
+        svi.step()
+    median = guide.median()  # Pyro's tolerances after its 20 steps
+    assert abs(median["x"].item() - 1.0) < 0.1 and abs(median["y"].item() - 2.0) < 0.1
+
+
+# ------------------------------------------------------------------ what is not a Gaussian
+class Encoder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(1, 1)
+
+    def forward(self, y):
+        return self.net(y.reshape(-1, 1)).reshape(-1)
+
+
+def mixed_model(y):
+    a = pyro.sample("a", dist.Normal(0.0, 1.0))
+    b = pyro.sample("b", dist.Normal(0.0, 1.0))
+    c = pyro.sample("c", dist.Normal(0.0, 1.0))
+    r = pyro.sample("r", dist.Gamma(2.0, 2.0))
+    with pyro.plate("data", len(y)):
+        z = pyro.sample("z", dist.Normal(0.0, 1.0))
+        pyro.sample("obs", dist.Normal(a + b + c + z, r), obs=y)
+
+
+def mixed_guide(y, encoder):
+    pyro.sample("a", dist.Normal(pyro.param("a_loc", torch.tensor(0.0)),
+                                 pyro.param("a_scale", torch.tensor(1.0), constraint=constraints.positive)))
+    pyro.sample("b", dist.Delta(pyro.param("b_value", torch.tensor(0.0))))
+    pyro.sample("c", dist.Normal(pyro.param("c_loc", torch.tensor(0.0)), 0.3))
+    pyro.sample("r", dist.Gamma(pyro.param("r_shape", torch.tensor(2.0), constraint=constraints.positive), 2.0))
+    pyro.module("encoder", encoder)
+    with pyro.plate("data", len(y)):
+        pyro.sample("z", dist.Normal(encoder(y), pyro.param("z_scale", torch.tensor(0.5),
+                                                             constraint=constraints.positive)))
+
+
+def test_the_warning_names_the_sites_that_get_the_point_optimizer_once():
+    y = torch.randn(5)
+    encoder = Encoder()
+    guide = functools.partial(mixed_guide, encoder=encoder)
+    svi = SVI(mixed_model, guide, NGVI(), Trace_ELBO())
+    with pytest.warns(NotGaussianWarning) as record:
+        svi.step(y)
+    (warning,) = [w for w in record if w.category is NotGaussianWarning]
+    message = str(warning.message)
+    for site, why in (("b", "Delta"), ("c", "scale is not"), ("r", "Gamma"), ("z", "loc is not")):
+        assert f"'{site}' ({why}" in message.replace("it is a ", "").replace("its ", ""), site
+    assert "'a'" not in message
+    assert "encoder$$$net.weight" in message and "'z_scale'" in message
+    view = guide_view(guide, (y,))
+    assert [site.name for site in view.sites] == ["a"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per guide structure
+        for _ in range(3):
+            svi.step(y)
+    # every part trains: the point optimizer moved the params of the other sites
+    assert pyro.param("b_value").item() != 0.0 and pyro.param("c_loc").item() != 0.0
+    assert pyro.param("r_shape").item() != 2.0 and pyro.param("z_scale").item() != 0.5
+
+
+def test_params_shared_between_sites_are_not_a_gaussian():
+    def model():
+        pyro.sample("p", dist.Normal(0.0, 1.0))
+        pyro.sample("q", dist.Normal(0.0, 1.0))
+
+    def guide():
+        scale = pyro.param("shared_scale", torch.tensor(1.0), constraint=constraints.positive)
+        pyro.sample("p", dist.Normal(pyro.param("p_loc", torch.tensor(0.0)), scale))
+        pyro.sample("q", dist.Normal(pyro.param("q_loc", torch.tensor(0.0)), scale))
+
+    blocks, others = read_trace(trace_guide(guide))
+    assert blocks == []
+    assert sorted(o.site for o in others) == ["p", "q"] and all("shares" in o.reason for o in others)
+
+
+def test_a_gaussian_whose_loc_enters_another_site_directly_is_not_one():
+    def guide():
+        loc = pyro.param("loc_p", torch.tensor(0.0))
+        pyro.sample("p", dist.Normal(loc, pyro.param("sp", torch.tensor(1.0), constraint=constraints.positive)))
+        pyro.sample("q", dist.Normal(2 * loc, 1.0))
+
+    blocks, others = read_trace(trace_guide(guide))
+    assert blocks == []
+    assert {o.site: o.params for o in others} == {"p": ("loc_p", "sp"), "q": ("loc_p",)}
+    assert "also enter site 'q'" in others[0].reason
+
+
+def test_a_site_built_from_a_gaussians_draw_leaves_that_gaussian_one():
+    """A hierarchical guide: q's loc is p's draw; p stays a Gaussian, q is trained as a point."""
+    def guide():
+        p = pyro.sample("p", dist.Normal(pyro.param("loc_p", torch.tensor(0.0)),
+                                         pyro.param("sp", torch.tensor(1.0), constraint=constraints.positive)))
+        pyro.sample("q", dist.Normal(p, pyro.param("sq", torch.tensor(1.0), constraint=constraints.positive)))
+
+    blocks, others = read_trace(trace_guide(guide))
+    assert [b.site for b in blocks] == ["p"]
+    assert [(o.site, o.params) for o in others] == [("q", ("sq",))]
+
+
+def test_a_normal_without_rsample_or_with_a_broadcast_scale_is_not_a_gaussian():
+    def guide():
+        loc = pyro.param("m", torch.zeros(2))
+        scale = pyro.param("s", torch.ones(2), constraint=constraints.positive)
+        pyro.sample("p", dist.Normal(loc, scale).has_rsample_(False).to_event(1))
+        pyro.sample("q", dist.Normal(pyro.param("mq", torch.zeros(2)),
+                                     pyro.param("sq", torch.tensor(1.0), constraint=constraints.positive)).to_event(1))
+        pyro.sample("r", dist.Normal(pyro.param("mr", torch.zeros(2)),
+                                     pyro.param("sr", torch.ones(2), constraint=constraints.interval(0.0, 5.0))).to_event(1))
+
+    blocks, others = read_trace(trace_guide(guide))
+    assert blocks == []
+    reasons = {o.site: o.reason for o in others}
+    assert "reparameterised" in reasons["p"]
+    assert "broadcast" not in reasons["q"]  # its scale is broadcast, its loc is not
+    assert "scale" in reasons["q"]
+    assert "exp or softplus" in reasons["r"]
+
+
+def test_a_loc_shared_by_the_elements_of_a_plate_is_not_a_mean_field_gaussian():
+    """AutoNormalMessenger(amortized_plates=...): one loc broadcast over the plate (Pyro's
+    test_subsample_model_amortized)."""
+    def model(x):
+        with pyro.plate("batch", len(x)):
+            pyro.sample("sigma", dist.LogNormal(0.0, 1.0))
+
+    x = torch.zeros(5)
+    guide = AutoNormalMessenger(model, amortized_plates=("batch",))
+    guide(x)
+    view = guide_view(guide, (x,), {}, model)
+    assert view.sites == []
+    (part,) = view.others
+    assert part.site == "sigma" and "broadcast over the site" in part.reason
+
+
+def named_like_gaussians(y):
+    loc = pyro.sample("loc", dist.Normal(0.0, 10.0))
+    scale = pyro.sample("scale", dist.LogNormal(0.0, 1.0))
+    with pyro.plate("data", len(y)):
+        pyro.sample("obs", dist.Normal(loc, scale), obs=y)
+
+
+def test_an_autodelta_with_sites_named_loc_and_scale_trains_exactly_as_with_adam():
+    """Names are no evidence: AutoDelta's 'loc' and 'scale' are point estimates, trained by
+    the point optimizer (Adam, lr 0.01) step for step as pyro.optim.Adam trains them."""
+    y = torch.tensor([0.3, 1.2, -0.5, 0.8, 0.1])
+    results = []
+    for make in (lambda: NGVI(), lambda: pyro.optim.Adam({"lr": 0.01})):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        guide = AutoDelta(named_like_gaussians)
+        svi = SVI(named_like_gaussians, guide, make(), Trace_ELBO())
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            for _ in range(20):
+                svi.step(y)
+        results.append({k: v.detach().clone() for k, v in pyro.get_param_store().items()})
+        warned = [w for w in record if issubclass(w.category, NotGaussianWarning)]
+        if isinstance(svi.optim, NGVI):
+            assert len(warned) == 1
+            assert "'loc' (it is a Delta" in str(warned[0].message)
+            assert guide_view(guide, (y,)).sites == []
+    assert results[0].keys() == results[1].keys()
+    for name in results[0]:
+        assert torch.equal(results[0][name], results[1][name]), name
+
+
+def test_a_models_own_param_named_loc_is_not_a_gaussian():
+    def model(y):
+        loc = pyro.param("loc", torch.tensor(0.0))
+        w = pyro.sample("w", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", len(y)):
+            pyro.sample("obs", dist.Normal(loc + w, 1.0), obs=y)
+
+    def guide(y):
+        pyro.sample("w", dist.Normal(pyro.param("q_m", torch.tensor(0.0)),
+                                     pyro.param("q_s", torch.tensor(1.0), constraint=constraints.positive)))
+
+    y = torch.randn(4)
+    svi = SVI(model, guide, NGVI(), Trace_ELBO())
+    svi.step(y)
+    params = [pyro.get_param_store()._params[n] for n in ("loc", "q_m", "q_s")]
+    sites, others = split_params(guide, params, (y,), {})
+    assert [s.name for s in sites] == ["w"] and sites[0].loc is params[1]
+    assert [id(p) for p in others] == [id(params[0])]
+
+
+def test_low_rank_multivariate_normal_is_trained_by_the_point_optimizer_with_a_pointer():
+    def model():
+        pyro.sample("w", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+
+    guide = AutoLowRankMultivariateNormal(model)
+    svi = SVI(model, guide, NGVI(), Trace_ELBO())
+    with pytest.warns(NotGaussianWarning, match="LowRankPrecisionNormal"):
+        svi.step()
+    before = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+    svi.step()
+    assert all(not torch.equal(before[k], v.detach()) for k, v in pyro.get_param_store().items())
+
+
+def test_only_the_sites_that_hold_params_are_named():
+    """An AutoContinuous guide samples one latent and splits it into Deltas: the Deltas are built
+    from the latent's draw, not from params of their own, so only the latent is named."""
+    guide = AutoLowRankMultivariateNormal(median_model)
+    guide()
+    view = guide_view(guide, (), {}, median_model)
+    assert view.sites == []
+    (part,) = view.others
+    assert part.site == "_AutoLowRankMultivariateNormal_latent" and "LowRankPrecisionNormal" in part.reason
+    assert set(part.params) == {"AutoLowRankMultivariateNormal.loc", "AutoLowRankMultivariateNormal.cov_factor",
+                                "AutoLowRankMultivariateNormal.scale"}
+    pyro.clear_param_store()
+    guide = AutoIAFNormal(median_model)
+    guide()
+    (part,) = guide_view(guide, (), {}, median_model).others
+    assert part.site == "_AutoIAFNormal_latent" and "flow" in part.reason
+
+
+# ------------------------------------------------------------------ the trace leaves no trace
+class BatchNormGuide(PyroModule):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(1)
+        self.scale = PyroParam(torch.tensor(1.0), constraint=constraints.positive)
+
+    def forward(self, y):
+        with pyro.plate("data", len(y)):
+            pyro.sample("z", dist.Normal(self.norm(y.reshape(-1, 1)).reshape(-1), self.scale))
+
+
+def test_tracing_a_guide_leaves_the_random_streams_and_buffers_as_they_were():
+    import random
+
+    import numpy
+
+    guide = BatchNormGuide()
+    y = torch.randn(6) + 3.0
+    states = (torch.get_rng_state(), random.getstate(), numpy.random.get_state()[1].copy())
+    buffers = {k: v.clone() for k, v in guide.state_dict().items()}
+    trace = trace_guide(guide, y)
+    assert "z" in trace.nodes
+    assert torch.equal(torch.get_rng_state(), states[0])
+    assert random.getstate() == states[1]
+    assert (numpy.random.get_state()[1] == states[2]).all()
+    for k, v in guide.state_dict().items():
+        assert torch.equal(v, buffers[k]), k
+
+
+def test_reading_the_guide_off_its_trace_draws_no_random_numbers():
+    """The first NGVI step reads a hand-written guide off its trace; the run's random stream
+    is where one Adam step leaves it (the same draws, the same losses as a run that never
+    read it)."""
+    y = means_data()
+    states, losses = [], []
+    for make in (lambda: NGVI(), lambda: pyro.optim.Adam({"lr": 0.01})):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(3)
+        svi = SVI(means_model, hand_written_guide, make(), Trace_ELBO())
+        losses.append(svi.step(y))
+        states.append(torch.get_rng_state())
+    assert torch.equal(states[0], states[1])
+    assert losses[0] == losses[1]

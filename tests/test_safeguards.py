@@ -1,0 +1,73 @@
+"""The safeguards of a step (pyro_ngvi.safeguards), as units."""
+
+import pytest
+import torch
+
+import pyro
+
+from pyro_ngvi import NGVIWarning
+from pyro_ngvi.family import GaussianSite
+from pyro_ngvi.safeguards import NewtonGuard, clamp_precision_, finite
+
+
+def make_site(name, value, dtype):
+    pyro.param(f"g.locs.{name}", torch.as_tensor(value, dtype=dtype))
+    pyro.param(f"g.scales.{name}", torch.full_like(torch.as_tensor(value, dtype=dtype), 0.5),
+               constraint=pyro.distributions.constraints.softplus_positive)
+    store = pyro.get_param_store()
+    return GaussianSite(name, store._params[f"g.locs.{name}"], store._params[f"g.scales.{name}"],
+                        f"g.scales.{name}")
+
+
+@pytest.mark.parametrize("dtype, relative_rise, rejected", [
+    (torch.float32, 4e-7, False),  # a few ulps of a float32 sum: round-off, not a rise
+    (torch.float32, 1e-4, True),
+    (torch.float64, 1e-12, False),
+    (torch.float64, 1e-8, True),
+])
+def test_newton_guard_tells_round_off_from_a_rise(dtype, relative_rise, rejected):
+    """The merit F compares steps up to the round-off of its dtype: a float32 F that 'rose
+    from 66.2654 to 66.2654' is accepted (it was undone, with a warning, before)."""
+    pyro.clear_param_store()
+    site = make_site("w", [1.0, 2.0], dtype)
+    guard = NewtonGuard()
+    guard.keep([site], 66.2654)
+    with torch.no_grad():
+        site.loc.add_(1.0)
+    if rejected:
+        with pytest.warns(NGVIWarning, match="undid step"):
+            assert guard.rejects([site], 66.2654 * (1 + relative_rise), step=7)
+        assert torch.equal(site.loc, torch.tensor([1.0, 2.0], dtype=dtype))  # undone
+    else:
+        assert not guard.rejects([site], 66.2654 * (1 + relative_rise), step=7)
+        assert torch.equal(site.loc, torch.tensor([2.0, 3.0], dtype=dtype))
+
+
+def test_newton_guard_compares_sites_by_identity_not_value():
+    """Sites of another guide (same name, another shape) are other sites: no element-wise ==
+    (which raised 'The size of tensor a (3) must match ...'), no undo of the wrong tensors."""
+    pyro.clear_param_store()
+    first = make_site("w", [1.0, 2.0, 3.0], torch.float64)
+    guard = NewtonGuard()
+    guard.keep([first], 1.0)
+    pyro.clear_param_store()
+    second = make_site("w", [1.0, 2.0, 3.0, 4.0, 5.0], torch.float64)
+    assert not guard.rejects([second], 2.0, step=1)  # not the sites it saved: nothing to undo
+    assert torch.equal(second.loc, torch.arange(1.0, 6.0, dtype=torch.float64))
+
+
+def test_clamp_keeps_precision_finite_and_reports_overflow():
+    precision = torch.tensor([0.0, 1.0, float(torch.finfo(torch.float32).max)])
+    floor = torch.full((3,), 2.0)
+    clamped, lowest = clamp_precision_(precision, floor)
+    assert bool(clamped)  # the top was passed
+    assert torch.all(precision >= 2.0) and torch.all(torch.isfinite(precision.rsqrt()))
+    assert float(lowest) == torch.finfo(torch.float32).tiny
+
+
+def test_finite_tells_an_overflowing_sum_from_a_non_finite_value():
+    huge = torch.full((4,), 3e38)
+    assert not bool(finite(huge)) and bool(finite(huge, exact=True))
+    assert not bool(finite(torch.tensor([1.0, float("nan")]), exact=True))
+    mask = torch.tensor([True, False])
+    assert bool(finite(torch.tensor([1.0, float("inf")]), mask=mask))  # untouched rows do not count

@@ -1,0 +1,162 @@
+"""
+Issue 23's two user models, against exact posterior means (benchmarks/user_models.py runs them
+at full size with ClippedAdam, recipe (b) and a NUTS reference):
+
+* a ``PyroModule`` linear regression on the standardised diabetes data (10 correlated
+  coefficients, a learned noise scale, ``AutoNormal``); exact means by quadrature over the noise
+  scale of the conjugate posterior given it;
+* a hierarchical model with subsampled local latents (groups in minibatches, ``AutoNormal`` with
+  ``create_plates`` on the same indices); exact Gaussian posterior in closed form.
+
+Criterion: every latent coordinate's guide mean within 0.1 exact posterior sd of its exact mean.
+"""
+
+
+import pytest
+import torch
+
+import pyro
+import pyro.distributions as dist
+from pyro.infer import SVI, Trace_ELBO
+from pyro.infer.autoguide import AutoNormal
+from pyro.nn import PyroModule, PyroSample
+
+from pyro_ngvi import NGVI
+
+F64 = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    torch.set_default_dtype(F64)  # (conftest restores the default)
+
+
+# ------------------------------------------------------------------ the regression
+def diabetes():
+    from sklearn.datasets import load_diabetes
+
+    x, y = load_diabetes(return_X_y=True)
+    x, y = torch.tensor(x, dtype=F64), torch.tensor(y, dtype=F64)
+    return (x - x.mean(0)) / x.std(0), (y - y.mean()) / y.std()
+
+
+class Regression(PyroModule):
+    def __init__(self, features):
+        super().__init__()
+        self.linear = PyroModule[torch.nn.Linear](features, 1).double()
+        self.linear.weight = PyroSample(dist.Normal(0.0, 1.0).expand([1, features]).to_event(2))
+        self.linear.bias = PyroSample(dist.Normal(0.0, 10.0).expand([1]).to_event(1))
+
+    def forward(self, x, y=None):
+        sigma = pyro.sample("sigma", dist.Uniform(0.0, 10.0))
+        mean = self.linear(x).squeeze(-1)
+        with pyro.plate("data", x.shape[0]):
+            pyro.sample("obs", dist.Normal(mean, sigma), obs=y)
+
+
+def regression_exact(x, y, grid=2000):
+    """Means and sds of (weight, bias, logit(sigma / 10)): quadrature over sigma (flat prior)
+    of the Gaussian posterior given sigma, p(sigma | y) from the marginal likelihood."""
+    n, d = x.shape
+    design = torch.cat([x, torch.ones(n, 1)], 1)
+    prior_var = torch.cat([torch.ones(d), torch.tensor([100.0])])
+    values, vectors = torch.linalg.eigh(design @ torch.diag(prior_var) @ design.T)
+    rotated = (vectors.T @ y) ** 2
+    sigmas = torch.linspace(0.5, 1.0, grid)
+    total = values[None, :] + sigmas[:, None] ** 2
+    log_post = -0.5 * (total.log().sum(1) + (rotated / total).sum(1))
+    weights = (log_post - log_post.logsumexp(0)).exp()
+    assert weights[0] < 1e-12 and weights[-1] < 1e-12
+    covs = torch.linalg.inv(design.T @ design / sigmas[:, None, None] ** 2 + torch.diag(1 / prior_var))
+    means = covs @ (design.T @ y) / sigmas[:, None] ** 2
+    mean = (weights[:, None] * means).sum(0)
+    var = (weights[:, None] * (covs.diagonal(dim1=1, dim2=2) + means**2)).sum(0) - mean**2
+    u = torch.logit(sigmas / 10)
+    u_mean = (weights * u).sum()
+    u_var = (weights * (u - u_mean) ** 2).sum()
+    return torch.cat([mean, u_mean[None]]), torch.cat([var, u_var[None]]).sqrt()
+
+
+def regression_means():
+    store = pyro.get_param_store()
+    return torch.cat([store["AutoNormal.locs.linear.weight"].detach().reshape(-1),
+                      store["AutoNormal.locs.linear.bias"].detach().reshape(-1),
+                      store["AutoNormal.locs.sigma"].detach().reshape(-1)])
+
+
+def test_regression_reference_is_the_conjugate_posterior_where_sigma_is_known():
+    """The quadrature's inner posterior is the exact conjugate one: with the marginal weights
+    concentrated, its mean is the conjugate mean at the posterior's sigma (to 1 % of an sd)."""
+    x, y = diabetes()
+    mean, sd = regression_exact(x, y)
+    sigma = 10 * torch.sigmoid(mean[-1])
+    design = torch.cat([x, torch.ones(len(x), 1)], 1)
+    precision = design.T @ design / sigma**2 + torch.diag(torch.cat([torch.ones(10), torch.tensor([0.01])]))
+    conjugate = torch.linalg.solve(precision, design.T @ y / sigma**2)
+    assert ((mean[:-1] - conjugate) / sd[:-1]).abs().max() < 0.01
+    assert 0.65 < sigma < 0.75  # the residual scale of a linear fit to diabetes (R^2 ~ 0.52)
+
+
+def test_diabetes_regression_ngvi_reaches_the_exact_means():
+    """NGVI() with no settings gets every mean within 0.1 posterior sd of the exact one (the
+    mean step coupled by the cross terms' Hessian estimate: 750-1000 steps on 3 seeds, see
+    benchmarks/results/user_models.md; the element-wise step was still 0.4-0.74 sd away after
+    2,000, the best decayed ClippedAdam 0.30)."""
+    x, y = diabetes()
+    mean, sd = regression_exact(x, y)
+    model = Regression(x.shape[1])
+    svi = SVI(model, AutoNormal(model), NGVI(), Trace_ELBO())
+    errors = []
+    for step in range(1200):
+        svi.step(x, y)
+        if step % 100 == 99:
+            errors.append(float(((regression_means() - mean) / sd).abs().max()))
+    assert errors[-1] < 0.1 and errors[-2] < 0.1  # there and staying
+    assert errors[3] > 0.5  # ... and a slow problem at first: 400 steps are not enough
+
+
+# ------------------------------------------------------------------ the hierarchical model
+GROUPS, PER_GROUP, BATCH = 40, 5, 10
+
+
+def hierarchical_model(y, idx):
+    mu = pyro.sample("mu", dist.Normal(0.0, 10.0))
+    with pyro.plate("groups", GROUPS, subsample=idx):
+        theta = pyro.sample("theta", dist.Normal(mu, 1.0))
+        with pyro.plate("obs", PER_GROUP, dim=-2):
+            pyro.sample("y", dist.Normal(theta, 1.0), obs=y[:, idx])
+
+
+def hierarchical_data(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    theta = 3.0 + torch.randn(GROUPS, generator=g, dtype=F64)
+    return theta + torch.randn(PER_GROUP, GROUPS, generator=g, dtype=F64)
+
+
+def hierarchical_exact(y):
+    """The exact posterior of (mu, theta), from the dense precision of the joint Gaussian."""
+    precision = torch.zeros(GROUPS + 1, GROUPS + 1)
+    precision[0, 0] = 1 / 100 + GROUPS
+    precision[0, 1:] = precision[1:, 0] = -1.0
+    precision[1:, 1:] = torch.eye(GROUPS) * (1.0 + PER_GROUP)
+    covariance = torch.linalg.inv(precision)
+    rhs = torch.cat([torch.zeros(1), y.sum(0)])
+    return covariance @ rhs, covariance.diagonal().sqrt()
+
+
+def test_hierarchical_subsampled_ngvi_reaches_the_exact_means():
+    """Minibatches of 10 of 40 groups (each local latent updated one step in four): NGVI() at its
+    defaults puts every mean within 0.1 sd of the exact posterior's (0.056 sd after 400 steps,
+    below 0.1 from step 300 on; at full size, 1,000 groups by 100, from step 1,190:
+    benchmarks/user_models.py)."""
+    y = hierarchical_data()
+    mean, sd = hierarchical_exact(y)
+    guide = AutoNormal(hierarchical_model, create_plates=lambda y, idx: pyro.plate("groups", GROUPS, subsample=idx))
+    svi = SVI(hierarchical_model, guide, NGVI(), Trace_ELBO())
+    order = torch.Generator().manual_seed(1)
+    for _ in range(100):  # epochs of 4 minibatches
+        for idx in torch.randperm(GROUPS, generator=order).split(BATCH):
+            svi.step(y, idx)
+    store = pyro.get_param_store()
+    found = torch.cat([store["AutoNormal.locs.mu"].detach().reshape(1), store["AutoNormal.locs.theta"].detach()])
+    assert ((found - mean) / sd).abs().max() < 0.1
