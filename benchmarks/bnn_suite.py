@@ -18,7 +18,11 @@ Methods:
   (the same prior), every other argument at its default;
 * ``MAP (tuned)``: Adam (lr 1e-3) on the negative log joint, the weight decay per datum
   in {1/N (the prior), 1e-4, 1e-3, 1e-2} and the epoch (of 20 checkpoints) chosen by
-  the validation NLL (regression: the validation predictive log-likelihood).
+  the validation NLL (regression: the validation predictive log-likelihood);
+* ``NGVI ggn (validated)`` (issue 26; asked for with ``--methods``): the recipe with its prior
+  scale and epoch chosen on the same validation split with the same budget
+  (``pyro_ngvi.select_by_validation``: the prior N(0, 1) and the priors of precision per datum
+  1e-4, 1e-3, 1e-2, 20 checkpoints each, the one-standard-error rule).
 
 Reported per task, mean ± sd over seeds: accuracy, NLL, ECE (regression: RMSE,
 predictive log-likelihood per test point, 90 % interval coverage) of the posterior
@@ -99,6 +103,9 @@ METHODS: Dict[str, Callable] = {
     "ivon-opt": ivon_method,
 }
 MAP_LABEL = "MAP (tuned)"
+#: issue 26: the recipe with its prior scale and epoch chosen on the validation split, MAP's budget
+#: (harness.validated_ngvi, pyro_ngvi.select_by_validation); not in the default methods
+VALIDATED_LABEL = "NGVI ggn (validated)"
 
 
 def scores_of(task: harness.Task, method: harness.Method, x, y, samples: int = 32) -> Dict[str, float]:
@@ -115,9 +122,22 @@ def run_map(task: harness.Task, epochs: int) -> Dict[str, float]:
     return result
 
 
+def run_validated(task: harness.Task, epochs: int) -> Dict[str, float]:
+    """The recipe with prior and epoch chosen on the validation split (``harness.validated_ngvi``), its test scores."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", NGVIWarning)
+        method = harness.validated_ngvi(task, epochs)
+    result = scores_of(task, method, task.split.x_test, task.split.y_test)
+    result.update(seconds=method.seconds, prior_scale=method.prior_scale, epoch=method.epoch, skipped=0,
+                  warnings=[str(w.message)[:160] for w in caught if issubclass(w.category, NGVIWarning)])
+    return result
+
+
 def run(task: harness.Task, label: str, epochs: int) -> Dict[str, float]:
     if label == MAP_LABEL:
         return run_map(task, epochs)
+    if label == VALIDATED_LABEL:
+        return run_validated(task, epochs)
     method = METHODS[label](task)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", NGVIWarning)
@@ -162,6 +182,8 @@ def report(results: Dict[str, Dict[str, List[Dict]]], tasks: Dict, seeds: List[i
             extra = ""
             if label == MAP_LABEL:
                 extra = " (wd " + ", ".join(f"{r['weight_decay']:.0e}@{r['epoch']}" for r in rows) + ")"
+            if label == VALIDATED_LABEL:
+                extra = " (prior " + ", ".join(f"{r['prior_scale']:.2g}@{r['epoch']}" for r in rows) + ")"
             lines.append(f"| {label}{extra} | " + " | ".join(cells) + f" | {warned} | "
                          f"{statistics.mean(r['seconds'] for r in rows):.1f} |")
         lines.append("")
@@ -216,7 +238,8 @@ def targets(results, tasks, seeds) -> str:
             out.append(f"- {name}, {label}: " + "; ".join(notes))
     for label, wins in map_wins.items():
         out.append(f"- {label}: NLL <= tuned MAP's on {sum(wins)} of {len(wins)} tasks "
-                   f"({'ok' if 2 * sum(wins) >= len(wins) else 'MISSED'}: at least half)")
+                   f"(issue 19, at least half: {'ok' if 2 * sum(wins) >= len(wins) else 'MISSED'}; "
+                   f"issue 26, at least 7 of 9: {'ok' if sum(wins) >= 7 * len(wins) / 9 else 'MISSED'})")
     return "\n".join(out)
 
 

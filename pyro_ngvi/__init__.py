@@ -7,7 +7,7 @@ low-rank-plus-diagonal precision, Kronecker-factored layers), driven by Pyro's o
 from .checkpoint import load_param_store
 from .elbo import CurvatureELBO
 from .laplace import LaplaceResult, LaplaceWarning, laplace, optimize_prior_precision
-from .nn import BayesianNet
+from .nn import BayesianNet, ValidationSelection, select_by_validation
 from .optim import NGVI, NGVIWarning
 from .continual import posterior_as_prior, start_task, with_priors
 from .handlers import PriorMessenger
@@ -32,6 +32,8 @@ __all__ = [
     "load_param_store",
     "optimize_prior_precision",
     "posterior_as_prior",
+    "select_by_validation",
     "start_task",
+    "ValidationSelection",
     "with_priors",
 ]

@@ -129,6 +129,23 @@ def test_model_log_density_is_prior_plus_scaled_likelihood(likelihood):
     assert set(bnn.latent_sites) == set(weights)
 
 
+def test_set_prior_replaces_the_prior_the_model_and_the_fast_path_use():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    bnn = BayesianNet(net, "bernoulli", num_data=10)
+    x, y = torch.randn(5, 3), torch.ones(5)
+    bnn._weight_prior()  # the cached views of the old prior
+    bnn.set_prior({"0.weight": 0.5, "0.bias": 0.5, "2.weight": 2.0, "2.bias": 3.0})
+    trace = poutine.trace(bnn).get_trace(x, y)
+    for site, scale in {"0.weight": 0.5, "0.bias": 0.5, "2.weight": 2.0, "2.bias": 3.0}.items():
+        assert float(bnn.prior(site)[1]) == scale
+        value = trace.nodes[site]["value"]
+        expected = Normal(0.0, scale).log_prob(value).sum()
+        torch.testing.assert_close(trace.nodes[site]["fn"].log_prob(value), expected)
+        precision = bnn._weight_prior().site_precisions[bnn.latent_sites.index(site)]
+        torch.testing.assert_close(precision, torch.full_like(precision, scale**-2))
+
+
 def test_model_works_with_svi_and_predictive():
     bnn = make_bnn("gaussian", batch_norm=True, noise_scale=None)
     x, y = make_data("gaussian")

@@ -14,7 +14,8 @@ The experiment harness of the examples (the readable face) and the benchmarks
 
 from .cli import make_parser, parse_bnn_args, seed, session
 from .methods import (
-    IVON, MAP, HandVOGN, Method, Posterior, PyroSVI, annealed, bayes_by_backprop, decaying, ivon_installed, ngvi, ngvi_recipe,
+    IVON, MAP, HandVOGN, KroneckerSVI, Method, Posterior, PyroSVI, annealed, bayes_by_backprop, decaying, ivon_installed,
+    ngvi, ngvi_kronecker, ngvi_recipe,
     sample_outputs,
 )
 from .report import (
@@ -23,22 +24,25 @@ from .report import (
 from .task import Split, Task, make_split, minibatches, nll, predictive_metrics, regression_metrics
 from .tasks import (
     diabetes_mlp, digits_cnn, digits_cnn_net, digits_mlp, digits_split, mlp, random_shift, sklearn_task, suite_tasks,
+    small_tasks, SMALL_TUNING,
 )
 from .train import (
     MAP_WEIGHT_DECAYS, History, compare, elbo, evaluator, fit, gaussian_kl, log_spaced, precise_elbo, run_full_batch,
-    steps_to_within, trace_elbo, train, tuned_map, validation_loss,
+    steps_to_within, trace_elbo, train, tuned_map, validated_ngvi, validation_loss,
 )
 
 __all__ = [
     # task.py, tasks.py
     "Split", "Task", "make_split", "minibatches", "nll", "predictive_metrics", "regression_metrics",
     "mlp", "sklearn_task", "digits_mlp", "diabetes_mlp", "suite_tasks", "digits_split", "digits_cnn",
-    "digits_cnn_net", "random_shift",
+    "digits_cnn_net", "random_shift", "small_tasks", "SMALL_TUNING",
     # methods.py
-    "Method", "Posterior", "PyroSVI", "ngvi", "ngvi_recipe", "bayes_by_backprop", "MAP", "IVON", "HandVOGN", "sample_outputs",
+    "Method", "Posterior", "PyroSVI", "KroneckerSVI", "ngvi", "ngvi_kronecker", "ngvi_recipe", "bayes_by_backprop", "MAP",
+    "IVON", "HandVOGN", "sample_outputs",
     "ivon_installed", "annealed", "decaying",
     # train.py
     "History", "train", "fit", "compare", "evaluator", "elbo", "gaussian_kl", "trace_elbo", "tuned_map",
+    "validated_ngvi",
     "validation_loss", "MAP_WEIGHT_DECAYS",
     "run_full_batch", "precise_elbo", "log_spaced", "steps_to_within",
     # report.py, cli.py

@@ -99,12 +99,16 @@ class PyroSVI(Method):
     can live in one process.
     """
 
-    def __init__(self, task: Task, optim, loss, init_scale: Optional[float] = 0.1, name: str = "Pyro SVI"):
+    def __init__(self, task: Task, optim, loss, init_scale: Optional[float] = 0.1, name: str = "Pyro SVI",
+                 make_guide: Optional[Callable] = None, prior=None):
         super().__init__(task)
         self.name = name
-        self.bnn = BayesianNet(self.net, task.likelihood, num_data=task.num_data, prior=task.prior_scale,
+        self.bnn = BayesianNet(self.net, task.likelihood, num_data=task.num_data,
+                               prior=task.prior_scale if prior is None else prior,
                                augmentation_factor=task.augmentation_factor)
-        if init_scale is None:  # the model's own guide: its data-relative initial scale
+        if make_guide is not None:  # e.g. a KroneckerNormal
+            self.guide = make_guide(self.bnn)
+        elif init_scale is None:  # the model's own guide: its data-relative initial scale
             self.guide = self.bnn.guide()
         else:
             self.guide = AutoNormal(self.bnn, init_loc_fn=self.bnn.init_loc_fn, init_scale=init_scale)
@@ -148,6 +152,59 @@ class PyroSVI(Method):
             return None
         with self.active():
             return pyro.param("noise_scale").item()
+
+
+class KroneckerSVI(PyroSVI):
+    """
+    :class:`PyroSVI` with a :class:`~pyro_ngvi.kronecker.KroneckerNormal` guide (noisy K-FAC
+    with ``NGVI`` and ``CurvatureELBO("ggn")``): ``posterior()`` gives each weight's marginal
+    (mean, standard deviation :math:`\\sqrt{U_{ii} V_{jj}}`), ``predict`` draws whole layers
+    from their matrix normals.
+    """
+
+    def _layers(self):
+        with self.active(), torch.no_grad():
+            return [(layer, self.guide.get_layer(layer.name)) for layer in self.guide.layers]
+
+    def posterior(self) -> Posterior:
+        posterior = {}
+        for layer, law in self._layers():
+            row = law.row_scale_tril.square().sum(-1)  # diag U
+            col = law.col_scale_tril.square().sum(-1)  # diag V
+            std = (row[:, None] * col[None, :]).sqrt()
+            for site, part in self.guide._split(layer, law.loc.detach(), sample=False).items():
+                scale = self.guide._split(layer, std, sample=False)[site]
+                posterior[site] = (part.clone(), scale.clone())
+        return posterior
+
+    @torch.no_grad()
+    def predict(self, x, num_samples, generator=None):
+        layers = self._layers()
+        outputs = []
+        training = self.net.training
+        self.net.eval()
+        try:
+            for _ in range(num_samples):
+                weights = {}
+                for layer, law in layers:
+                    noise = torch.randn(law.loc.shape, generator=generator, dtype=law.loc.dtype)
+                    weights.update(self.guide._split(layer, law.transform(noise), sample=False))
+                outputs.append(functional_call(self.net, weights, (x,)))
+        finally:
+            self.net.train(training)
+        return torch.stack(outputs)
+
+
+def ngvi_kronecker(task: Task, name: str = "NGVI K-FAC", init_scale: Optional[float] = None, prior=None,
+                   **ngvi_args) -> KroneckerSVI:
+    """Noisy K-FAC: ``KroneckerNormal(bnn)``, ``NGVI(**ngvi_args)``, ``CurvatureELBO("ggn")``
+    (BackPACK KFLR) on the BayesianNet's fast path; ``init_scale`` default: ``bnn.initial_scale()``."""
+    from pyro_ngvi.kronecker import KroneckerNormal
+
+    def make(bnn):
+        return KroneckerNormal(bnn, init_scale=float(init_scale or bnn.initial_scale()))
+
+    return KroneckerSVI(task, NGVI(**ngvi_args), CurvatureELBO("ggn"), None, name, make_guide=make, prior=prior)
 
 
 def ngvi(task: Task, curvature: Optional[str] = "ef", num_particles: int = 1, init_scale: float = 0.1,

@@ -101,7 +101,7 @@ def plot_training(runs: Dict[str, Sequence[History]], metric: str, metric_label:
     axes[0, 0].legend(fontsize=8)
     axes[1, 0].legend(fontsize=8)
     if title:
-        fig.suptitle(title)
+        fig.suptitle(title, fontsize=9)
     return save_figure(fig, path)
 
 

@@ -104,6 +104,9 @@ class Task:
     #: the factor by which augmentation multiplies the data (BayesianNet's
     #: ``augmentation_factor``; ivon-opt's ``ess``)
     augmentation_factor: float = 1.0
+    #: inputs from outside the task's distribution (standardised as its inputs), for OOD
+    #: detection, or ``None``
+    ood: Optional[torch.Tensor] = None
 
     @property
     def num_data(self) -> int:

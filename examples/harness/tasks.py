@@ -154,3 +154,126 @@ def suite_tasks() -> dict:
         "friedman1": (friedman, 30),
         "synth5-big": (synth5_big, 8),
     }
+
+
+# ------------------------------------------------------------------ small and low-signal data (benchmarks/smalldata.py, issue 26)
+def _statsmodels_fair():
+    """statsmodels' Fair (1978) affairs survey: 6,366 women, 8 features; target: any time in affairs (32 %)."""
+    import statsmodels.api as sm
+
+    data = sm.datasets.fair.load_pandas().data
+    return data.drop(columns="affairs").to_numpy(float), (data["affairs"] > 0).to_numpy(int)
+
+
+def _statsmodels_anes96():
+    """statsmodels' 1996 American National Election Study: 944 voters, 10 features; target: voted Dole (1) or Clinton."""
+    import statsmodels.api as sm
+
+    data = sm.datasets.anes96.load_pandas().data
+    return data.drop(columns=["vote", "popul"]).to_numpy(float), data["vote"].to_numpy(int)
+
+
+def _statsmodels_randhie():
+    """statsmodels' RAND health insurance experiment: 20,190 person-years, 9 features; target:
+    log(1 + number of outpatient visits) (a low-signal regression)."""
+    import numpy as np
+    import statsmodels.api as sm
+
+    data = sm.datasets.randhie.load_pandas().data
+    return data.drop(columns="mdvis").to_numpy(float), np.log1p(data["mdvis"].to_numpy(float))
+
+
+def _subset(x, y, n: int, seed: int = 0):
+    """``n`` examples of ``(x, y)`` drawn without replacement (a fixed draw)."""
+    import numpy as np
+
+    index = np.random.default_rng(seed).permutation(len(x))[:n]
+    return x[index], y[index]
+
+
+def small_tasks() -> dict:
+    """
+    The small-data and low-signal tasks of ``benchmarks/smalldata.py`` (issue 26), name ->
+    ``(task(seed), epochs)``: 100 to 500 training examples (and the full Fair survey), one or two
+    hidden layers of 32 to 256, data that ships with scikit-learn or statsmodels; a fixed
+    split per task (train / validation / test, stratified), the seed changes the initial weights,
+    the training noise and the minibatch order. :data:`SMALL_TUNING` are the tasks the recipe's
+    settings may be chosen on, the rest are held out (evaluated once, with the frozen recipe).
+    ``digits5-*`` learn the digits 0-4 only: its ``ood`` inputs are the digits 5-9.
+    """
+    from sklearn import datasets
+
+    def counts(name, x, y, likelihood, widths, train, valid, seed, batch_size=128):
+        """``train`` / ``valid`` examples, the rest (at most 1,500 for the larger sets) for the test."""
+        test = len(x) - train - valid
+        return _split_task(name, x, y, likelihood, widths, test, valid, seed, batch_size)
+
+    def synth(seed):
+        x, y = datasets.make_classification(1700, 20, n_informative=8, n_redundant=4, n_classes=4,
+                                            n_clusters_per_class=2, flip_y=0.05, random_state=5)
+        return counts("synth4-200", x, y, "categorical", (20, 64, 64, 4), 200, 300, seed)
+
+    def anes(seed):
+        x, y = _statsmodels_anes96()
+        return counts("anes96-300", x, y, "bernoulli", (9, 32, 1), 300, 200, seed)
+
+    def randhie(seed):
+        x, y = _statsmodels_randhie()
+        x, y = _subset(x, y, 300 + 200 + 1500)
+        return counts("randhie-300", x, y, "gaussian", (9, 50, 1), 300, 200, seed, batch_size=32)
+
+    def digits(name, train, widths, seed, classes=10):
+        x, y = datasets.load_digits(return_X_y=True)
+        task = counts(name, x[y < classes], y[y < classes], "categorical", widths, train, 200, seed)
+        if classes < 10:  # the other digits, standardised as the task's inputs: out of distribution
+            from sklearn.preprocessing import StandardScaler
+            import torch
+
+            raw = _train_part(x[y < classes], y[y < classes], len(task.split.x_test), 200)
+            scaler = StandardScaler().fit(raw)
+            task.ood = torch.as_tensor(scaler.transform(x[y >= classes]), dtype=torch.float32)
+        return task
+
+    def breast(seed):
+        x, y = datasets.load_breast_cancer(return_X_y=True)
+        return counts("breast-cancer-150", x, y, "bernoulli", (30, 64, 64, 1), 150, 100, seed)
+
+    def diabetes(seed):
+        x, y = datasets.load_diabetes(return_X_y=True)
+        return counts("diabetes-150", x, y, "gaussian", (10, 100, 1), 150, 100, seed, batch_size=32)
+
+    def fair(name, train, seed):
+        x, y = _statsmodels_fair()
+        if train is not None:
+            x, y = _subset(x, y, train + 200 + 1500)
+            return counts(name, x, y, "bernoulli", (8, 32, 1), train, 200, seed)
+        return counts(name, x, y, "bernoulli", (8, 32, 1), len(x) - 2000, 1000, seed)
+
+    return {
+        # tuning
+        "synth4-200": (synth, 300),
+        "anes96-300": (anes, 300),
+        "randhie-300": (randhie, 300),
+        # held out
+        "digits-300": (lambda seed: digits("digits-300", 300, (64, 128, 10), seed), 300),
+        "digits5-300": (lambda seed: digits("digits5-300", 300, (64, 128, 5), seed, classes=5), 300),
+        "digits-100": (lambda seed: digits("digits-100", 100, (64, 256, 10), seed), 300),
+        "breast-cancer-150": (breast, 300),
+        "diabetes-150": (diabetes, 300),
+        "fair-500": (lambda seed: fair("fair-500", 500, seed), 300),
+        "fair": (lambda seed: fair("fair", None, seed), 30),
+    }
+
+
+#: the small-data tasks the recipe's settings may be chosen on (issue 26); the others are held out
+SMALL_TUNING = ("synth4-200", "anes96-300", "randhie-300")
+
+
+def _train_part(x, y, test: int, valid: int):
+    """The raw training features of :func:`_split_task`'s split of ``(x, y)`` (seed 0, stratified)."""
+    from sklearn.model_selection import train_test_split
+
+    x_train, _, y_train, _ = train_test_split(x, y, test_size=test / len(x), random_state=0, stratify=y)
+    x_train, _, _, _ = train_test_split(x_train, y_train, test_size=valid / (len(x) - test), random_state=0,
+                                        stratify=y_train)
+    return x_train

@@ -17,9 +17,9 @@ import pyro
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 
-from pyro_ngvi import BayesianNet, start_task
+from pyro_ngvi import NGVI, BayesianNet, CurvatureELBO, start_task
 
-from .methods import MAP, Method, Posterior
+from .methods import MAP, Method, Posterior, PyroSVI
 from .task import Task, minibatches, nll, predictive_metrics
 
 
@@ -161,6 +161,30 @@ def tuned_map(task: Task, epochs: int, weight_decays=MAP_WEIGHT_DECAYS, checkpoi
     method.net.load_state_dict(state)
     method.log_noise = log_noise
     method.weight_decay, method.epoch, method.seconds = decay, epoch, seconds
+    return method
+
+
+def validated_ngvi(task: Task, epochs: int, checkpoints: int = 20, curvature: str = "ggn",
+                   name: str = "NGVI ggn (validated)"):
+    """
+    The recipe with its prior scale and epoch chosen on the task's validation split, the budget
+    :func:`tuned_map` gets (:func:`pyro_ngvi.nn.selection.select_by_validation`: the task's prior and
+    the priors of precision per datum 1e-4, 1e-3, 1e-2, ``checkpoints`` epochs each); returns a
+    :class:`~harness.methods.PyroSVI` holding the chosen model and guide, with ``prior_scale``,
+    ``epoch`` and ``seconds`` (the whole search, scoring included) set on it.
+    """
+    from pyro_ngvi.nn.selection import select_by_validation
+
+    method = PyroSVI(task, NGVI(), CurvatureELBO(curvature), None, name)
+    split = task.split
+    start = time.perf_counter()
+    with method.active():
+        chosen = select_by_validation(task.network(), task.likelihood, split.x_train, split.y_train,
+                                      split.x_valid, split.y_valid, epochs, checkpoints=checkpoints,
+                                      batch_size=task.batch_size, curvature=curvature, seed=task.seed,
+                                      prior=task.prior_scale, augmentation_factor=task.augmentation_factor)
+    method.bnn, method.guide, method.net = chosen.bnn, chosen.guide, chosen.bnn.net
+    method.prior_scale, method.epoch, method.seconds = chosen.prior_scale, chosen.epoch, time.perf_counter() - start
     return method
 
 

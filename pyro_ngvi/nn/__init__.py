@@ -9,6 +9,8 @@ with its pieces
 - :mod:`.guide`: the recipe's guide (``guide()``, ``init_loc_fn``) and the layers of a
   Kronecker guide;
 - :mod:`.checks`: validation of its inputs;
+- :mod:`.selection`: for users who hold a validation split, the prior scale and the
+  training length chosen by the validation NLL (:func:`select_by_validation`);
 
 and its BackPACK fast path: :mod:`.fast_path` (sampling into the net, one step),
 :mod:`.twin` (the BackPACK-extended network), :mod:`.kronecker_step` (Kronecker
@@ -16,5 +18,6 @@ factors) and :mod:`.value` (the ELBO value).
 """
 
 from .model import BayesianNet
+from .selection import ValidationSelection, select_by_validation
 
-__all__ = ["BayesianNet"]
+__all__ = ["BayesianNet", "ValidationSelection", "select_by_validation"]

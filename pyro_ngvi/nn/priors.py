@@ -120,6 +120,13 @@ class WeightPriors:
         total = sum(getattr(self, f"_prior_log_scale_sum_{j}") for j in range(len(self._latents)))
         self.register_buffer("_prior_log_scale_total", torch.as_tensor(total, dtype=like.dtype))
 
+    def set_prior(self, prior) -> None:
+        """Replace the prior on the weights (``prior`` as in the constructor: a scale, or a dict
+        per site); the model's next run and the fast path's next step use it (e.g. a prior set
+        by an evidence estimate between steps, ``benchmarks/smalldata_probe.py``)."""
+        self._set_priors(prior)
+        self._forget_priors()
+
     def _forget_priors(self) -> None:
         """Drop the cached views of the buffers (``.to()``, ``.double()``, ... replace them)."""
         self._prior_cache = self._flat_prior_cache = self._prior_index_cache = None
