@@ -40,6 +40,8 @@ import pyro
 import pyro.distributions as dist
 from pyro import poutine
 
+from .graph import graph_nodes
+
 #: Distribution classes read as a Gaussian (subclasses may sample otherwise).
 _NORMALS = (dist.Normal, torch.distributions.Normal)
 #: Probe points of a scale's bijection, and how exactly it must act as ``exp`` or ``softplus``.
@@ -385,25 +387,12 @@ def _param_leaves(site, stop: Set) -> List[torch.Tensor]:
             roots.append(site["fn"].log_prob(value))
         except Exception:  # a log density that cannot be evaluated here: its tensors suffice
             pass
-    leaves: Dict[int, torch.Tensor] = {}
-    nodes = []
-    for t in roots:
-        if not torch.is_tensor(t) or not t.requires_grad:
-            continue
-        if t.grad_fn is None:
-            leaves[id(t)] = t
-        else:
-            nodes.append(t.grad_fn)
-    seen = set()
-    while nodes:
-        node = nodes.pop()
-        if node in seen or node in stop:
-            continue
-        seen.add(node)
+    roots = [t for t in roots if torch.is_tensor(t) and t.requires_grad]
+    leaves: Dict[int, torch.Tensor] = {id(t): t for t in roots if t.grad_fn is None}
+    for node in graph_nodes(roots, stop):
         variable = getattr(node, "variable", None)
         if variable is not None:
             leaves[id(variable)] = variable
-        nodes.extend(n for n, _ in node.next_functions if n is not None)
     return list(leaves.values())
 
 

@@ -73,6 +73,9 @@ from backpack.extensions.secondorder.diag_ggn import DiagGGN
 from backpack.extensions.secondorder.diag_ggn.diag_ggn_base import DiagGGNBaseModule
 from backpack.extensions.secondorder.hbp import LossHessianStrategy
 
+from ..graph import graph_nodes
+
+
 BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 _LOSSES = (nn.CrossEntropyLoss, nn.BCEWithLogitsLoss, nn.MSELoss)
 
@@ -204,17 +207,8 @@ def uses_batch_statistics(tensors: Iterable[Tensor]) -> bool:
     normalised with its input's statistics (its backward node saved
     ``training=True``): one walk over the graph's nodes.
     """
-    stack = [t.grad_fn for t in tensors if isinstance(t, Tensor) and t.grad_fn is not None]
-    seen = set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if "BatchNorm" in type(node).__name__ and getattr(node, "_saved_training", False):
-            return True
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return False
+    return any("BatchNorm" in type(node).__name__ and getattr(node, "_saved_training", False)
+               for node in graph_nodes(tensors))
 
 
 _BATCH_NORM_SIGNATURE = inspect.signature(F.batch_norm)
