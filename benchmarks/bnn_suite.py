@@ -35,7 +35,6 @@ Usage::
         [--out-md FILE]
 """
 
-import argparse
 import math
 import os
 import statistics
@@ -244,23 +243,9 @@ def targets(results, tasks, seeds) -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tasks", nargs="*", help="task names (default: all)")
-    parser.add_argument("--methods", nargs="*", help="method labels (default: all)")
-    parser.add_argument("--seeds", type=int, default=1)
-    parser.add_argument("--first-seed", type=int, default=0)
-    parser.add_argument("--epochs", type=int, help="override every task's epochs (development)")
-    parser.add_argument("--ngvi", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="development: override an NGVI argument of the recipe (also learn_prior, noise_limit; "
-                             "prior_warmup_epochs / prior_warmup_steps: learn the prior after a warm-up)")
-    parser.add_argument("--out-md", help="write the table here")
-    parser.add_argument("--out-json", help="write every run's scores here")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", "Full backward hook is firing")
-    for item in args.ngvi:
-        key, _, value = item.partition("=")
-        NGVI_OVERRIDES[key] = eval(value)  # development only: numbers, tuples, lambdas
+    args = harness.suite_args(__doc__.split("\n\n")[0], argv, 1, NGVI_OVERRIDES,
+                              "development: override an NGVI argument of the recipe (also learn_prior, noise_limit; "
+                              "prior_warmup_epochs / prior_warmup_steps: learn the prior after a warm-up)")
     tasks = harness.suite_tasks()
     names = args.tasks or list(tasks)
     labels = args.methods or [*METHODS, MAP_LABEL]

@@ -26,7 +26,6 @@ Usage::
         [--ngvi KEY=VALUE ...] [--out-md FILE] [--out-json FILE]
 """
 
-import argparse
 import math
 import os
 import statistics
@@ -223,23 +222,9 @@ def report(results, tasks, seeds) -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tasks", nargs="*", help="task names (default: all)")
-    parser.add_argument("--methods", nargs="*", help="method labels (default: all)")
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--first-seed", type=int, default=0)
-    parser.add_argument("--epochs", type=int, help="override every task's epochs (development)")
-    parser.add_argument("--every", type=int, default=20, help="score the trajectory every this many epochs")
-    parser.add_argument("--ngvi", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="development: override an argument of the recipe (NGVI's, learn_prior, noise_limit)")
-    parser.add_argument("--out-md", help="write the table here")
-    parser.add_argument("--out-json", help="write every run's scores here")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", "Full backward hook is firing")
-    for item in args.ngvi:
-        key, _, value = item.partition("=")
-        NGVI_OVERRIDES[key] = eval(value)  # development only
+    args = harness.suite_args(__doc__.split("\n\n")[0], argv, 3, NGVI_OVERRIDES,
+                              "development: override an argument of the recipe (NGVI's, learn_prior, noise_limit)",
+                              every=True)
     tasks = harness.small_tasks()
     names = args.tasks or list(tasks)
     labels = args.methods or [*METHODS, VALIDATED_LABEL, MAP_LABEL]

@@ -2,6 +2,7 @@
 
 import argparse
 import contextlib
+import warnings
 from pathlib import Path
 
 import torch
@@ -62,3 +63,27 @@ def seed(value: int) -> None:
     """An empty param store and every RNG seeded: each method starts alike."""
     pyro.clear_param_store()
     pyro.set_rng_seed(value)
+
+
+def suite_args(description: str, argv, seeds: int, overrides: dict, ngvi_help: str, every: bool = False):
+    """The command line of the task suites (``benchmarks/bnn_suite.py``, ``smalldata.py``): tasks,
+    methods, seeds, epochs, development overrides of the recipe (``KEY=VALUE``, evaluated into
+    ``overrides``) and where to write the tables; one torch thread from here on."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--tasks", nargs="*", help="task names (default: all)")
+    parser.add_argument("--methods", nargs="*", help="method labels (default: all)")
+    parser.add_argument("--seeds", type=int, default=seeds)
+    parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--epochs", type=int, help="override every task's epochs (development)")
+    if every:
+        parser.add_argument("--every", type=int, default=20, help="score the trajectory every this many epochs")
+    parser.add_argument("--ngvi", nargs="*", default=[], metavar="KEY=VALUE", help=ngvi_help)
+    parser.add_argument("--out-md", help="write the table here")
+    parser.add_argument("--out-json", help="write every run's scores here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", "Full backward hook is firing")
+    for item in args.ngvi:
+        key, _, value = item.partition("=")
+        overrides[key] = eval(value)  # development only: numbers, tuples, lambdas
+    return args
