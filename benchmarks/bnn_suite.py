@@ -39,7 +39,6 @@ import math
 import os
 import statistics
 import sys
-import time
 import warnings
 from typing import Callable, Dict, List
 
@@ -247,27 +246,10 @@ def main(argv=None):
                               "development: override an NGVI argument of the recipe (also learn_prior, noise_limit; "
                               "prior_warmup_epochs / prior_warmup_steps: learn the prior after a warm-up)")
     tasks = harness.suite_tasks()
-    names = args.tasks or list(tasks)
     labels = args.methods or [*METHODS, MAP_LABEL]
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
-    results = {name: {label: [] for label in labels} for name in names}
-    start = time.perf_counter()
-    with pyro.validation_enabled(False):
-        for name in names:
-            make, epochs = tasks[name]
-            epochs = args.epochs or epochs
-            for seed in seeds:
-                for label in labels:
-                    pyro.clear_param_store()
-                    task = make(seed)
-                    result = run(task, label, epochs)
-                    results[name][label].append(result)
-                    shown = " ".join(f"{k} {result[k]:.3f}" for k, _, _ in metric_keys(task))
-                    print(f"{name:14s} seed {seed} {label:14s} {shown}  {result['seconds']:.1f} s"
-                          + (f"  warnings {len(result['warnings'])}" if result.get("warnings") else "")
-                          + f"  [{time.perf_counter() - start:.0f} s]", flush=True)
-                    for message in result.get("warnings", [])[:3]:
-                        print("    " + message)
+    results = harness.run_suite(tasks, args, labels, run,
+                                lambda task, result: " ".join(f"{k} {result[k]:.3f}" for k, _, _ in metric_keys(task)))
     text = report(results, tasks, seeds)
     harness.publish(text, results, args.out_md, args.out_json)
 

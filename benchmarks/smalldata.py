@@ -30,7 +30,6 @@ import math
 import os
 import statistics
 import sys
-import time
 import warnings
 from typing import Callable, Dict, List
 
@@ -226,32 +225,21 @@ def main(argv=None):
                               "development: override an argument of the recipe (NGVI's, learn_prior, noise_limit)",
                               every=True)
     tasks = harness.small_tasks()
-    names = args.tasks or list(tasks)
     labels = args.methods or [*METHODS, VALIDATED_LABEL, MAP_LABEL]
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
-    results = {name: {label: [] for label in labels} for name in names}
-    start = time.perf_counter()
-    with pyro.validation_enabled(False):
-        for name in names:
-            make, epochs = tasks[name]
-            epochs = args.epochs or epochs
-            tasks[name] = (make, epochs)
-            for seed in seeds:
-                for label in labels:
-                    pyro.clear_param_store()
-                    task = make(seed)
-                    result = run(task, label, epochs, args.every)
-                    results[name][label].append(result)
-                    shown = " ".join(f"{k} {result.get(k, math.nan):.3f}" for k, _ in metric_keys(task))
-                    traj = result.get("trajectory")
-                    if traj:
-                        shown += "  nll " + " ".join(f"{v:.3f}" for v in traj["nll"][::max(1, len(traj['nll']) // 6)])
-                        shown += f"  cap {traj['at_cap'][-1]:.2f}" if "at_cap" in traj else ""
-                    if "prior_scale" in result:
-                        shown += f"  prior {result['prior_scale']:.3g} @ epoch {result['epoch']}"
-                    print(f"{name:18s} seed {seed} {label:12s} {shown}  {result['seconds']:.1f} s"
-                          + (f"  warnings {len(result['warnings'])}" if result.get("warnings") else "")
-                          + f"  [{time.perf_counter() - start:.0f} s]", flush=True)
+
+    def describe(task, result):
+        shown = " ".join(f"{k} {result.get(k, math.nan):.3f}" for k, _ in metric_keys(task))
+        traj = result.get("trajectory")
+        if traj:
+            shown += "  nll " + " ".join(f"{v:.3f}" for v in traj["nll"][::max(1, len(traj['nll']) // 6)])
+            shown += f"  cap {traj['at_cap'][-1]:.2f}" if "at_cap" in traj else ""
+        if "prior_scale" in result:
+            shown += f"  prior {result['prior_scale']:.3g} @ epoch {result['epoch']}"
+        return shown
+
+    results = harness.run_suite(tasks, args, labels, lambda task, label, epochs: run(task, label, epochs, args.every),
+                                describe)
     text = report(results, tasks, seeds)
     harness.publish(text, results, args.out_md, args.out_json)
 

@@ -2,6 +2,7 @@
 
 import argparse
 import contextlib
+import time
 import warnings
 from pathlib import Path
 
@@ -87,3 +88,32 @@ def suite_args(description: str, argv, seeds: int, overrides: dict, ngvi_help: s
         key, _, value = item.partition("=")
         overrides[key] = eval(value)  # development only: numbers, tuples, lambdas
     return args
+
+
+def run_suite(tasks: dict, args, labels, run, describe) -> dict:
+    """Every (task, seed, method) of a suite, Pyro's validation off, each from an empty param
+    store: ``run(task, label, epochs)`` gives a result dict (``seconds``, ``warnings``), printed
+    with ``describe(task, result)``; ``tasks`` maps a name to ``(make(seed), epochs)`` (the
+    epochs run are written back). Returns ``{name: {label: [result per seed]}}``."""
+    names = args.tasks or list(tasks)
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
+    results = {name: {label: [] for label in labels} for name in names}
+    start = time.perf_counter()
+    with pyro.validation_enabled(False):
+        for name in names:
+            make, epochs = tasks[name]
+            epochs = args.epochs or epochs
+            tasks[name] = (make, epochs)
+            for seed in seeds:
+                for label in labels:
+                    pyro.clear_param_store()
+                    task = make(seed)
+                    result = run(task, label, epochs)
+                    results[name][label].append(result)
+                    warned = result.get("warnings") or []
+                    print(f"{name:18s} seed {seed} {label:14s} {describe(task, result)}  {result['seconds']:.1f} s"
+                          + (f"  warnings {len(warned)}" if warned else "")
+                          + f"  [{time.perf_counter() - start:.0f} s]", flush=True)
+                    for message in warned[:3]:
+                        print("    " + message)
+    return results
