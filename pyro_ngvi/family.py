@@ -461,22 +461,23 @@ def warn_not_gaussian(guide, others: List[NotGaussian], warned: Optional[set] = 
         f"NGVI trains these guide sites with its point optimizer (the ordinary ELBO gradient, the step "
         f"Adam would take), not with natural-gradient steps: {parts}. Natural-gradient steps need a "
         "Normal (possibly .to_event()) whose loc is a pyro.param and whose scale is a positive "
-        "pyro.param, of the site's shape. The point optimizer is NGVI(point_optim=torch.optim.Adam, "
-        "point_optim_args={'lr': 0.01}) by default: a whole guide it trains may want the lr you "
-        "would give Adam. Filter pyro_ngvi.NotGaussianWarning to silence this.",
+        "pyro.param, of the site's shape. By default the point optimizer is Adam, for these params "
+        "with a step size decaying from 0.05 as 0.05 / (1 + t / 100); NGVI(point_optim_args={'lr': ...}) "
+        "sets one for every param. Filter pyro_ngvi.NotGaussianWarning to silence this.",
         NotGaussianWarning,
         stacklevel=4,
     )
 
 
 def split_params(guide, params, args: Optional[Sequence] = None, kwargs: Optional[dict] = None,
-                 warned: Optional[set] = None, model=None) -> Tuple[List[Site], List[torch.Tensor]]:
+                 warned: Optional[set] = None,
+                 model=None) -> Tuple[List[Site], List[torch.Tensor], List[torch.Tensor]]:
     """
     Split the tensors ``SVI.step`` hands an optimizer into the Gaussian sites of
     ``guide`` (:func:`guide_view`) whose ``loc`` is among them, and everything else
     (model parameters, params of guide parts that are not Gaussians), which a point
-    optimizer trains; warns (:func:`warn_not_gaussian`) about guide parts that are not
-    Gaussians. A site's scale need not be among ``params``: an ELBO that hands
+    optimizer trains, and of those the params of guide parts that are not Gaussians; warns
+    (:func:`warn_not_gaussian`) about those parts. A site's scale need not be among ``params``: an ELBO that hands
     :math:`\\sigma` over in :class:`SiteCurvature` need not read it through ``pyro.param``
     (:class:`~pyro_ngvi.BayesianNet`'s fast path does not).
 
@@ -502,4 +503,7 @@ def split_params(guide, params, args: Optional[Sequence] = None, kwargs: Optiona
     present = {id(p) for p in params}
     sites = [site for site in view.sites if id(site.loc) in present]
     used = {id(t) for site in sites for t in site.tensors}
-    return sites, [p for p in params if id(p) not in used]
+    others = [p for p in params if id(p) not in used]
+    store = pyro.get_param_store()._params
+    in_parts = {id(store[name]) for part in view.others for name in part.params if name in store}
+    return sites, others, [p for p in others if id(p) in in_parts]

@@ -33,7 +33,7 @@ from .low_rank_guide import LowRankSite
 from .monitor import ElboWatch, NGVIWarning, SpreadWatch, power_of_two
 from .policies import (DENSE, DENSE_SAMPLED, FULL_BATCH, MINIBATCH, Schedule, Settings, at_step, check_schedule,
                        defaults, resolve)
-from .point import check_point_optim, check_point_states, probe_point_step
+from .point import GUIDE_PART_LR, check_point_optim, check_point_states, decay_guide_part_lr, probe_point_step
 from .priors import update_learned_priors
 from .safeguards import NewtonGuard, Safeguards, finite
 from .state import SiteState, check_state
@@ -87,7 +87,8 @@ class NGVI(PyroOptim):
     :param bool control_variate: the control variate where draws are known (default: True)
     :param bool safeguard: the Newton-step safeguard for statistics at the mean (default: True)
     :param point_optim: torch optimizer class for the other parameters (default: Adam)
-    :param dict point_optim_args: its arguments, checked at construction (default: ``{"lr": 0.01}``)
+    :param dict point_optim_args: its arguments, checked at construction (default: ``{"lr": 0.01}``;
+        for guide parts that are not Gaussians a step size decaying from 0.05, :mod:`pyro_ngvi.point`)
     :param guide: the guide whose sites to update, when NGVI runs outside ``SVI``
         (default: None, the calling ``SVI``'s guide)
     :param bool compile: run the element-wise update of mean-field sites compiled by
@@ -142,6 +143,8 @@ class NGVI(PyroOptim):
         #: None: 16 on CUDA, 1 elsewhere)
         self.sync_every: Optional[int] = None
         super().__init__(point_optim, check_point_optim(point_optim, point_optim_args))
+        self._point_decay = point_optim is torch.optim.Adam and point_optim_args is None
+        self._guide_parts = WeakIdKeyDictionary()  # params of guide parts that are not Gaussians
         self.guide = guide
         self.num_steps = 0
         self.num_skipped_steps = 0
@@ -314,7 +317,19 @@ class NGVI(PyroOptim):
             if p.grad is not None and p not in self.optim_objs and p not in self._point_checked:
                 probe_point_step(p, self.pt_optim_constructor, self.pt_optim_args)
                 self._point_checked[p] = True
+        if self._point_decay:  # by default a guide part's params take a decaying step size (pyro_ngvi.point)
+            for p in others:
+                if p in self.optim_objs and p in self._guide_parts:
+                    decay_guide_part_lr(self.optim_objs[p])
         super().__call__(others, *args, **kwargs)
+
+    def _get_optim_args(self, param) -> Dict:
+        """The point optimizer's arguments for ``param`` (by default a guide part's start at
+        :data:`~pyro_ngvi.point.GUIDE_PART_LR`)."""
+        args = super()._get_optim_args(param)
+        if self._point_decay and param in self._guide_parts:
+            args = dict(args, lr=GUIDE_PART_LR)
+        return args
 
     def _watch_elbo(self, plan, stats, tau: float) -> None:
         """Feed the ELBO watch (:mod:`pyro_ngvi.monitor`) the loss this step's ELBO handed over;
@@ -339,7 +354,8 @@ class NGVI(PyroOptim):
         store = pyro.get_param_store()._params
         if plan is not None and all(_still_stored(site, store) for site in plan.sites):
             return plan
-        sites, others = split_params(guide, params)
+        sites, others, parts = split_params(guide, params)
+        self._guide_parts.update((p, True) for p in parts)
         # plans whose tensors left the param store (pyro.clear_param_store()) leave no trace
         self._plans = {k: p for k, p in self._plans.items() if all(_still_stored(s, store) for s in p.sites)}
         plan = self._plans[key] = _Plan(sites, others)

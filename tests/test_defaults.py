@@ -19,7 +19,7 @@ from pyro import poutine
 from pyro.infer import SVI, Predictive, Trace_ELBO, TraceEnum_ELBO, config_enumerate
 from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
 
-from pyro_ngvi import NGVI, CurvatureELBO, NGVIWarning
+from pyro_ngvi import NGVI, CurvatureELBO, NGVIWarning, NotGaussianWarning
 from pyro_ngvi.family import pop_curvature
 
 
@@ -379,6 +379,40 @@ def test_point_optimizer_default_fits_a_noise_scale():
     train(model, AutoNormal(model), NGVI(), Trace_ELBO(), 400, x, y)
     assert abs(float(pyro.param("offset").detach()) - float(coef[0])) < 0.05
     assert abs(float(pyro.param("noise").detach()) / float(residual) - 1) < 0.05
+
+
+def _model_with_a_delta_part(y):
+    offset = pyro.param("offset", torch.tensor(0.0))
+    w = pyro.sample("w", dist.Normal(0.0, 1.0))
+    b = pyro.sample("b", dist.Normal(0.0, 1.0))
+    with pyro.plate("data", len(y)):
+        pyro.sample("obs", dist.Normal(offset + w + b, 1.0), obs=y)
+
+
+def _guide_with_a_delta_part(y):
+    loc = pyro.param("w_loc", torch.tensor(0.0))
+    scale = pyro.param("w_scale", torch.tensor(1.0), constraint=dist.constraints.positive)
+    pyro.sample("w", dist.Normal(loc, scale))
+    pyro.sample("b", dist.Delta(pyro.param("b_value", torch.tensor(0.0))))
+
+
+@pytest.mark.parametrize("given", [None, {"lr": 0.01}])
+def test_point_optimizer_step_sizes_model_params_and_guide_parts(given):
+    """By default the model's params step with Adam at 0.01 and a guide part that is not a
+    Gaussian (a Delta) at 0.05 / (1 + t / 100) after t steps; arguments given run as given."""
+    y = torch.tensor([0.5, 1.5, 1.0])
+    optim = NGVI(point_optim_args=given)
+    svi = SVI(_model_with_a_delta_part, _guide_with_a_delta_part, optim, Trace_ELBO())
+    store = pyro.get_param_store()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotGaussianWarning)
+        for step in range(1, 101):
+            svi.step(y)
+            lrs = {name: optim.optim_objs[store.get_param(name).unconstrained()].param_groups[0]["lr"]
+                   for name in ("offset", "b_value")}
+            assert lrs["offset"] == 0.01
+            assert lrs["b_value"] == (0.01 if given else pytest.approx(0.05 / (1 + (step - 1) / 100), rel=1e-12))
+    assert store.get_param("w_loc").unconstrained() not in optim.optim_objs  # the Gaussian site: NGVI's step
 
 
 def test_skipped_step_warnings_count_attempted_steps():
