@@ -317,19 +317,14 @@ class NGVI(PyroOptim):
             if p.grad is not None and p not in self.optim_objs and p not in self._point_checked:
                 probe_point_step(p, self.pt_optim_constructor, self.pt_optim_args)
                 self._point_checked[p] = True
-        if self._point_decay:  # by default a guide part's params take a decaying step size (pyro_ngvi.point)
-            for p in others:
-                if p in self.optim_objs and p in self._guide_parts:
-                    decay_guide_part_lr(self.optim_objs[p])
+            elif self._point_decay and p in self._guide_parts and p in self.optim_objs:
+                decay_guide_part_lr(self.optim_objs[p])  # the default for guide parts (pyro_ngvi.point)
         super().__call__(others, *args, **kwargs)
 
     def _get_optim_args(self, param) -> Dict:
-        """The point optimizer's arguments for ``param`` (by default a guide part's start at
-        :data:`~pyro_ngvi.point.GUIDE_PART_LR`)."""
+        """The point optimizer's arguments for ``param`` (:mod:`pyro_ngvi.point`)."""
         args = super()._get_optim_args(param)
-        if self._point_decay and param in self._guide_parts:
-            args = dict(args, lr=GUIDE_PART_LR)
-        return args
+        return dict(args, lr=GUIDE_PART_LR) if self._point_decay and param in self._guide_parts else args
 
     def _watch_elbo(self, plan, stats, tau: float) -> None:
         """Feed the ELBO watch (:mod:`pyro_ngvi.monitor`) the loss this step's ELBO handed over;
