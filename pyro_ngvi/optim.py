@@ -33,7 +33,7 @@ from .low_rank_guide import LowRankSite
 from .monitor import ElboWatch, NGVIWarning, SpreadWatch, power_of_two
 from .policies import (DENSE, DENSE_SAMPLED, FULL_BATCH, MINIBATCH, Schedule, Settings, at_step, check_schedule,
                        defaults, resolve)
-from .point import GUIDE_PART_LR, check_point_optim, check_point_states, decay_guide_part_lr, probe_point_step
+from .point import check_point_optim, check_point_states, decay_guide_part_lr, probe_point_step
 from .priors import update_learned_priors
 from .safeguards import NewtonGuard, Safeguards, finite
 from .state import SiteState, check_state
@@ -317,14 +317,15 @@ class NGVI(PyroOptim):
             if p.grad is not None and p not in self.optim_objs and p not in self._point_checked:
                 probe_point_step(p, self.pt_optim_constructor, self.pt_optim_args)
                 self._point_checked[p] = True
-            elif self._point_decay and p in self._guide_parts and p in self.optim_objs:
-                decay_guide_part_lr(self.optim_objs[p])  # the default for guide parts (pyro_ngvi.point)
         super().__call__(others, *args, **kwargs)
 
-    def _get_optim_args(self, param) -> Dict:
-        """The point optimizer's arguments for ``param`` (:mod:`pyro_ngvi.point`)."""
-        args = super()._get_optim_args(param)
-        return dict(args, lr=GUIDE_PART_LR) if self._point_decay and param in self._guide_parts else args
+    def _get_optim(self, param):
+        """The point optimizer of ``param``; by default a guide part's sets its decaying step
+        size before every step (:func:`~pyro_ngvi.point.decay_guide_part_lr`, also after a load)."""
+        optimizer = super()._get_optim(param)
+        if self._point_decay and param in self._guide_parts:
+            optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: decay_guide_part_lr(optimizer))
+        return optimizer
 
     def _watch_elbo(self, plan, stats, tau: float) -> None:
         """Feed the ELBO watch (:mod:`pyro_ngvi.monitor`) the loss this step's ELBO handed over;

@@ -415,6 +415,39 @@ def test_point_optimizer_step_sizes_model_params_and_guide_parts(given):
     assert store.get_param("w_loc").unconstrained() not in optim.optim_objs  # the Gaussian site: NGVI's step
 
 
+def test_a_resumed_run_keeps_the_guide_parts_decaying_step_size(tmp_path):
+    """The guide part's step size follows its optimizer's own step count, also after
+    NGVI.save / load: a resumed run takes the uninterrupted run's steps exactly."""
+    y = torch.tensor([0.5, 1.5, 1.0])
+
+    def run(steps, optim):
+        svi = SVI(_model_with_a_delta_part, _guide_with_a_delta_part, optim, Trace_ELBO())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", NotGaussianWarning)
+            for _ in range(steps):
+                svi.step(y)
+
+    pyro.set_rng_seed(3)
+    optim = NGVI()
+    run(30, optim)
+    pyro.get_param_store().save(tmp_path / "params.pt")
+    optim.save(tmp_path / "optim.pt")
+    rng = pyro.util.get_rng_state()
+    run(30, optim)
+    expected = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+
+    pyro.clear_param_store()
+    pyro.get_param_store().load(tmp_path / "params.pt")
+    resumed = NGVI()
+    resumed.load(tmp_path / "optim.pt")
+    pyro.util.set_rng_state(rng)
+    run(30, resumed)
+    for name, value in pyro.get_param_store().items():
+        assert torch.equal(value.detach(), expected[name]), name
+    b_value = pyro.get_param_store().get_param("b_value").unconstrained()
+    assert resumed.optim_objs[b_value].param_groups[0]["lr"] == pytest.approx(0.05 / (1 + 59 / 100), rel=1e-12)
+
+
 def test_skipped_step_warnings_count_attempted_steps():
     def model():
         b = pyro.sample("b", dist.Normal(0.0, 1.0))
