@@ -87,20 +87,15 @@ class NGVI(PyroOptim):
     :param bool control_variate: the control variate where draws are known (default: True)
     :param bool safeguard: the Newton-step safeguard for statistics at the mean (default: True)
     :param point_optim: torch optimizer class for the other parameters (default: Adam)
-    :param dict point_optim_args: its arguments, checked at construction (default: ``{"lr": 0.01}``;
-        for guide parts that are not Gaussians a step size decaying from 0.05, :mod:`pyro_ngvi.point`)
+    :param dict point_optim_args: its arguments (default: :mod:`pyro_ngvi.point`)
     :param guide: the guide whose sites to update, when NGVI runs outside ``SVI``
         (default: None, the calling ``SVI``'s guide)
-    :param bool compile: run the element-wise update of mean-field sites compiled by
-        :func:`torch.compile` (one fused loop per group, :mod:`pyro_ngvi.update.fused`):
-        the same step to a few ulps, faster for large sites, after a compilation of
-        seconds to a minute per configuration and process (default: False)
+    :param bool compile: the mean-field update compiled by :func:`torch.compile`, the same
+        step to a few ulps (:mod:`pyro_ngvi.update.fused`; default: False)
 
     :ivar int num_steps: updates taken. :ivar int num_skipped_steps: steps skipped for
         non-finite values. :ivar int num_rejected_steps: steps undone by the safeguard.
-    :ivar sync_every: the host reads a step's checks (finiteness, the safeguards' flags) once
-        every this many steps, a skipped step writing nothing meanwhile (:mod:`pyro_ngvi.checks`;
-        default None: 16 on CUDA, 1 elsewhere).
+    :ivar sync_every: steps between the host's reads of the checks (:mod:`pyro_ngvi.checks`).
 
     **References**
 
