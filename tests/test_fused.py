@@ -219,8 +219,9 @@ def test_ngvi_compiled_trains_as_eager(monkeypatch):
         torch.testing.assert_close(results[1][name], results[0][name], rtol=1e-5, atol=1e-6)
 
 
-def _counting_model(bad_steps, size=40):
-    """A conjugate model whose log density has a non-finite gradient at the given evaluations (counted)."""
+def _counting_model(bad_steps, size=80):
+    """A conjugate model whose log density has a non-finite gradient at the given evaluations (counted);
+    above CROSS_MAX elements (no cross terms, whose steps are checked at once)."""
     calls = [0]
     data = torch.randn(size, generator=torch.Generator().manual_seed(1))
 
@@ -262,6 +263,7 @@ def test_deferred_checks_skip_a_nonfinite_step_as_a_checked_run_does():
     assert checked_optim.num_steps == deferred_optim.num_steps == 10
     assert len(checked_warnings) == len(deferred_warnings) == 1
     assert "non-finite" in str(deferred_warnings[0].message) and "'z'" in str(deferred_warnings[0].message)
+    assert "steps late" in str(deferred_warnings[0].message)  # it was deferred
     clean, _, none = _run(4, set())
     reference, _, _ = _run(1, set())
     assert not none and all(torch.equal(clean[k], reference[k]) for k in clean)
