@@ -34,7 +34,6 @@ next step) instead of another softplus pass, as long as the raw tensor has not b
 written since (its autograd version counter is unchanged). It is bit for bit the
 softplus of the raw scale (the kernels give the same bits at any offset of a vector),
 what a process that loads a saved param store reads: a resumed run takes the same steps.
-:func:`log_scale_sum` takes a :math:`\\sum\\log\\sigma` remembered with it, if any.
 The raw scale stays the single source of truth: Predictive, save / load and the
 param store always see it, and any in-place write to it (``copy_``, an optimizer,
 ``load_state_dict``) or a new tensor in the store makes the remembered value
@@ -178,8 +177,8 @@ class FastSoftplus(SoftplusTransform):
         return softplus_derivative(x)
 
 
-#: id(raw scale tensor) -> (weak reference to it, its version counter when written, sigma,
-#: sum of log sigma or None); an entry goes when its tensor does
+#: id(raw scale tensor) -> (weak reference to it, its version counter when written, sigma);
+#: an entry goes when its tensor does
 _remembered: Dict[int, tuple] = {}
 
 
@@ -190,13 +189,13 @@ def _entry(raw: torch.Tensor) -> Optional[tuple]:
     return entry
 
 
-def remember_scale(raw: torch.Tensor, sigma: torch.Tensor, log_sum: Optional[torch.Tensor] = None) -> None:
+def remember_scale(raw: torch.Tensor, sigma: torch.Tensor) -> None:
     """Remember ``sigma`` (of ``raw``'s shape, not to be changed in place) as the scale
-    ``raw`` holds now, right after writing ``raw``, and :math:`\\sum\\log\\sigma` if known."""
+    ``raw`` holds now, right after writing ``raw``."""
     key = id(raw)
     entry = _remembered.get(key)
     ref = entry[0] if entry is not None and entry[0]() is raw else weakref.ref(raw, _forgetter(key))
-    _remembered[key] = (ref, raw._version, sigma, log_sum)
+    _remembered[key] = (ref, raw._version, sigma)
 
 
 def _forgetter(key: int):
@@ -212,14 +211,6 @@ def known_scale(raw: torch.Tensor) -> Optional[torch.Tensor]:
     been written since."""
     entry = _entry(raw)
     return None if entry is None else entry[2]
-
-
-def log_scale_sum(raw: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-    """:math:`\\sum\\log\\sigma` of the scale ``sigma`` of ``raw``: remembered with it, or computed."""
-    entry = _entry(raw)
-    if entry is not None and entry[2] is sigma and entry[3] is not None:
-        return entry[3]
-    return torch.log(sigma).sum()
 
 
 def forget_scale(raw: torch.Tensor) -> None:

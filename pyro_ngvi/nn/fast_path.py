@@ -21,7 +21,7 @@ import pyro
 from ..curvature.backpack import network_curvature
 from ..family import SiteCurvature, attach_curvature, scale_transform
 from ..kronecker import KroneckerNormal
-from ..scales import known_scale, log_scale_sum
+from ..scales import known_scale
 from .kronecker_step import KroneckerStep
 from .twin import BackpackTwin, accumulate_grad
 from .value import full_nll, kl, log_ratio
@@ -102,7 +102,7 @@ class BackpackStep(BackpackTwin):
             for d in draws:
                 torch._foreach_div_(d, num_particles)
         nll = full_nll(model.effective_num_data, nll / num_particles, loss_scale, noise_scale, target, len(x))
-        log_scale = sum(log_scale_sum(raw, stddev) for raw, stddev in zip(raws, stddevs))
+        log_scale = sum(torch.log(stddev).sum() for stddev in stddevs)
         if deterministic:
             loss = (nll + kl(prior, locs, stddevs, log_scale)).detach()
         else:  # the particle average of sum [lambda_0 (w - m_0)^2 - eps^2] / 2 - log sigma + log s_0
