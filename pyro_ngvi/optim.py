@@ -212,7 +212,7 @@ class NGVI(PyroOptim):
         # with non-finite statistics writes nothing (masked)
         every = sync_every(sites[0].loc.device, self.sync_every) if sites else 1
         ok = None
-        if every > 1 and not (dense_sites or guarded or learned or cross is not None and cross.sites
+        if every > 1 and not (dense_sites or guarded or learned or cross is not None
                               or any(p.grad is not None for p in others)):
             checks = [finite(g, h, mask=st[0].mask, exact=True) for (g, h), st in zip(flats, group_stats)]
             ok = plan.deferred.add(checks, [", ".join(repr(site.name) for site in group.sites) for group in groups])
