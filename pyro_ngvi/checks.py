@@ -15,8 +15,9 @@ then. On the CPU a read costs nothing: every step is checked before any write (K
 What a deferred step cannot do: the point optimizer's step and full-covariance or Kronecker
 sites need the check before they write (their steps read the host anyway), and so do a
 Newton-guarded step, a learned prior and the cross terms of a small model (their coupled
-mean step); a step with any of them is checked at once. Between reads, a skipped step still counts in ``NGVI.num_steps`` (the read corrects it) and a site's
-first step is taken as done.
+mean step); a step with any of them is checked at once. Between reads, a skipped step
+still counts in ``NGVI.num_steps`` (the read corrects it) and a site's first step is taken
+as done.
 """
 
 import math
