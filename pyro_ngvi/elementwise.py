@@ -43,7 +43,8 @@ class Branches(NamedTuple):
     far: bool = False  # ... and count the elements far with the last step's signs
     spread: bool = False  # the watch on growing means: sum lambda_0 (mu - m_0)^2
     known_scale: bool = True  # sigma given (else read from the raw scale)
-    fast_scale: bool = True  # the transform is scales.FastSoftplus (else its own methods)
+    fast_scale: bool = True  # the transform is scales.FastSoftplus or FastExp (else its own methods)
+    exp_scale: bool = False  # ... and it is FastExp: sigma = exp(r)
     branch_free: bool = False  # no branch on tensor values (compiled)
     at_most_one: bool = False  # every new sigma <= 1 (a floor >= 1): the raw scale by its series alone
     in_place: bool = False  # the new mean and raw scale written into ``mean`` and ``raw_scale`` (compiled)
@@ -66,7 +67,7 @@ class Inputs(NamedTuple):
     eps_mean: Optional[torch.Tensor] = None
     eps_sq_mean: Optional[torch.Tensor] = None
     known: Optional[torch.Tensor] = None  # elements whose precision stands for a curvature (control variate)
-    momentum: Optional[torch.Tensor] = None  # the old average (or drift) buffer
+    momentum: Optional[torch.Tensor] = None  # the old average (or drift) buffer: eagerly updated in place
     started: Optional[torch.Tensor] = None  # "mixed" momentum: elements of sites with a buffer
     fresh: Optional[torch.Tensor] = None  # "warm": elements of sites not started; "adaptive": without hdrift
     last_signs: Optional[torch.Tensor] = None
@@ -78,6 +79,7 @@ class Inputs(NamedTuple):
     out_mean: Optional[torch.Tensor] = None  # where to write mu', the raw scale and sigma (else new tensors)
     out_raw_scale: Optional[torch.Tensor] = None
     out_scale: Optional[torch.Tensor] = None
+    out_signs: Optional[torch.Tensor] = None  # where to write the signs of g (bool)
 
 
 class Numbers(NamedTuple):
@@ -110,7 +112,35 @@ class Outputs(NamedTuple):
     adaptive: Optional[AdaptiveSteps] = None
 
 
-def mean_field_pass(b: Branches, t: Inputs, n: Numbers, transform) -> Outputs:
+class Scratch(NamedTuple):
+    """Buffers of the pass's length for its temporaries, by role (:class:`~pyro_ngvi.groups.Workspace`:
+    made once, so that a step allocates nothing; each ``None`` where the pass may allocate, as
+    compiled). Their values do not outlive the pass."""
+
+    precision: Optional[torch.Tensor] = None
+    new_precision: Optional[torch.Tensor] = None
+    deviation: Optional[torch.Tensor] = None
+    pull: Optional[torch.Tensor] = None
+    direction: Optional[torch.Tensor] = None
+    rate: Optional[torch.Tensor] = None
+    denominator: Optional[torch.Tensor] = None
+    step: Optional[torch.Tensor] = None
+    mean: Optional[torch.Tensor] = None
+    raw: Optional[torch.Tensor] = None
+    scale: Optional[torch.Tensor] = None
+    a: Optional[torch.Tensor] = None
+    b: Optional[torch.Tensor] = None
+    c: Optional[torch.Tensor] = None
+    flag: Optional[torch.Tensor] = None  # (bool)
+    flag2: Optional[torch.Tensor] = None  # (bool)
+
+
+#: The number of float buffers and of bool buffers of :class:`Scratch`.
+SCRATCH_FLOATS, SCRATCH_FLAGS = 14, 2
+NO_SCRATCH = Scratch()
+
+
+def mean_field_pass(b: Branches, t: Inputs, n: Numbers, transform, w: Scratch = NO_SCRATCH) -> Outputs:
     """
     One mean-field step of the group, element by element (the equations of
     :mod:`~pyro_ngvi.update.mean_field` with the pieces of the layers around them):
@@ -121,16 +151,19 @@ def mean_field_pass(b: Branches, t: Inputs, n: Numbers, transform) -> Outputs:
               \\quad \\mu' = \\mu - \\alpha_t\\frac{\\bar g + \\lambda_0(\\mu - m_0)}{\\lambda' + \\gamma},
               \\quad r' = T^{-1}(\\lambda'^{-1/2}).
 
-    ``transform`` maps the raw scale to :math:`\\sigma`.
+    ``transform`` maps the raw scale to :math:`\\sigma`; the temporaries go into the
+    buffers of ``w`` (eagerly: :class:`Scratch`), and where ``t`` names outputs
+    (``out_*``, the momentum buffer, ``out_signs``) the results are written there.
     """
     mean, grad, curvature, mask = t.mean, t.grad, t.curvature, t.mask
     if b.branch_free:  # (compiled: no input is changed but those written; the copies are fused away)
         grad, curvature = grad.clone(), curvature.clone()
+        w = NO_SCRATCH
     # the precision the ELBO read this step (else the one NGVI wrote, else the raw scale's)
     if b.known_scale:
-        precision = t.scale.pow(-2)
+        precision = torch.pow(t.scale, -2, out=w.precision)
     else:
-        precision = _forward(b, transform, t.raw_scale).pow_(-2)
+        precision = _forward(b, transform, t.raw_scale, out=w.precision, scratch=(w.a, w.b)).pow_(-2)
     prior_precision = t.prior_precision if b.prior else None
     if b.tau:  # from here g / tau and h / tau
         grad, curvature = grad.div_(n.tau), curvature.div_(n.tau)
@@ -140,17 +173,18 @@ def mean_field_pass(b: Branches, t: Inputs, n: Numbers, transform) -> Outputs:
             known, baseline = t.count > n.first_count, t.drift
         else:
             known, baseline = t.known, None
-        control_variate(grad, curvature, t.eps_mean, t.eps_sq_mean.sub(1.0), precision, prior_precision, known,
-                        baseline)
+        eps_sq_minus_one = t.eps_sq_mean.sub(1.0) if b.branch_free else t.eps_sq_mean.sub_(1.0)
+        control_variate(grad, curvature, t.eps_mean, eps_sq_minus_one, precision, prior_precision, known,
+                        baseline, scratch=(w.a, w.b, w.c))
     target = precision_target(curvature, prior_precision)
     if adaptive:
-        target = clip_target(target, precision)
-    direction = _momentum(b, t, grad, n.rho)
+        target = clip_target(target, precision, scratch=(w.a, w.b))
+    direction = _momentum(b, t, grad, n.rho, w)
     pull = dot = None  # the exact prior's gradient, lambda_0 (mu - m_0)
     if b.prior:
-        deviation = mean - t.prior_loc
+        deviation = torch.sub(mean, t.prior_loc, out=w.deviation)
         if mask is None:
-            pull = deviation * prior_precision
+            pull = torch.mul(deviation, prior_precision, out=w.pull)
             if b.spread:  # the watch on growing means (pyro_ngvi.monitor)
                 dot = torch.dot(pull, deviation)
         else:
@@ -164,70 +198,72 @@ def mean_field_pass(b: Branches, t: Inputs, n: Numbers, transform) -> Outputs:
                                t.noise, n.lr, n.beta, n.rho)
         step_beta, step_lr = steps.beta, steps.lr
     elif b.rates == "warm":
-        step_beta, step_lr = warm_start_rates(t.fresh, target, precision, n.beta, n.lr)
+        step_beta, step_lr = warm_start_rates(t.fresh, target, precision, n.beta, n.lr, out=w.rate, flag=w.flag)
     else:
         step_beta, step_lr = n.beta, n.lr
 
     # the precision, and its safeguards
-    new_precision = precision_step(precision, target, step_beta, correct=b.correct, fused=b.branch_free)
+    new_precision = precision_step(precision, target, step_beta, correct=b.correct, fused=b.branch_free,
+                                   out=w.new_precision, scratch=(w.a, w.flag))
     del target
     if b.trust:  # trust region on the precision too
-        new_precision = precision_trust_region(new_precision, precision, prior_precision)
+        new_precision = precision_trust_region(new_precision, precision, prior_precision, scratch=(w.a, w.b))
     clamped, lowest = clamp_precision_(new_precision, t.floor if b.floor else None)
-    denominator = new_precision + n.damping if b.damping else new_precision
+    denominator = torch.add(new_precision, n.damping, out=w.denominator) if b.damping else new_precision
     signs = far = None
     if b.signs:  # the stall test: |g| sigma beyond FAR with the last step's sign
-        signs = grad > 0
         if b.branch_free:  # (compiled: 0 / 1 in g's dtype; inductor's CPU loops move bools slowly)
-            signs = signs.to(grad.dtype)
+            signs = (grad > 0).to(grad.dtype)
+        else:
+            signs = torch.gt(grad, 0, out=t.out_signs)
         if b.far:
-            far = far_elements(grad, precision, signs, t.last_signs)
-            far = far if mask is None else far & mask
+            far = far_elements(grad, precision, signs, t.last_signs, scratch=(w.a, w.b), flags=(w.flag, w.flag2))
+            far = far if mask is None else far.logical_and_(mask) if not b.branch_free else far & mask
             # (compiled: a float sum, exact below 2^24 elements (else in float64); no int64 vectors)
             far = _count(far) if b.branch_free else torch.count_nonzero(far)
 
     # the mean, and its safeguards
     predicted = None
+    out_mean = _out(b, t.out_mean, mean, w.mean)
     if b.trust:  # the trust region bounds the likelihood part of the step, not the prior's
         new_mean = trusted_mean_step(mean, direction, pull, denominator, step_lr,
-                                     precision.rsqrt_().mul_(n.max_step))
+                                     precision.rsqrt_().mul_(n.max_step), out=out_mean, scratch=w.step)
     elif b.guarded:  # a Newton step (at the mean) damped by the safeguard
         numerator = direction if pull is None else pull.add_(direction)
-        step = numerator.mul(step_lr).div_(denominator)
+        step = torch.mul(numerator, step_lr, out=w.step).div_(denominator)
         if b.guard_clip:  # while damped, also at most max_step standard deviations (before the step)
             step = clip_(step, precision.rsqrt_().mul_(n.max_step))
         predicted = ((numerator * step).sum(), (new_precision * step.square()).sum())
-        new_mean = step.neg_().add_(mean)
+        new_mean = torch.sub(mean, step, out=out_mean)
     else:  # mu - lr (g + lambda_0 (mu - m_0)) / (lambda' + gamma) in one kernel
-        new_mean = mean_step(mean, direction, pull, denominator, step_lr, out=t.out_mean)
+        new_mean = mean_step(mean, direction, pull, denominator, step_lr, out=out_mean, scratch=w.step)
     del precision, pull, denominator
     if b.masked:  # a step with non-finite statistics writes nothing
         new_mean = torch.where(t.ok, new_mean, mean)
-    if t.out_mean is not None and new_mean is not t.out_mean:
-        new_mean = t.out_mean.copy_(new_mean)
-    if b.in_place:
-        new_mean = t.mean.copy_(new_mean)
+        if t.out_mean is not None:
+            new_mean = t.out_mean.copy_(new_mean)
+    elif b.in_place and new_mean is not mean:  # (compiled)
+        new_mean = mean.copy_(new_mean)
 
     # sigma' = lambda'^-1/2 as a raw scale, and sigma read back from it (what a reader of the raw
     # scale gets: the next step, the fast path, a process that loads the param store)
-    if t.out_scale is None:
-        new_scale = new_precision.rsqrt_()
-    else:
-        new_scale = torch.rsqrt(new_precision, out=t.out_scale)
-    new_raw, small = _inverse(b, transform, new_scale, t.out_raw_scale, lowest)
+    new_scale = torch.rsqrt(new_precision, out=w.scale if b.masked else t.out_scale)
+    new_raw, small = _inverse(b, transform, new_scale, _out(b, t.out_raw_scale, t.raw_scale, w.raw), lowest,
+                              scratch=(w.a, w.b, w.c))
     if b.masked:
         new_raw = torch.where(t.ok, new_raw, t.raw_scale)
-    if t.out_raw_scale is not None and new_raw is not t.out_raw_scale:
-        new_raw = t.out_raw_scale.copy_(new_raw)
-    if b.in_place:
+        if t.out_raw_scale is not None:
+            new_raw = t.out_raw_scale.copy_(new_raw)
+    elif b.in_place and new_raw is not t.raw_scale:  # (compiled)
         new_raw = t.raw_scale.copy_(new_raw)
     read = None
     if mask is None:
         # (every sigma' <= 1 gives r' < 1: softplus need not look for its linear part)
-        read = _forward(b, transform, new_raw, linear=False if small else None)
+        read = _forward(b, transform, new_raw, linear=False if small else None,
+                        out=None if b.branch_free else new_scale, scratch=(w.a, w.b))
         if b.masked:  # (bit for bit the old sigma: not read again)
             read = torch.where(t.ok, read, t.scale if b.known_scale else _forward(b, transform, t.raw_scale))
-        if t.out_scale is not None:
+        if t.out_scale is not None and read is not t.out_scale:
             read = t.out_scale.copy_(read)
     if b.masked:
         direction, clamped, signs, far, steps = _unchanged(b, t, direction, clamped, signs, far, steps)
@@ -262,31 +298,55 @@ def _count(flags: torch.Tensor) -> torch.Tensor:
     return flags.to(dtype).sum()
 
 
-def _momentum(b: Branches, t: Inputs, grad, rho):
-    """The mean-gradient average :math:`\\bar g` (:func:`~pyro_ngvi.update.mean_field.momentum`)."""
+def _out(b: Branches, given, own, scratch):
+    """Where the pass writes a result: eagerly ``given`` (an ``out_*`` input), else the input's
+    ``own`` tensor (``in_place``), else ``scratch``; a masked pass always ``scratch`` (the old
+    value is selected back where the step is not good); compiled, nowhere (new tensors)."""
+    if b.branch_free:
+        return None
+    if b.masked:
+        return scratch
+    if given is not None:
+        return given
+    return own if b.in_place else scratch
+
+
+def _momentum(b: Branches, t: Inputs, grad, rho, w: Scratch):
+    """The mean-gradient average :math:`\\bar g` (:func:`~pyro_ngvi.update.mean_field.momentum`), into the
+    momentum buffer (eagerly; a masked step: a scratch buffer, the buffer kept until it is known good)."""
     if b.momentum == "none":
         return grad
     if b.momentum == "span_first":
         return momentum(grad, None, rho, out=t.momentum)
     if b.momentum == "span":
         return momentum(grad, t.momentum, rho, out=t.momentum)
-    return momentum(grad, t.momentum, rho, started=t.started if b.momentum == "mixed" else None, mask=t.mask)
+    out = None if b.branch_free else w.direction if b.masked else t.momentum
+    return momentum(grad, t.momentum, rho, started=t.started if b.momentum == "mixed" else None, mask=t.mask,
+                    out=out, scratch=None if b.masked else w.direction)
 
 
-def _forward(b: Branches, transform, raw, linear=None):
-    """:math:`\\sigma` from the raw scale."""
+def _forward(b: Branches, transform, raw, linear=None, out=None, scratch=(None, None)):
+    """:math:`\\sigma` from the raw scale (into ``out`` where given)."""
+    if b.exp_scale:
+        return torch.exp(raw, out=out)
     if b.branch_free and b.fast_scale:
         return softplus_branch_free(raw)
-    return transform._call(raw, linear) if b.fast_scale else transform(raw)
+    if b.fast_scale:
+        return transform._call(raw, linear, out, scratch)
+    sigma = transform(raw)
+    return sigma if out is None else out.copy_(sigma)
 
 
-def _inverse(b: Branches, transform, new_scale, out, lowest):
+def _inverse(b: Branches, transform, new_scale, out, lowest, scratch=(None, None, None)):
     """The raw scale of :math:`\\sigma'` (into ``out`` where given), and whether every
     :math:`\\sigma' \\le 1` is known (eager: then the series was used)."""
+    if b.exp_scale:
+        return torch.log(new_scale, out=out), True
     if not b.fast_scale:
-        return transform.inv(new_scale), False
+        raw = transform.inv(new_scale)
+        return (raw if out is None else out.copy_(raw)), False
     if b.branch_free:
         return softplus_inverse_branch_free(new_scale, b.at_most_one), False
     # (its log sigma, of sigma before the round trip, tells that the series was used)
-    new_raw, log_sigma = transform.inverse_and_log(new_scale, out, lowest.rsqrt())
+    new_raw, log_sigma = transform.inverse_and_log(new_scale, out, lowest.rsqrt(), scratch)
     return new_raw, log_sigma is not None

@@ -57,7 +57,7 @@ from .handover import (  # noqa: F401 (re-exported: the ELBOs and NGVI import th
 from .kronecker import KroneckerNormal, KroneckerSite
 from .low_rank_guide import LowRankPrecisionNormal, LowRankSite
 from .monitor import NGVIWarning
-from .scales import FastSoftplus, known_scale
+from .scales import FastExp, FastSoftplus, is_exp, known_scale
 
 #: The curvature of the negative log-likelihood per example assumed before the data say
 #: otherwise, in the units of a likelihood whose curvature in its output is of order one
@@ -208,10 +208,13 @@ def scale_transform(constraint) -> Transform:
     """
     The bijection from a raw (unconstrained) scale parameter with ``constraint``
     to :math:`\\sigma`: :func:`~torch.distributions.biject_to`, with the softplus of
-    AutoNormal and AutoDiagonalNormal computed faster (:class:`~pyro_ngvi.scales.FastSoftplus`).
+    AutoNormal and AutoDiagonalNormal computed faster (:class:`~pyro_ngvi.scales.FastSoftplus`) and
+    the exponential of ``constraints.positive`` as :class:`~pyro_ngvi.scales.FastExp`.
     """
     transform = biject_to(constraint)
-    return FastSoftplus() if type(transform) is SoftplusTransform else transform
+    if type(transform) is SoftplusTransform:
+        return FastSoftplus()
+    return FastExp() if is_exp(transform) else transform
 
 
 # --------------------------------------------------------------------------- #

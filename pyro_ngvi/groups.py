@@ -1,19 +1,29 @@
 """
 Mean-field sites updated together as one flat vector (one kernel per operation
 rather than one per site and operation): which sites may share a group
-(:func:`group_sites`), the group's views of their tensors and of their state
-(:class:`Group`), and the flat-vector helpers the update uses.
+(:func:`group_sites`), the group's views of their tensors and the flat buffers that
+hold their state between steps (:class:`Group`), the scratch buffers a step's
+temporaries go into (:class:`Workspace`), and the flat-vector helpers the update uses.
 
 Sites share a group when they share the scale constraint, dtype, device and the
 kind of their statistics, are not masked, and together hold at most
 :data:`FLAT_MAX` elements; a masked site (subsampled rows) or a large one is a group
 of its own, whose flat tensors are views (no copies).
+
+**No allocation in a step.** On the CPU a new tensor of more than ~128 KiB comes from
+the system, and the first touch of each of its pages costs a page fault: a fresh
+temporary of a large site can cost ten times the arithmetic written into it (measured:
+0.8 ms per MiB in a virtual machine). So a group keeps its per-element state (the
+remembered :math:`\\sigma`, the momentum, the signs of the stall test, the adaptive
+steps' buffers) in flat buffers made once, which the sites' own state tensors view, and
+the element-wise pass writes its temporaries into a :class:`Workspace` made once per
+optimizer: a step of an unchanged guide allocates no element-sized tensor.
 """
 
-from typing import Dict, List, NamedTuple
+from typing import Dict, List, NamedTuple, Optional
 
 import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch._utils import _flatten_dense_tensors
 
 import pyro
 
@@ -24,14 +34,17 @@ from .family import GaussianSite, SiteCurvature
 FLAT_MAX = 1 << 16
 
 
-def flat(tensors: List[torch.Tensor]) -> torch.Tensor:
+def flat(tensors: List[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The tensors, flattened and concatenated (no copy for a single contiguous one, nor for a single
-    number broadcast to a shape: a prior's or the family's floor, which stays a broadcast view)."""
+    number broadcast to a shape: a prior's or the family's floor, which stays a broadcast view);
+    concatenated into ``out`` where given."""
     if len(tensors) == 1:
         tensor = tensors[0]
         if tensor.dim() > 1 and not any(tensor.stride()):
             return tensor.as_strided((tensor.numel(),), (0,))
         return tensor.reshape(-1)
+    if out is not None:
+        return torch.cat([t.reshape(-1) for t in tensors], out=out)
     if all(t.is_contiguous() for t in tensors):
         return _flatten_dense_tensors(tensors)  # one call: reshape and cat in C++
     return torch.cat([t.reshape(-1) for t in tensors])  # (an expanded prior: no copy before the cat)
@@ -77,15 +90,23 @@ def group_sites(sites: List[GaussianSite], stats: Dict[str, SiteCurvature]) -> L
     return list(groups.values())
 
 
-class Group(NamedTuple):
-    """Sites updated as one flat vector, with what the update needs of them every step."""
+class Group:
+    """Sites updated as one flat vector, with what the update needs of them every step and
+    the flat buffers that hold their per-element state."""
 
-    sites: List[GaussianSite]
-    sizes: List[int]
-    locs: List[torch.Tensor]  # flat views of the sites' loc tensors, to write into
-    raw_scales: List[torch.Tensor]  # and of their raw scale tensors
-    transform: object  # raw scale -> sigma
-    cache: Dict  # small constant tensors of the adaptive steps, by (dtype, device); kept flats (flat_of)
+    __slots__ = ("sites", "sizes", "locs", "raw_scales", "transform", "cache", "numel", "like", "loc_tensors",
+                 "raw_tensors")
+
+    def __init__(self, sites: List[GaussianSite], sizes, locs, raw_scales, transform, cache):
+        self.sites, self.sizes = sites, sizes
+        self.locs = locs  # flat views of the sites' loc tensors, to write into
+        self.raw_scales = raw_scales  # and of their raw scale tensors
+        self.transform = transform  # raw scale -> sigma
+        self.cache = cache  # small constant tensors, kept flats (flat_of), the state buffers
+        self.numel = sum(sizes)
+        self.like = locs[0]
+        self.loc_tensors = [site.loc for site in sites]  # (the sites' own, as shaped)
+        self.raw_tensors = [site.raw_scale for site in sites]
 
     @classmethod
     def of(cls, sites: List[GaussianSite]) -> "Group":
@@ -94,6 +115,11 @@ class Group(NamedTuple):
                        [site.loc.view(-1) for site in sites],
                        [site.raw_scale.view(-1) for site in sites],
                        sites[0]._scale_transform, {})
+
+    @property
+    def one(self) -> bool:
+        """A group of one site: its flat tensors are views of the site's."""
+        return len(self.sites) == 1
 
     def flat_of(self, name: str, tensors: List[torch.Tensor]) -> torch.Tensor:
         """:func:`flat` of ``tensors``, kept while they are the same tensors, unchanged (a
@@ -127,27 +153,98 @@ class Group(NamedTuple):
             found = self.cache[key] = make()
         return found
 
-    # the sites' per-element state as flat vectors
+    # ------------------------------------------------ per-element state, held flat
+    def views(self, flat_tensor: torch.Tensor) -> List[torch.Tensor]:
+        """``flat_tensor`` (the group's length) cut into views shaped like the sites' locs."""
+        return [piece.view_as(site.loc) for piece, site in zip(flat_tensor.split(self.sizes), self.sites)]
+
+    def state(self, states, name: str, fill: Optional[float] = None, dtype=None) -> Optional[torch.Tensor]:
+        """
+        The sites' ``name`` state as one flat buffer that their state tensors are views of:
+        made once (the sites' values copied in), then the same tensor every step, written in
+        place. A site without one yet gets ``fill`` (``None``: the buffer is made only once
+        every site has one, else ``None`` is returned).
+        """
+        values = [getattr(state, name) for state in states]
+        kept = self.cache.get(("state", name))
+        if kept is not None and all(v is k for v, k in zip(values, kept[1])):
+            return kept[0]
+        if fill is None and any(v is None for v in values):
+            return None
+        buffer = torch.empty(self.numel, dtype=dtype or self.like.dtype, device=self.like.device)
+        views = self.views(buffer)
+        for state, value, view in zip(states, values, views):
+            view.copy_(value if value is not None else torch.full((), fill, dtype=view.dtype))
+            setattr(state, name, view)
+        self.cache[("state", name)] = (buffer, views)
+        return buffer
+
+    def adopt(self, states, name: str, buffer: torch.Tensor) -> None:
+        """Make ``buffer`` (flat, the group's length, not to be reallocated) the sites' ``name`` state."""
+        views = self.views(buffer)
+        for state, view in zip(states, views):
+            setattr(state, name, view)
+        self.cache[("state", name)] = (buffer, views)
+
+    def owned(self, name: str, dtype=None) -> torch.Tensor:
+        """A flat buffer of the group's length that the group alone holds (made once)."""
+        key = ("owned", name)
+        buffer = self.cache.get(key)
+        if buffer is None:
+            buffer = self.cache[key] = torch.empty(self.numel, dtype=dtype or self.like.dtype,
+                                                   device=self.like.device)
+        return buffer
+
+    def gather(self, name: str, tensors: List[torch.Tensor]) -> torch.Tensor:
+        """:func:`flat` of the sites' ``tensors`` (one each): a view for a group of one, else
+        concatenated into a buffer the group holds (``name``), overwritten at the next gather."""
+        if self.one:
+            return flat(tensors)
+        buffer = self.owned(name, tensors[0].dtype)
+        torch._foreach_copy_(self.cached(("views", name), lambda: self.views(buffer)), tensors)
+        return buffer
+
+    def flags(self, values: List[bool]) -> torch.Tensor:
+        """Flat bool: each site's elements set to its value (kept per pattern of values)."""
+        key = ("flags", tuple(values))
+        found = self.cache.get(key)
+        if found is None:
+            found = self.cache[key] = flat([torch.full_like(site.loc, value, dtype=torch.bool)
+                                            for site, value in zip(self.sites, values)])
+        return found
+
     def fresh(self, states, name: str):
         """Where a site has no ``name`` buffer yet (flat bool), or ``None`` when all have."""
-        if all(getattr(state, name) is not None for state in states):
-            return None
-        return flat([torch.full_like(site.loc, getattr(state, name) is None, dtype=torch.bool)
-                     for site, state in zip(self.sites, states)])
-
-    def buffer(self, states, name: str, fill: float) -> torch.Tensor:
-        """The sites' ``name`` buffers as one flat vector (``fill`` for a site without one)."""
-        values = [getattr(state, name) for state in states]
-        if all(v is not None for v in values):
-            return flat(values)
-        return flat([torch.full_like(site.loc, fill) if v is None else v for site, v in zip(self.sites, values)])
-
-    def keep(self, states, name: str, values: torch.Tensor) -> None:
-        """Store the flat ``values`` as the sites' ``name`` buffers, each shaped like its loc."""
-        for state, piece in zip(states, _unflatten_dense_tensors(values, [site.loc for site in self.sites])):
-            setattr(state, name, piece)
+        values = [getattr(state, name) is None for state in states]
+        return self.flags(values) if any(values) else None
 
     def started(self, states, value: bool) -> torch.Tensor:
         """Flat bool: the elements of sites whose ``started`` is ``value``."""
-        return flat([torch.full_like(site.loc, state.started is value, dtype=torch.bool)
-                     for site, state in zip(self.sites, states)])
+        return self.flags([state.started is value for state in states])
+
+
+class Workspace:
+    """
+    Scratch buffers for a step's temporaries, made once per optimizer and device and grown
+    when a longer group comes (a large site runs in spans, so their length is bounded):
+    :meth:`take` hands out ``count`` flat views of ``n`` elements, which the element-wise
+    pass overwrites (their values do not outlive the call that took them).
+    """
+
+    def __init__(self):
+        self._buffers: Dict[tuple, torch.Tensor] = {}
+        self._views: Dict[tuple, List[torch.Tensor]] = {}  # (dtype, device, count, n) -> the views handed out
+
+    def take(self, n: int, like: torch.Tensor, count: int, dtype=None) -> List[torch.Tensor]:
+        """``count`` flat buffers of ``n`` elements like ``like`` (or of ``dtype``)."""
+        dtype = dtype or like.dtype
+        key = (dtype, like.device, count)
+        views = self._views.get(key + (n,))
+        if views is not None:
+            return views
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.shape[1] < n:
+            buffer = self._buffers[key] = torch.empty((count, n), dtype=dtype, device=like.device)
+            self._views = {k: v for k, v in self._views.items() if k[:3] != key}  # (views of the old one)
+        views = self._views[key + (n,)] = list(buffer[:, :n].unbind(0))
+        return views

@@ -102,6 +102,8 @@ class SiteCurvature:
         ``None``.
     :param int handover: the ELBO evaluation that made these statistics
         (set by :func:`attach_curvature`).
+    :param bool fitted: every tensor already has the dtype, device and shape of the
+        site's ``loc`` (an ELBO that makes them so says it; NGVI then checks nothing).
     """
 
     grad: torch.Tensor
@@ -123,6 +125,7 @@ class SiteCurvature:
     num_data: Optional[int] = None
     min_precision: Optional[torch.Tensor] = None
     loss: Optional[torch.Tensor] = None
+    fitted: bool = False
 
     def prior_params(self) -> List[PriorParam]:
         """The learned prior params of this site (none, one or two)."""

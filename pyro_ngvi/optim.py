@@ -27,7 +27,7 @@ from .checkpoint import safe_load
 from .checks import DeferredChecks, read_checks, sync_every
 from .distributed import all_reduce_stats, is_distributed
 from .family import FullCovarianceSite, GaussianSite, SiteCurvature, calling_svi, end_handover, split_params
-from .groups import Group, flat, group_sites, statistics_kind
+from .groups import Group, Workspace, group_sites, statistics_kind
 from .kronecker import KroneckerSite
 from .low_rank_guide import LowRankSite
 from .monitor import ElboWatch, NGVIWarning, SpreadWatch, power_of_two
@@ -149,6 +149,7 @@ class NGVI(PyroOptim):
         self._plans: Dict[tuple, _Plan] = {}  # per guide structure
         self._spread_watch = SpreadWatch()  # means growing without bound (pyro_ngvi.monitor), per group
         self._point_checked = WeakIdKeyDictionary()  # params whose point-optimizer step was probed
+        self._workspace = Workspace()  # scratch buffers of the element-wise pass (pyro_ngvi.groups)
 
     @property
     def _options(self) -> Options:
@@ -187,7 +188,8 @@ class NGVI(PyroOptim):
         states = [self._state(site) for site in sites]  # may refuse: before any write
         check_point_states(self._state_waiting_to_be_consumed, self.optim_objs, others, self.pt_optim_constructor,
                            self.pt_optim_args)
-        stats = self._statistics(sites, svi)
+        with torch.no_grad():
+            stats = self._statistics(sites, svi)
         learned = {id(p.unconstrained) for s in stats.values() if isinstance(s, SiteCurvature)
                    for p in s.prior_params()}
         if learned:  # prior params set in closed form below, not by the point optimizer
@@ -207,7 +209,8 @@ class NGVI(PyroOptim):
         cross = cross_terms(mean_field, stats, self._state) if self.control_variate else None
         groups = plan.groups_for(mean_field, stats)
         group_stats = [[stats[site.key] for site in group.sites] for group in groups]
-        flats = [(flat([s.grad for s in st]), flat([s.curvature for s in st])) for st in group_stats]
+        flats = [(group.gather("grad", [s.grad for s in st]), group.gather("curvature", [s.curvature for s in st]))
+                 for group, st in zip(groups, group_stats)]
         # on CUDA the host reads the checks every few steps (pyro_ngvi.checks): meanwhile a step
         # with non-finite statistics writes nothing (masked)
         every = sync_every(sites[0].loc.device, self.sync_every) if sites else 1
@@ -223,7 +226,7 @@ class NGVI(PyroOptim):
         tau = at_step("tau", self.tau, self.num_steps, 0.0, math.inf)
         state_of = {site.key: state for site, state in zip(sites, states)}
         context = Context(self._options, self.num_steps, plan.signs, self._spread_watch,
-                          GuardedStep(plan.newton.factor) if guarded else None, self.compile, ok)
+                          GuardedStep(plan.newton.factor) if guarded else None, self.compile, ok, self._workspace)
         # full-covariance steps are computed before anything is written: one whose new
         # precision is not positive definite skips the whole step
         dense_steps = []

@@ -132,11 +132,16 @@ def first_count(beta: float, warm_start: bool) -> float:
 
 
 def warm_start_rates(fresh: torch.Tensor, target: torch.Tensor, precision: torch.Tensor, beta: float,
-                     lr: float) -> Tuple[torch.Tensor, float]:
+                     lr: float, out: Optional[torch.Tensor] = None,
+                     flag: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, float]:
     """Constant steps, except that a site's first step takes the curvature target whole
     where it exceeds the precision (as VOGN initialises its precision from the first
-    minibatch): :math:`\\beta_t = 1` there. ``fresh``: the elements of sites not yet started."""
-    return torch.where(fresh & (target > precision), 1.0, beta).to(target.dtype), lr
+    minibatch): :math:`\\beta_t = 1` there. ``fresh``: the elements of sites not yet started;
+    ``out`` and ``flag``: a float and a bool buffer (default: new tensors)."""
+    whole = torch.gt(target, precision, out=flag).logical_and_(fresh)
+    if out is None:
+        return torch.where(whole, 1.0, beta).to(target.dtype), lr
+    return out.fill_(beta).masked_fill_(whole, 1.0), lr
 
 
 class NoiseState(NamedTuple):

@@ -47,19 +47,23 @@ def finite(*tensors: torch.Tensor, mask=None, exact: bool = False) -> torch.Tens
     return torch.isfinite(total)
 
 
-def clip_target(target: torch.Tensor, precision: torch.Tensor) -> torch.Tensor:
+def clip_target(target: torch.Tensor, precision: torch.Tensor, scratch=(None, None)) -> torch.Tensor:
     """A sampled curvature target beyond :math:`(1 \\pm` :data:`INNOVATION_MAX` :math:`)\\lambda`
-    is an outlier: clip it there."""
-    return torch.clamp(target, min=precision * (1.0 - INNOVATION_MAX), max=precision * (1.0 + INNOVATION_MAX))
+    is an outlier: clip it there (in place; ``scratch``: two buffers for the bounds)."""
+    low = torch.mul(precision, 1.0 - INNOVATION_MAX, out=scratch[0])
+    high = torch.mul(precision, 1.0 + INNOVATION_MAX, out=scratch[1])
+    return torch.clamp(target, min=low, max=high, out=target)
 
 
 def precision_trust_region(new_precision: torch.Tensor, precision: torch.Tensor,
-                           prior_precision: Optional[torch.Tensor]) -> torch.Tensor:
+                           prior_precision: Optional[torch.Tensor], scratch=(None, None)) -> torch.Tensor:
     """Keep :math:`\\lambda'` within a factor :data:`PRECISION_RATIO` of :math:`\\lambda`
-    (in place), the exact prior precision always within reach."""
-    upper, lower = precision * PRECISION_RATIO, precision / PRECISION_RATIO
+    (in place), the exact prior precision always within reach (``scratch``: two buffers)."""
+    upper = torch.mul(precision, PRECISION_RATIO, out=scratch[0])
+    lower = torch.div(precision, PRECISION_RATIO, out=scratch[1])
     if prior_precision is not None:
-        upper, lower = upper.maximum(prior_precision), lower.minimum(prior_precision)
+        upper = torch.maximum(upper, prior_precision, out=scratch[0])
+        lower = torch.minimum(lower, prior_precision, out=scratch[1])
     new_precision = torch.minimum(new_precision, upper, out=new_precision)
     return torch.maximum(new_precision, lower, out=new_precision)
 
@@ -100,11 +104,13 @@ def mostly(flags: torch.Tensor, mask) -> torch.Tensor:
 
 
 def far_elements(grad: torch.Tensor, precision: torch.Tensor, positive: torch.Tensor,
-                 last_positive: torch.Tensor) -> torch.Tensor:
+                 last_positive: torch.Tensor, scratch=(None, None), flags=(None, None)) -> torch.Tensor:
     """Elements whose gradient exceeds :data:`FAR` standard deviations,
-    :math:`g^2 > \\text{FAR}^2 \\lambda`, with the sign of the last step."""
-    persistent = torch.eq(positive, last_positive)
-    return torch.gt(grad.square(), precision * FAR**2).logical_and_(persistent)
+    :math:`g^2 > \\text{FAR}^2 \\lambda`, with the sign of the last step (``scratch``: two float
+    buffers, ``flags``: two bool buffers; the result is the first)."""
+    persistent = torch.eq(positive, last_positive, out=flags[1])
+    square = torch.square(grad, out=scratch[0])
+    return torch.gt(square, torch.mul(precision, FAR**2, out=scratch[1]), out=flags[0]).logical_and_(persistent)
 
 
 class Safeguards(NamedTuple):

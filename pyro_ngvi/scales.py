@@ -26,6 +26,13 @@ written with those alone, accurate to a few ulps (tested against float64 over
 
 Other dtypes and devices use torch's own kernels.
 
+**The exponential.** A guide whose scales are ``constraints.positive`` (the recipe's
+:meth:`~pyro_ngvi.BayesianNet.guide`) has :math:`\\sigma = e^r`, :math:`r = \\log\\sigma`
+(:class:`FastExp`): one vectorised ``exp`` or ``log`` each way, and
+:math:`\\sum\\log\\sigma = \\sum r` needs no logarithm at all (:func:`sum_log_scale`).
+Torch's ``biject_to(constraints.positive)`` is ``exp`` followed by the identity
+affine map, which gives the same bits.
+
 **The remembered scale.** NGVI writes the raw scale of every site each step and reads
 it back once, :math:`\\sigma = \\mathrm{softplus}(r)` in the same pass;
 :func:`remember_scale` keeps that :math:`\\sigma` beside the raw tensor, and
@@ -48,6 +55,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 from pyro.distributions.transforms import SoftplusTransform
+from torch.distributions.transforms import AffineTransform, ComposeTransform, ExpTransform
 
 #: Above this :math:`r = \\sigma` in float32.
 _LINEAR = 17.0
@@ -63,16 +71,18 @@ def _fast(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.device.type == "cpu"
 
 
-def softplus(r: torch.Tensor, linear: Optional[bool] = None) -> torch.Tensor:
-    """:math:`\\sigma = \\log(1 + e^r)` (a new tensor); ``linear=False`` when the caller knows
-    every :math:`r \\le 17` (default: None, found out)."""
+def softplus(r: torch.Tensor, linear: Optional[bool] = None, out: Optional[torch.Tensor] = None,
+             scratch=(None, None)) -> torch.Tensor:
+    """:math:`\\sigma = \\log(1 + e^r)` (into ``out``, default a new tensor; ``scratch``: two
+    buffers of ``r``'s length); ``linear=False`` when the caller knows every :math:`r \\le 17`
+    (default: None, found out)."""
     if not _fast(r):
-        return torch.nn.functional.softplus(r)
+        return torch.nn.functional.softplus(r) if out is None else out.copy_(torch.nn.functional.softplus(r))
     if linear is None:
         linear = not bool(r.amax() <= _LINEAR)  # also for NaN: it propagates either way
-    x = torch.exp(r.clamp(max=_LINEAR) if linear else r)
-    u = x + 1.0
-    rounded = torch.sub(u, 1.0)
+    x = torch.clamp(r, max=_LINEAR, out=scratch[0]).exp_() if linear else torch.exp(r, out=scratch[0])
+    u = torch.add(x, 1.0, out=scratch[1])
+    rounded = torch.sub(u, 1.0, out=out)
     error = x.sub_(rounded)  # c = x - (u - 1), exactly
     sigma = torch.log(u, out=rounded).add_(error.div_(u))
     return torch.maximum(sigma, r, out=sigma) if linear else sigma
@@ -84,7 +94,8 @@ def softplus_inverse(sigma: torch.Tensor) -> torch.Tensor:
 
 
 def softplus_inverse_and_log(sigma: torch.Tensor, out: Optional[torch.Tensor] = None,
-                             top: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                             top: Optional[torch.Tensor] = None,
+                             scratch=(None, None, None)) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """
     :math:`r = \\log(e^\\sigma - 1)` (a new tensor) and, when it comes at no extra cost,
     :math:`\\log\\sigma` (else ``None``). Where all :math:`\\sigma \\le 1` (a prior scale
@@ -93,28 +104,30 @@ def softplus_inverse_and_log(sigma: torch.Tensor, out: Optional[torch.Tensor] = 
     (the series of :math:`\\log(\\mathrm{expm1}(\\sigma)/\\sigma)`, truncated below
     :math:`10^{-8}`): one ``log``, which is also :math:`\\log\\sigma`; else Kahan's form.
     ``out`` receives :math:`r` (default: a new tensor); ``top`` is :math:`\\max\\sigma` when
-    the caller knows it (default: computed).
+    the caller knows it (default: computed); ``scratch``: three buffers of the length (the
+    first holds :math:`\\log\\sigma` on return).
     """
     if not _fast(sigma):
         return torch.add(sigma, torch.log(-torch.expm1(-sigma)), out=out), None
     if top is None:
         top = sigma.amax()
+    first, second, third = scratch
     if bool(top <= _SERIES_MAX):
-        log_sigma = torch.log(sigma)
-        square = sigma.square()
-        series = torch.addcmul(_SERIES[2], square, _SERIES[3])  # Horner in sigma^2
+        log_sigma = torch.log(sigma, out=first)
+        square = torch.square(sigma, out=second)
+        series = torch.addcmul(_SERIES[2], square, _SERIES[3], out=third)  # Horner in sigma^2
         series = torch.addcmul(_SERIES[1], series, square, out=series)
         series = torch.addcmul(_SERIES[0], series, square, out=series)
         r = torch.addcmul(log_sigma, series, square, out=series if out is None else out)
         return r.add_(sigma, alpha=0.5), log_sigma
     linear = not bool(top <= _LINEAR)  # also for NaN: it propagates either way
-    x = sigma.clamp(max=_LINEAR) if linear else sigma
-    u = torch.mul(x, _LOG2E).exp2_()
-    log_u = torch.log(u)
+    x = torch.clamp(sigma, max=_LINEAR, out=third) if linear else sigma
+    u = torch.mul(x, _LOG2E, out=first).exp2_()
+    log_u = torch.log(u, out=second)
     # (u - 1) / log u = expm1(x) / x, and 1 where u = 1 (0 / 0)
     ratio = u.sub_(1.0).div_(log_u).nan_to_num_(nan=1.0, posinf=math.inf)
     r = torch.log(ratio.mul_(x), out=ratio if out is None else out)
-    return (r.add_(sigma - x) if linear else r), None
+    return (r.add_(torch.sub(sigma, x, out=second)) if linear else r), None
 
 
 def softplus_branch_free(r: torch.Tensor) -> torch.Tensor:
@@ -159,15 +172,15 @@ class FastSoftplus(SoftplusTransform):
     """Pyro's :class:`~pyro.distributions.transforms.SoftplusTransform` (the scales of
     AutoNormal and AutoDiagonalNormal), with the float32 CPU kernels above."""
 
-    def _call(self, x, linear: Optional[bool] = None):
-        return softplus(x, linear)
+    def _call(self, x, linear: Optional[bool] = None, out=None, scratch=(None, None)):
+        return softplus(x, linear, out, scratch)
 
     def _inverse(self, y):
         return softplus_inverse(y)
 
-    def inverse_and_log(self, y, out=None, top=None):
+    def inverse_and_log(self, y, out=None, top=None, scratch=(None, None, None)):
         """:func:`softplus_inverse_and_log` of ``y``."""
-        return softplus_inverse_and_log(y, out, top)
+        return softplus_inverse_and_log(y, out, top, scratch)
 
     def log_abs_det_jacobian(self, x, y):
         return softplus(-x).neg_()  # log sigmoid(x)
@@ -175,6 +188,44 @@ class FastSoftplus(SoftplusTransform):
     def derivative(self, x):
         """:math:`d\\sigma/dr` at ``x``."""
         return softplus_derivative(x)
+
+
+class FastExp(ExpTransform):
+    """:math:`\\sigma = e^r` (the scales of a guide with ``constraints.positive``), with the
+    methods the element-wise pass calls on :class:`FastSoftplus`."""
+
+    def _call(self, x, linear: Optional[bool] = None, out=None, scratch=None):
+        return torch.exp(x, out=out)
+
+    def inverse_and_log(self, y, out=None, top=None, scratch=None):
+        """:math:`r = \\log\\sigma`, which is also :math:`\\log\\sigma`."""
+        r = torch.log(y, out=out)
+        return r, r
+
+    def derivative(self, x):
+        """:math:`d\\sigma/dr = \\sigma` at ``x``."""
+        return torch.exp(x)
+
+
+def is_exp(transform) -> bool:
+    """Whether ``transform`` is :math:`e^r` (``biject_to(constraints.positive)``: ``exp`` and the
+    identity affine map)."""
+    if type(transform) is ExpTransform:
+        return True
+    if type(transform) is not ComposeTransform or not transform.parts:
+        return False
+    first, *rest = transform.parts
+    return type(first) is ExpTransform and all(
+        type(t) is AffineTransform and isinstance(t.loc, (int, float)) and isinstance(t.scale, (int, float))
+        and t.loc == 0 and t.scale == 1 for t in rest)
+
+
+def sum_log_scale(raw: torch.Tensor, sigma: torch.Tensor, transform) -> torch.Tensor:
+    """:math:`\\sum\\log\\sigma` of a site: the sum of its raw scale where :math:`\\sigma = e^r`
+    (no logarithm), else of :math:`\\log\\sigma`."""
+    if isinstance(transform, FastExp):
+        return raw.detach().sum()
+    return torch.log(sigma).sum()
 
 
 #: id(raw scale tensor) -> (weak reference to it, its version counter when written, sigma);

@@ -44,10 +44,10 @@ def tensors(stats) -> tuple:
     return stats.grad, stats.curvature
 
 
-@torch.no_grad()
 def site_statistics(site, live: bool = True, one_draw: bool = False, recover_draws: bool = True):
     """
-    The ELBO's statistics for ``site`` (when ``live``: this step's ELBO made them),
+    The ELBO's statistics for ``site`` (when ``live``: this step's ELBO made them; run under
+    ``torch.no_grad()``),
     in the site's dtype and device, or, failing that, the Price estimate recovered
     from the ordinary gradients. With one draw per step (``one_draw``) the draw of a
     mean-field site is recovered too (``recover_draws``, for the control variate),
@@ -60,7 +60,7 @@ def site_statistics(site, live: bool = True, one_draw: bool = False, recover_dra
         return site.statistics(one_draw)
     stats = pop_curvature(site.loc)
     if stats is not None and live:
-        return fit_to_site(stats, site) if isinstance(site, GaussianSite) else stats
+        return fit_to_site(stats, site) if isinstance(site, GaussianSite) and not stats.fitted else stats
     if isinstance(site, KroneckerSite):
         raise ValueError(
             f"NGVI found no Kronecker factors for layer '{site.name}' of a KroneckerNormal guide: "

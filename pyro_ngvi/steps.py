@@ -15,16 +15,15 @@ import math
 from typing import Dict, List, NamedTuple, Optional
 
 import torch
-from torch._utils import _unflatten_dense_tensors
 
-from .elementwise import Branches, Inputs, Numbers, mean_field_pass
+from .elementwise import SCRATCH_FLAGS, SCRATCH_FLOATS, Branches, Inputs, Numbers, Scratch, mean_field_pass
 from .family import FullCovarianceSite, SiteCurvature
-from .groups import Group, flat as _flat
+from .groups import Group, Workspace, flat as _flat
 from .kronecker import KroneckerSite
 from .low_rank import low_rank_step, marginal_variance, solve
 from .low_rank_guide import LowRankSite
 from .policies import NoiseState, Settings, dense_count, dense_rates, first_count, noise_constants
-from .scales import known_scale, remember_scale
+from .scales import FastExp, known_scale, remember_scale
 from .update import full_covariance
 from .update import fused
 from .update.kronecker import kronecker_step
@@ -71,6 +70,7 @@ class Context(NamedTuple):
     guarded: Optional[GuardedStep]
     compiled: bool = False  # the element-wise pass compiled (pyro_ngvi.update.fused)
     ok: Optional[torch.Tensor] = None  # a deferred check (pyro_ngvi.checks): write only if it holds
+    workspace: Optional[Workspace] = None  # the scratch buffers of the eager pass (None: new tensors)
 
 
 def adaptive_for(stats: SiteCurvature, options: Options) -> bool:
@@ -88,22 +88,20 @@ def mean_field_group(ctx: Context, group: Group, stats: List[SiteCurvature], gra
     alone in its group, no mask, not the adaptive steps, whose noise is pooled over the
     site first; not when compiled or masked) in spans of :data:`SPAN` elements, one after
     the other: the same element-wise update, with temporaries of a span's size that stay in
-    the last-level cache and are reused by the allocator (on the CPU, whole-vector temporaries
-    of a large site go back to the system and page-fault on every step). Returns what
-    :func:`span_step` returns.
+    the cache. Returns what :func:`span_step` returns.
     """
     first = stats[0]
     size = grad.numel()
-    if (len(group.sites) > 1 or first.mask is not None or size <= SPAN or adaptive_for(first, ctx.options)
+    if (not group.one or first.mask is not None or size <= SPAN or adaptive_for(first, ctx.options)
             or compiled(ctx, group, size) or ctx.ok is not None):
-        # (a compiled pass has no temporaries, a masked one writes at its end: the whole site at once)
         result = span_step(ctx, group, stats, grad, curvature, settings, tau, states)
     else:
-        run = Spans(ctx, group, states[0], first.sampled, settings.momentum)
+        run = Spans(ctx, group, states)
+        run.sampled, run.scale = first.sampled, _scales(group, stats)
         for start in range(0, size, SPAN):
             run.slice = slice(start, min(start + SPAN, size))
             span_step(ctx, group, stats, grad, curvature, settings, tau, states, run)
-        result = run.finish(ctx, group, states[0], first.prior_precision is not None)
+        result = run.finish(ctx, group, states, first.prior_precision is not None)
     for state in states:
         state.started = True
     return result
@@ -118,7 +116,9 @@ def span_step(ctx: Context, group: Group, stats: List[SiteCurvature], grad: torc
     Gathers the group's tensors and decides which parts apply from the sites' state
     (:class:`~pyro_ngvi.elementwise.Branches`), runs the element-wise pass
     (:func:`~pyro_ngvi.elementwise.mean_field_pass`, eager or compiled,
-    :mod:`~pyro_ngvi.update.fused`) and keeps what it returns.
+    :mod:`~pyro_ngvi.update.fused`) and keeps what it returns. Eagerly the pass writes the
+    guide's tensors, the momentum and the remembered :math:`\\sigma` in place and its
+    temporaries into the optimizer's workspace (:mod:`~pyro_ngvi.groups`).
 
     :returns: 0-d bool tensors (no device sync): whether the precision was clamped,
         and, for sampled curvature (else ``None``), whether most elements' gradient
@@ -135,29 +135,41 @@ def span_step(ctx: Context, group: Group, stats: List[SiteCurvature], grad: torc
     def cut(flat):  # the span of a flat vector (all of it outside a run)
         return flat if run is None else flat[run.slice]
 
-    # the sigma the ELBO read this step, else the one this optimizer wrote last (in a run, as it was
-    # at the run's start: the spans before this one have written the raw scale since)
-    scales = [(known_scale(site.raw_scale) if run is None else run.old_scale) if s.scale is None else s.scale
-              for s, site in zip(stats, sites)]
-    known = all(scale is not None for scale in scales)
+    fuse = compiled(ctx, group, grad.numel())
+    eager = not fuse
     mask = None if first.mask is None else first.mask.reshape(-1)
+    masked_write = ctx.ok is not None
+    # sigma: the one the ELBO read this step, else the one this optimizer wrote last (the group's
+    # own buffer, which the sites remember), else read from the raw scale by the pass
+    scale = _scales(group, stats) if run is None else run.scale  # (a run's spans write the raw scale)
+    known = scale is not None
+    own_scale = group.owned("scale")
+    if eager and mask is None and not masked_write:
+        out_scale = cut(own_scale)  # (in place: each element's sigma is read before it is written)
+    else:
+        out_scale = None
     prior = first.prior_precision is not None
     adaptive = adaptive_for(first, options)
     grad, curvature = cut(grad), cut(curvature)
-    one = len(sites) == 1  # (its flat tensors are views)
-    fuse = compiled(ctx, group, grad.numel())
+    if group.one:  # (its flat tensors are views: written in place)
+        mean, raw = cut(group.locs[0]), cut(group.raw_scales[0])
+        in_place = eager and mask is None and not masked_write
+        out_mean = out_raw = None
+    else:
+        mean = group.gather("mean", group.loc_tensors)
+        raw = None if known and not masked_write else group.gather("raw", group.raw_tensors)
+        in_place = False
+        out_mean, out_raw = (mean, group.owned("raw")) if eager and not masked_write else (None, None)
     inputs = dict(
-        mean=cut(group.locs[0] if one else _flat([site.loc for site in sites])),
-        raw_scale=(cut(group.raw_scales[0]) if one else None if known and ctx.ok is None
-                   else _flat([site.raw_scale for site in sites])),
-        grad=grad, curvature=curvature, scale=cut(_flat(scales)) if known else None, mask=mask,
+        mean=mean, raw_scale=raw, grad=grad, curvature=curvature, scale=cut(scale) if known else None, mask=mask,
         prior_precision=cut(group.flat_of("prior_precision", [s.prior_precision for s in stats])) if prior else None,
         prior_loc=cut(group.flat_of("prior_loc", [s.prior_loc for s in stats])) if prior else None,
         floor=None if first.min_precision is None else cut(group.flat_of("min_precision",
                                                                         [s.min_precision for s in stats])),
+        out_mean=out_mean, out_raw_scale=out_raw, out_scale=out_scale,
     )
-    if run is not None:  # a span: straight into the site's tensors and remembered scale
-        inputs.update(out_mean=inputs["mean"], out_raw_scale=inputs["raw_scale"], out_scale=run.scale[run.slice])
+    # (before the buffers are made; for a run of spans, at its start)
+    momentum_fresh = run.momentum_fresh if run is not None else [state.momentum is None for state in states]
     if adaptive:
         inputs.update(_adaptive_inputs(group, states, beta, rho, options.warm_start))
     control = options.control_variate and first.eps_mean is not None and first.num_data is None
@@ -165,17 +177,15 @@ def span_step(ctx: Context, group: Group, stats: List[SiteCurvature], grad: torc
         inputs.update(eps_mean=cut(_flat([s.eps_mean for s in stats])), eps_sq_mean=cut(_flat([s.eps_sq_mean
                                                                                                for s in stats])))
         if not adaptive:
-            inputs["known"] = (torch.full_like(grad, states[0].started, dtype=torch.bool) if run is not None
-                               else group.started(states, True))
+            inputs["known"] = cut(group.started(states, True))
             if fuse:  # (a 0 / 1 mask in the control variate; compiled loops move bools slowly)
                 inputs["known"] = inputs["known"].to(grad.dtype)
-    momentum = _momentum_inputs(group, states, grad, rho, run, inputs)
+    momentum = _momentum_inputs(group, states, rho, run, inputs, cut, momentum_fresh)
     if adaptive:
         rates = "adaptive"
     elif options.warm_start and not all(state.started for state in states):
         rates = "warm"
-        inputs["fresh"] = (torch.full_like(grad, True, dtype=torch.bool) if run is not None
-                           else group.started(states, False))
+        inputs["fresh"] = cut(group.started(states, False))
     else:
         rates = "constant"
     trust = first.sampled and options.max_step is not None
@@ -183,68 +193,101 @@ def span_step(ctx: Context, group: Group, stats: List[SiteCurvature], grad: torc
     last = None
     if ctx.ok is not None:
         inputs["ok"] = ctx.ok
-    if first.sampled:  # the stall test's signs of the group's last step
-        last = run.last_signs if run is not None else _last_signs(ctx, group)
+    if first.sampled:  # the stall test's signs of the group's last step, and where this step's go
+        last = _last_signs(ctx, group)
         if last is not None:
             inputs["last_signs"] = cut(last)
+        if eager:
+            inputs["out_signs"] = cut(run.signs if run is not None else _signs_buffer(group, last))
     branches = Branches(
         tau=tau != 1, control_variate=control, prior=prior, mask=mask is not None, momentum=momentum, rates=rates,
         correct=not (first.nonnegative and prior), trust=trust, floor=first.min_precision is not None,
         damping=bool(settings.damping), guarded=guarded,
         guard_clip=guarded and ctx.guarded.factor > 1 and options.max_step is not None,
         signs=first.sampled, far=last is not None, spread=prior and mask is None,
-        known_scale=known, fast_scale=hasattr(group.transform, "inverse_and_log"), branch_free=fuse,
+        known_scale=known, fast_scale=hasattr(group.transform, "inverse_and_log"),
+        exp_scale=isinstance(group.transform, FastExp), branch_free=fuse,
         # a floor >= 1 keeps every new sigma <= 1 (compiled: the raw scale's series alone)
         at_most_one=fuse and first.min_precision is not None
         and group.least("min_precision", [s.min_precision for s in stats]) >= 1.0,
-        in_place=fuse and one and mask is None, masked=ctx.ok is not None,
+        in_place=in_place or (fuse and group.one and mask is None), masked=masked_write,
     )
     numbers = Numbers(lr, beta, rho, settings.damping, tau, options.max_step,
                       ctx.guarded.factor if guarded else 1.0, first_count(beta, options.warm_start))
-    out = fused.run(mean_field_pass, branches, fuse, Inputs(**inputs), numbers, None if fuse else group.transform)
-    return _keep(ctx, group, states, mask, out, run, rho)
+    if fuse:
+        out = fused.run(mean_field_pass, branches, True, Inputs(**inputs), numbers, None)
+    else:
+        out = mean_field_pass(branches, Inputs(**inputs), numbers, group.transform,
+                              _scratch(ctx.workspace, grad.numel(), grad))
+    return _keep(ctx, group, states, mask, out, run, rho, own_scale)
+
+
+def _scratch(workspace: Optional[Workspace], n: int, like: torch.Tensor) -> Scratch:
+    """The pass's scratch buffers of ``n`` elements from ``workspace`` (none: it allocates)."""
+    if workspace is None:
+        return Scratch()
+    return Scratch(*workspace.take(n, like, SCRATCH_FLOATS), *workspace.take(n, like, SCRATCH_FLAGS, torch.bool))
+
+
+def _scales(group: Group, stats: List[SiteCurvature]) -> Optional[torch.Tensor]:
+    """The sites' sigma as one flat vector: the group's own buffer when every site's is the view
+    of it that it remembers (the sigma this optimizer wrote last), else the sigma the ELBO read or
+    the one remembered, copied into that buffer; ``None`` when a site's is unknown (the pass
+    reads it from the raw scale)."""
+    scales = [known_scale(site.raw_scale) if s.scale is None else s.scale for s, site in zip(stats, group.sites)]
+    if any(scale is None for scale in scales):
+        return None
+    own = group.owned("scale")
+    views = group.cached("scale views", lambda: group.views(own))
+    if all(scale is view for scale, view in zip(scales, views)):
+        return own
+    return _flat(scales, out=own) if not group.one else _flat(scales)
 
 
 def compiled(ctx: Context, group: Group, size: int) -> bool:
     """Whether the group's pass runs compiled: asked for (``NGVI(compile=True)``), a scale of
-    AutoNormal's softplus, and at least :data:`COMPILE_MIN` elements (below, a compiled call's own
+    AutoNormal's softplus or an exponential, and at least :data:`COMPILE_MIN` elements (below, a compiled call's own
     cost, its guards, exceeds the kernels it saves)."""
     return ctx.compiled and size >= COMPILE_MIN and hasattr(group.transform, "inverse_and_log")
 
 
 def _adaptive_inputs(group: Group, states, beta: float, rho: float, warm_start: bool) -> dict:
-    """The adaptive steps' state as flat vectors, and the sites' pooled noise stacked."""
+    """The adaptive steps' state as the group's flat buffers, and the sites' pooled noise stacked."""
     for state in states:
         if state.noise is None:
-            state.steps = torch.zeros((), dtype=group.locs[0].dtype, device=group.locs[0].device)
-            state.noise = torch.full((2, 2), math.inf, dtype=group.locs[0].dtype, device=group.locs[0].device)
-    like = group.locs[0]
+            state.steps = torch.zeros((), dtype=group.like.dtype, device=group.like.device)
+            state.noise = torch.full((2, 2), math.inf, dtype=group.like.dtype, device=group.like.device)
+    like = group.like
     constants = group.cached((like.dtype, like.device), lambda: noise_constants(group.sizes, like.dtype, like.device))
     noise = NoiseState(torch.stack([state.steps for state in states]),
                        torch.stack([state.noise for state in states], dim=1), **constants)
-    return dict(count=group.buffer(states, "count", first_count(beta, warm_start)),
-                drift=group.buffer(states, "momentum" if rho else "drift", 0.0),
-                hdrift=group.buffer(states, "hdrift", 0.0), fresh=group.fresh(states, "hdrift"), noise=noise)
+    fresh = group.fresh(states, "hdrift")
+    return dict(count=group.state(states, "count", first_count(beta, warm_start)),
+                drift=group.state(states, "momentum" if rho else "drift", 0.0),
+                hdrift=group.state(states, "hdrift", 0.0), fresh=fresh, noise=noise)
 
 
-def _momentum_inputs(group: Group, states, grad, rho: float, run, inputs: dict) -> str:
-    """The old momentum average (:func:`~pyro_ngvi.update.mean_field.momentum`) as a flat
-    vector in ``inputs``, and which branch of it applies."""
+def _momentum_inputs(group: Group, states, rho: float, run, inputs: dict, cut, fresh: List[bool]) -> str:
+    """The momentum buffer (:func:`~pyro_ngvi.update.mean_field.momentum`; the group's, which the
+    sites' states view; with the adaptive steps it is their drift) in ``inputs``, and which branch
+    of the average applies: every site has one, none has (``fresh``; a span's first step takes g),
+    or some have (``started`` says which)."""
     if rho == 0:
         return "none"
-    if run is not None:  # one site: its buffer's span, updated in place
-        inputs["momentum"] = run.momentum[run.slice]
-        return "span_first" if run.fresh_momentum else "span"
-    if all(state.momentum is not None for state in states):
-        inputs["momentum"] = _flat([state.momentum for state in states])
+    inputs["momentum"] = inputs["drift"] if inputs.get("drift") is not None else cut(
+        group.state(states, "momentum", 0.0))
+    if run is not None:
+        return "span_first" if all(fresh) else "span"
+    if not any(fresh):
         return "average"
-    # some site's first step: its buffer starts at g
-    pieces = grad.split(group.sizes)
-    inputs["momentum"] = _flat([piece if state.momentum is None else state.momentum.reshape(-1)
-                                for state, piece in zip(states, pieces)])
-    inputs["started"] = _flat([torch.full_like(piece, state.momentum is not None, dtype=torch.bool)
-                               for state, piece in zip(states, pieces)])
+    inputs["started"] = group.flags([not f for f in fresh])
     return "mixed"
+
+
+def _signs_buffer(group: Group, last: Optional[torch.Tensor]) -> torch.Tensor:
+    """Where this step's signs of g go: one of two bool buffers of the group, not the last step's."""
+    first = group.owned("signs0", torch.bool)
+    return group.owned("signs1", torch.bool) if last is first else first
 
 
 def _last_signs(ctx: Context, group: Group) -> Optional[torch.Tensor]:
@@ -253,29 +296,29 @@ def _last_signs(ctx: Context, group: Group) -> Optional[torch.Tensor]:
     return last[1] if last is not None and last[0] is group else None
 
 
-def _keep(ctx: Context, group: Group, states, mask, out, run, rho: float):
+def _keep(ctx: Context, group: Group, states, mask, out, run, rho: float, own_scale: torch.Tensor):
     """Keep what the pass returned: the new mean and raw scale in the guide (only the ``mask`` rows),
-    :math:`\\sigma'` remembered, the momentum and adaptive state, the stall test's signs and the flags."""
+    :math:`\\sigma'` remembered, the momentum and adaptive state in the group's buffers, the stall
+    test's signs and the flags. (Eagerly most of it was written in place by the pass.)"""
     steps = out.adaptive
     if steps is not None:
-        group.keep(states, "count", steps.count)
-        group.keep(states, "hdrift", steps.hdrift)
-        if steps.drift is not None:
-            group.keep(states, "drift", steps.drift)
+        for name in ("count", "hdrift") + (() if steps.drift is None else ("drift",)):
+            buffer = group.state(states, name, None)
+            if getattr(steps, name) is not buffer:
+                buffer.copy_(getattr(steps, name))
         for j, state in enumerate(states):
             state.steps, state.noise = steps.steps[j], steps.noise[:, j]
+    if rho != 0:
+        buffer = group.state(states, "momentum", 0.0)
+        if out.momentum is not (buffer if run is None else buffer[run.slice]):
+            (buffer if run is None else buffer[run.slice]).copy_(out.momentum)
     if run is not None:  # one site, no mask: the span is written
         run.clamped.append(out.clamped)
         if out.spread is not None:
             run.spread = run.spread + out.spread
-        if out.signs is not None:
-            if out.far is not None:
-                run.far = run.far + out.far
-            run.signs[run.slice] = out.signs
+        if out.signs is not None and out.far is not None:
+            run.far = run.far + out.far
         return None
-    if rho != 0:
-        for state, piece in zip(states, _unflatten_dense_tensors(out.momentum, [site.loc for site in group.sites])):
-            state.momentum = piece  # shaped like the site's loc
     if ctx.guarded is not None and out.predicted is not None:  # the decrease of F the quadratic model predicts
         numerator_step, curvature_step = out.predicted
         ctx.guarded.predicted = ctx.guarded.predicted + numerator_step - 0.5 * curvature_step
@@ -296,63 +339,58 @@ def _keep(ctx: Context, group: Group, states, mask, out, run, rho: float):
             torch._foreach_copy_(group.locs, out.mean.split_with_sizes(group.sizes))
         if out.raw_scale is not group.raw_scales[0]:
             torch._foreach_copy_(group.raw_scales, out.raw_scale.split_with_sizes(group.sizes))
-        new_scale = out.scale
-        for site, piece in zip(group.sites, new_scale.split_with_sizes(group.sizes)):
-            remember_scale(site.raw_scale, piece.view_as(site.loc))
+        if out.scale is not own_scale:
+            own_scale.copy_(out.scale)
+        _remember(group, own_scale)
+        new_scale = own_scale
     else:  # a masked site is a group of its own
         (loc,), (raw_scale,) = group.locs, group.raw_scales
-        loc.copy_(torch.where(mask, out.mean, loc))
-        raw_scale.copy_(torch.where(mask, out.raw_scale, raw_scale))
+        torch.where(mask, out.mean, loc, out=loc)
+        torch.where(mask, out.raw_scale, raw_scale, out=raw_scale)
         new_scale = None  # untouched rows keep their old scale
     return out.clamped, far, new_scale, spreading
 
 
+def _remember(group: Group, own_scale: torch.Tensor) -> None:
+    """Each site remembers its view of the group's sigma buffer as the scale its raw tensor holds."""
+    views = group.cached("scale views", lambda: group.views(own_scale))
+    for site, view in zip(group.sites, views):
+        remember_scale(site.raw_scale, view)
+
+
 class Spans:
     """
-    What a large site's update accumulates span by span (:func:`mean_field_group`):
-    the current ``slice``, the new :math:`\\sigma` (a whole vector, written span by
-    span: the scale remembered for the next reader), the momentum buffer (the site's
-    own, updated in place, or a new one on its first step), the signs of :math:`g`
-    (sampled statistics) and the counts of the stall test, the clamp flags and the
-    spread of the watch on growing means.
+    What a large site's update accumulates span by span (:func:`mean_field_group`): the
+    current ``slice``, the signs of :math:`g` (sampled statistics) and the counts of the stall
+    test, the clamp flags and the spread of the watch on growing means. The mean, the raw
+    scale, :math:`\\sigma` and the momentum are written in place, span by span.
     """
 
-    def __init__(self, ctx: Context, group: Group, state, sampled: bool, rho: float):
-        like, (site,) = group.locs[0], group.sites
+    def __init__(self, ctx: Context, group: Group, states):
+        like = group.like
+        self.momentum_fresh = [state.momentum is None for state in states]
         self.slice = slice(0, 0)
-        # the new sigma over the one remembered (ours: each span reads its old values first)
-        remembered = known_scale(site.raw_scale)
-        self.scale = remembered.view(-1) if remembered is not None and remembered.is_contiguous() else \
-            torch.empty_like(like)
-        # the old sigma, read span by span before the span's new one is written over it (None: unknown)
-        self.old_scale = remembered
-        self.fresh_momentum = rho != 0 and state.momentum is None
-        self.momentum = None
-        if rho != 0:
-            self.momentum = torch.empty_like(like) if self.fresh_momentum else state.momentum.view(-1)
         self.clamped: List[torch.Tensor] = []
         self.spread = torch.zeros((), dtype=like.dtype, device=like.device)  # sum lambda_0 (mu - m_0)^2
-        self.signs = self.last_signs = None
         self.far = 0
-        if sampled:
-            last = ctx.signs.get(id(group))
-            self.last_signs = last[1] if last is not None and last[0] is group else None
-            self.signs = torch.empty_like(like, dtype=torch.bool)
+        self.last_signs = _last_signs(ctx, group)
+        self.signs = _signs_buffer(group, self.last_signs)  # (read only for sampled statistics)
+        self.sampled = False
 
-    def finish(self, ctx: Context, group: Group, state, prior: bool):
-        """Keep the site's buffers and scale; the flags and the new scale, as :func:`span_step`
-        returns (the watch on growing means fed the spread the spans summed, given a ``prior``)."""
-        (site,), size = group.sites, self.scale.numel()
-        if self.fresh_momentum:
-            state.momentum = self.momentum.view_as(site.loc)
-        remember_scale(site.raw_scale, self.scale.view_as(site.loc))
+    def finish(self, ctx: Context, group: Group, states, prior: bool):
+        """Keep the site's signs and remembered scale; the flags and the new scale, as
+        :func:`span_step` returns (the watch on growing means fed the spread the spans summed,
+        given a ``prior``)."""
+        own_scale = group.owned("scale")
+        _remember(group, own_scale)
+        size = own_scale.numel()
         far = None
-        if self.signs is not None:
+        if self.sampled:
             ctx.signs[id(group)] = (group, self.signs)
             far = (torch.as_tensor(self.far) > size // 2) if self.last_signs is not None else torch.zeros(
-                (), dtype=torch.bool, device=self.scale.device)
+                (), dtype=torch.bool, device=own_scale.device)
         spreading = ctx.spread_watch.flag(group, self.spread / size, ctx.step) if prior else None
-        return torch.stack(self.clamped).any(), far, self.scale, spreading
+        return torch.stack(self.clamped).any(), far, own_scale, spreading
 
 
 def dense_site(ctx: Context, site, stats, settings: Settings, tau: float, state, adaptive: bool = False):

@@ -38,7 +38,7 @@ CROSS_RATE = 0.01
 
 
 def control_variate(grad, curvature, eps_mean, eps_sq_mean_minus_one, precision, prior_precision, known,
-                    baseline) -> None:
+                    baseline, scratch=(None, None, None)) -> None:
     """
     Subtract, in place, the diagonal control variates of known draws :math:`\\epsilon`
     from :math:`\\hat g` and :math:`\\hat h`:
@@ -51,15 +51,20 @@ def control_variate(grad, curvature, eps_mean, eps_sq_mean_minus_one, precision,
     where the element has no estimate yet: ``known`` false). Where :math:`\\ell` is
     quadratic with curvature :math:`c` and gradient :math:`b` at the mean they are
     exact: then :math:`\\hat g(\\mu + \\sigma\\epsilon) = b + c\\sigma\\epsilon`.
+    ``eps_sq_mean_minus_one`` is consumed; ``scratch``: three buffers of the length.
     """
-    c = precision if prior_precision is None else precision - prior_precision
-    known = known.to(precision.dtype)  # 0 / 1 (finite c and baseline: a product is the masked fill)
-    c = c.clamp(min=0.0).mul_(known)
-    sigma = precision.rsqrt()
-    grad.sub_(c * sigma * eps_mean)
+    work, sigma, product = scratch
+    # (known: a 0 / 1 mask; finite c and baseline: a product is the masked fill)
+    if prior_precision is None:
+        c = torch.clamp(precision, min=0.0, out=work)
+    else:
+        c = torch.sub(precision, prior_precision, out=work).clamp_(min=0.0)
+    c.mul_(known)
+    sigma = torch.rsqrt(precision, out=sigma)
+    grad.sub_(torch.mul(c, sigma, out=product).mul_(eps_mean))
     curvature.sub_(eps_sq_mean_minus_one.mul_(c))
     if baseline is not None:
-        curvature.sub_(baseline.mul(known).mul_(eps_mean).div_(sigma))
+        curvature.sub_(torch.mul(baseline, known, out=product).mul_(eps_mean).div_(sigma))
 
 
 class CrossTerms(NamedTuple):

@@ -21,9 +21,9 @@ import pyro
 from ..curvature.backpack import network_curvature
 from ..family import SiteCurvature, attach_curvature, scale_transform
 from ..kronecker import KroneckerNormal
-from ..scales import known_scale
+from ..scales import known_scale, sum_log_scale
 from .kronecker_step import KroneckerStep
-from .twin import BackpackTwin, accumulate_grad
+from .twin import LOSS_MODULES, BackpackTwin, accumulate_grad
 from .value import full_nll, kl, log_ratio
 
 
@@ -43,7 +43,9 @@ class BackpackStep(BackpackTwin):
     def __init__(self, net, likelihood: str):
         super().__init__(net, likelihood)
         self._kronecker_step = KroneckerStep(self)
-        self._guide_names = {}  # id(guide) -> (its name, its loc names, its scale names)
+        self._guide_names = {}  # id(guide) -> (its name, its loc names, its scale names, their transforms)
+        self._plain_loss = LOSS_MODULES[likelihood](reduction="sum")  # (a plain backward needs no hooks)
+        self._buffers = {}  # (name, index) -> a tensor reused every step (the draws, the reparam curvature)
 
     def __call__(self, model, guide, x: torch.Tensor, y: torch.Tensor, curvature: str, num_particles: int = 1,
                  deterministic: bool = False, mc_samples: int = 1) -> torch.Tensor:
@@ -72,14 +74,16 @@ class BackpackStep(BackpackTwin):
                     torch._foreach_add_(draws[0], noises)
                     torch._foreach_addcmul_(draws[1], noises, noises)
             result = network_curvature(  # (reparam: a plain backward, on the plain network)
-                self.net if source == "none" else self.twin, self.loss_module, x, target, source,
+                self.net if source == "none" else self.twin, self._plain_loss if source == "none" else self.loss_module,
+                x, target, source,
                 mc_samples=mc_samples, loss_scale=loss_scale,
                 params=self.params,
                 check_output=partial(model._check_targets, y) if particle == 0 else None,
             )
             site_grads = [result.grads[w.index] for w in model._latents]
-            if curvature == "reparam":
-                site_curvatures = [g * e / s for g, e, s in zip(site_grads, noises, stddevs)]
+            if curvature == "reparam":  # h = g eps / sigma (the first particle's into buffers kept for it)
+                site_curvatures = [torch.mul(g, e, out=self._buffer("curvature", j, g) if particle == 0 else None)
+                                   .div_(s) for j, (g, e, s) in enumerate(zip(site_grads, noises, stddevs))]
             else:
                 site_curvatures = [result.curvatures[w.index] for w in model._latents]
             site_point_grads = [result.grads[w.index] for w in model._point_estimates]
@@ -102,7 +106,8 @@ class BackpackStep(BackpackTwin):
             for d in draws:
                 torch._foreach_div_(d, num_particles)
         nll = full_nll(model.effective_num_data, nll / num_particles, loss_scale, noise_scale, target, len(x))
-        log_scale = sum(torch.log(stddev).sum() for stddev in stddevs)
+        log_scale = sum(sum_log_scale(raw, stddev, transform)
+                        for raw, stddev, (_, transform) in zip(raws, stddevs, self._guide_names[id(guide)][3]))
         if deterministic:
             loss = (nll + kl(prior, locs, stddevs, log_scale)).detach()
         else:  # the particle average of sum [lambda_0 (w - m_0)^2 - eps^2] / 2 - log sigma + log s_0
@@ -130,6 +135,7 @@ class BackpackStep(BackpackTwin):
                 eps_mean=eps_means[j],
                 eps_sq_mean=eps_sq_means[j],
                 loss=loss,
+                fitted=True,  # (the net's own tensors: the loc's shape, dtype and device)
                 **model._site_hints(j, deterministic),
             )
             attach_curvature(loc, stats)
@@ -153,20 +159,24 @@ class BackpackStep(BackpackTwin):
             prefix = guide._pyro_name
             names = self._guide_names[id(guide)] = (
                 prefix, [f"{prefix}.locs.{w.site}" for w in model._latents],
-                [f"{prefix}.scales.{w.site}" for w in model._latents])
-        _, locs, scales = names
+                [f"{prefix}.scales.{w.site}" for w in model._latents], None)
+        _, locs, scales, transforms = names
         params = store._params
         if not all(loc in params and scale in params for loc, scale in zip(locs, scales)):
             with guide._pyro_context:  # (re-)registers the guide's own tensors
                 for w in model._latents:
                     guide._get_loc_and_scale(w.site)
         raws = [params[name] for name in scales]
+        constraints = [store._constraints[name] for name in scales]
+        if transforms is None or any(c is not t[0] for c, t in zip(constraints, transforms)):
+            transforms = [(c, scale_transform(c)) for c in constraints]
+            self._guide_names[id(guide)] = names[:3] + (transforms,)
         stddevs = []
-        for name, raw in zip(scales, raws):
+        for raw, (_, transform) in zip(raws, transforms):
             stddev = known_scale(raw)
             if stddev is None:
                 with torch.no_grad():
-                    stddev = scale_transform(store._constraints[name])(raw.detach())
+                    stddev = transform(raw.detach())
             stddevs.append(stddev)
         return [pyro.param(name).unconstrained() for name in locs], raws, stddevs
 
@@ -181,11 +191,19 @@ class BackpackStep(BackpackTwin):
                 torch._foreach_copy_(model._latent_params, locs)
                 return None
             noises = []
-            for param, loc, stddev in zip(model._latent_params, locs, stddevs):
-                noise = torch.empty_like(loc).normal_()
+            for j, (param, loc, stddev) in enumerate(zip(model._latent_params, locs, stddevs)):
+                noise = self._buffer("noise", j, loc).normal_()
                 torch.addcmul(loc, stddev, noise, out=param)
                 noises.append(noise)
             return noises
+
+    def _buffer(self, name: str, index: int, like: torch.Tensor) -> torch.Tensor:
+        """A tensor like ``like`` kept for the ``index``-th site's ``name`` (made once, written
+        over every step: a fresh tensor of a large site costs page faults on the CPU)."""
+        buffer = self._buffers.get((name, index))
+        if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype or buffer.device != like.device:
+            buffer = self._buffers[(name, index)] = torch.empty_like(like, memory_format=torch.contiguous_format)
+        return buffer
 
     def _check_step(self, guide, y, curvature, deterministic):
         if curvature not in self.sources:

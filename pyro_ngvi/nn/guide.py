@@ -14,6 +14,7 @@ from typing import List, Optional
 import torch
 from torch import nn
 
+from pyro.distributions import constraints
 from pyro.infer.autoguide import AutoNormal
 from pyro.infer.autoguide.initialization import init_to_feasible
 
@@ -47,7 +48,10 @@ class GuideFactory:
         The mean-field guide of the recipe: an
         :class:`~pyro.infer.autoguide.AutoNormal` that starts each weight at the
         network's own initialisation (:meth:`init_loc_fn`) with the
-        data-relative standard deviation :meth:`initial_scale`::
+        data-relative standard deviation :meth:`initial_scale`, its scales stored as
+        their logarithms (``scale_constraint = constraints.positive``, where AutoNormal's
+        default is the softplus: NGVI writes them with one ``log`` per element, and the
+        fast path reads them with one ``exp``)::
 
             svi = SVI(bnn, bnn.guide(), NGVI(), CurvatureELBO("ggn"))
 
@@ -58,7 +62,9 @@ class GuideFactory:
         """
         init_scale = self.initial_scale() if init_scale is None else positive_finite("init_scale", init_scale)
         kwargs.setdefault("init_loc_fn", self.init_loc_fn)
-        return AutoNormal(self, init_scale=init_scale, **kwargs)
+        guide = AutoNormal(self, init_scale=init_scale, **kwargs)
+        guide.scale_constraint = constraints.positive  # sigma = exp(r): one exp or log per step
+        return guide
 
     def init_loc_fn(self, site) -> torch.Tensor:
         """

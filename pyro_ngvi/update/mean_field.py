@@ -34,40 +34,45 @@ def precision_target(curvature: torch.Tensor, prior_precision: Optional[torch.Te
 
 
 def precision_step(precision: torch.Tensor, target: torch.Tensor, beta, correct: bool = True,
-                   fused: bool = False) -> torch.Tensor:
+                   fused: bool = False, out: Optional[torch.Tensor] = None, scratch=None) -> torch.Tensor:
     """
     :math:`\\lambda' = (1-\\beta)\\lambda + \\beta\\hat h`, plus Lin et al.'s correction
     :math:`\\tfrac{\\beta^2}{2\\lambda}(\\lambda - \\hat h)^2` where :math:`\\hat h \\le 0`
-    (with ``correct``; a target known to be positive needs none). A new tensor. ``fused``: in the
-    form a compiler fuses best (a selection), the same values.
+    (with ``correct``; a target known to be positive needs none). Into ``out`` (default: a new
+    tensor); ``scratch``: a float and a bool buffer for the correction. ``fused``: in the form a
+    compiler fuses best (a selection), the same values.
     """
-    new_precision = torch.lerp(precision, target, beta)
+    new_precision = torch.lerp(precision, target, beta, out=out)
     if correct and fused:
         correction = (precision - target).square() * (beta**2 / 2) / precision
         return new_precision + torch.where(target <= 0, correction, 0.0)
     if correct:
-        correction = torch.sub(precision, target).square_().mul_(beta**2 / 2).div_(precision)
+        work, flag = scratch if scratch is not None else (None, None)
+        correction = torch.sub(precision, target, out=work).square_().mul_(beta**2 / 2).div_(precision)
         # only where target <= 0 (a 0 / 1 mask: an overflowed correction times 0 is nan, made 0)
-        correction.mul_((target <= 0).to(correction.dtype)).nan_to_num_(nan=0.0, posinf=math.inf)
+        correction.mul_(torch.le(target, 0, out=flag)).nan_to_num_(nan=0.0, posinf=math.inf)
         new_precision.add_(correction)
     return new_precision
 
 
-def mean_step(mean, direction, pull, denominator, lr, out=None) -> torch.Tensor:
+def mean_step(mean, direction, pull, denominator, lr, out=None, scratch=None) -> torch.Tensor:
     """:math:`\\mu' = \\mu - \\alpha(\\bar g + \\lambda_0(\\mu - m_0))/(\\lambda' + \\gamma)`, with
     ``pull`` :math:`= \\lambda_0(\\mu - m_0)` (``None``: no conjugate prior; consumed) and
-    ``lr`` a number or a tensor of per-element steps."""
+    ``lr`` a number or a tensor of per-element steps; into ``out`` (default: a new tensor),
+    ``scratch`` a buffer for the step of per-element ``lr``."""
     numerator = direction if pull is None else pull.add_(direction)
     if torch.is_tensor(lr):
-        return numerator.mul(lr).div_(denominator).neg_().add_(mean)
+        step = torch.mul(numerator, lr, out=scratch).div_(denominator)
+        return torch.sub(mean, step, out=out)
     return torch.addcdiv(mean, numerator, denominator, value=-lr, out=out)
 
 
-def trusted_mean_step(mean, direction, pull, denominator, lr, radius) -> torch.Tensor:
+def trusted_mean_step(mean, direction, pull, denominator, lr, radius, out=None, scratch=None) -> torch.Tensor:
     """The mean step with its likelihood part :math:`\\alpha\\bar g/(\\lambda'+\\gamma)` clipped
-    to ``radius`` (the trust region of sampled steps; consumed) and the prior's pull not."""
-    step = clip_(direction.mul(lr).div_(denominator), radius)
-    new_mean = step.neg_().add_(mean)
+    to ``radius`` (the trust region of sampled steps; consumed) and the prior's pull not; into
+    ``out`` (default: a new tensor), ``scratch`` a buffer for the step."""
+    step = clip_(torch.mul(direction, lr, out=scratch).div_(denominator), radius)
+    new_mean = torch.sub(mean, step, out=out)
     if pull is not None:
         new_mean.sub_(pull.mul_(lr).div_(denominator))
     return new_mean
@@ -98,20 +103,21 @@ def coupled_mean_step(step: torch.Tensor, denominator: torch.Tensor, off_diagona
 
 
 def momentum(grad: torch.Tensor, old: Optional[torch.Tensor], rho: float, started: Optional[torch.Tensor] = None,
-             mask: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+             mask: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+             scratch: Optional[torch.Tensor] = None) -> torch.Tensor:
     """
     :math:`\\bar g \\leftarrow \\rho \\bar g + (1 - \\rho) g` from the ``old`` average
     (``None``: a first step, which takes g); where ``started`` is given, only its
-    elements average (the others take g); where ``mask`` is, only its rows change.
-    ``out``: the old average's own tensor, updated in place (a new one otherwise).
+    elements average (the others take g); else, where ``mask`` is, only its rows change.
+    ``out``: where the new average goes (it may be ``old`` itself: updated in place;
+    default: a new tensor); ``scratch``: a buffer for the average of a masked step.
     """
     if old is None:
         return grad if out is None else out.copy_(grad)
-    if out is not None:
-        return torch.lerp(grad, old, rho, out=out)
-    new = torch.lerp(grad, old, rho)
     if started is not None:
-        return torch.where(started, new, grad)
+        new = torch.lerp(grad, old, rho, out=out)
+        return torch.where(started, new, grad, out=out)
     if mask is not None:
-        new = torch.where(mask, new, old)
-    return new
+        new = torch.lerp(grad, old, rho, out=scratch)
+        return torch.where(mask, new, old, out=out)
+    return torch.lerp(grad, old, rho, out=out)
