@@ -16,7 +16,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .policies import AdaptiveSteps, NoiseState, adaptive_rates, warm_start_rates
+from .policies import (AdaptiveScratch, AdaptiveSteps, NoiseState, adaptive_rates, innovations, noise_sums,
+                       seen_elements, warm_start_rates)
 from .safeguards import clamp_precision_, clip_, clip_target, far_elements, precision_trust_region
 from .scales import softplus_branch_free, softplus_inverse_branch_free
 from .update.mean_field import mean_step, momentum, precision_step, precision_target, trusted_mean_step
@@ -49,6 +50,7 @@ class Branches(NamedTuple):
     at_most_one: bool = False  # every new sigma <= 1 (a floor >= 1): the raw scale by its series alone
     in_place: bool = False  # the new mean and raw scale written into ``mean`` and ``raw_scale`` (compiled)
     masked: bool = False  # written only if ``ok`` (a 0-d flag: the statistics are finite; pyro_ngvi.checks)
+    prepared: bool = False  # grad and curvature are the rule's g and target already (noise_pass ran on them)
 
 
 class Inputs(NamedTuple):
@@ -75,6 +77,7 @@ class Inputs(NamedTuple):
     drift: Optional[torch.Tensor] = None
     hdrift: Optional[torch.Tensor] = None
     noise: Optional[NoiseState] = None
+    levels: Optional[tuple] = None  # the adaptive steps' pooled noise, pooled over all spans (prepared)
     ok: Optional[torch.Tensor] = None  # masked: whether to write at all
     out_mean: Optional[torch.Tensor] = None  # where to write mu', the raw scale and sigma (else new tensors)
     out_raw_scale: Optional[torch.Tensor] = None
@@ -131,12 +134,16 @@ class Scratch(NamedTuple):
     a: Optional[torch.Tensor] = None
     b: Optional[torch.Tensor] = None
     c: Optional[torch.Tensor] = None
+    lr: Optional[torch.Tensor] = None  # the adaptive steps' per-element lr
+    held: Optional[torch.Tensor] = None  # ... and their new count
     flag: Optional[torch.Tensor] = None  # (bool)
     flag2: Optional[torch.Tensor] = None  # (bool)
+    flag3: Optional[torch.Tensor] = None  # (bool)
+    ab: Optional[torch.Tensor] = None  # (2, n): the rows a and b
 
 
 #: The number of float buffers and of bool buffers of :class:`Scratch`.
-SCRATCH_FLOATS, SCRATCH_FLAGS = 14, 2
+SCRATCH_FLOATS, SCRATCH_FLAGS = 16, 3
 NO_SCRATCH = Scratch()
 
 
@@ -155,30 +162,13 @@ def mean_field_pass(b: Branches, t: Inputs, n: Numbers, transform, w: Scratch = 
     buffers of ``w`` (eagerly: :class:`Scratch`), and where ``t`` names outputs
     (``out_*``, the momentum buffer, ``out_signs``) the results are written there.
     """
-    mean, grad, curvature, mask = t.mean, t.grad, t.curvature, t.mask
+    mean, mask = t.mean, t.mask
     if b.branch_free:  # (compiled: no input is changed but those written; the copies are fused away)
-        grad, curvature = grad.clone(), curvature.clone()
+        t = t._replace(grad=t.grad.clone(), curvature=t.curvature.clone())
         w = NO_SCRATCH
-    # the precision the ELBO read this step (else the one NGVI wrote, else the raw scale's)
-    if b.known_scale:
-        precision = torch.pow(t.scale, -2, out=w.precision)
-    else:
-        precision = _forward(b, transform, t.raw_scale, out=w.precision, scratch=(w.a, w.b)).pow_(-2)
+    precision, grad, target = _prepare(b, t, n, transform, w)
     prior_precision = t.prior_precision if b.prior else None
-    if b.tau:  # from here g / tau and h / tau
-        grad, curvature = grad.div_(n.tau), curvature.div_(n.tau)
     adaptive = b.rates == "adaptive"
-    if b.control_variate:
-        if adaptive:
-            known, baseline = t.count > n.first_count, t.drift
-        else:
-            known, baseline = t.known, None
-        eps_sq_minus_one = t.eps_sq_mean.sub(1.0) if b.branch_free else t.eps_sq_mean.sub_(1.0)
-        control_variate(grad, curvature, t.eps_mean, eps_sq_minus_one, precision, prior_precision, known,
-                        baseline, scratch=(w.a, w.b, w.c))
-    target = precision_target(curvature, prior_precision)
-    if adaptive:
-        target = clip_target(target, precision, scratch=(w.a, w.b))
     direction = _momentum(b, t, grad, n.rho, w)
     pull = dot = None  # the exact prior's gradient, lambda_0 (mu - m_0)
     if b.prior:
@@ -195,7 +185,7 @@ def mean_field_pass(b: Branches, t: Inputs, n: Numbers, transform, w: Scratch = 
     steps = None
     if adaptive:
         steps = adaptive_rates(grad, direction, t.drift, pull, target, precision, t.count, t.hdrift, t.fresh, mask,
-                               t.noise, n.lr, n.beta, n.rho)
+                               t.noise, n.lr, n.beta, n.rho, _adaptive_scratch(b, t, w), t.levels)
         step_beta, step_lr = steps.beta, steps.lr
     elif b.rates == "warm":
         step_beta, step_lr = warm_start_rates(t.fresh, target, precision, n.beta, n.lr, out=w.rate, flag=w.flag)
@@ -271,6 +261,52 @@ def mean_field_pass(b: Branches, t: Inputs, n: Numbers, transform, w: Scratch = 
                    dot, predicted, steps)
 
 
+def _prepare(b: Branches, t: Inputs, n: Numbers, transform, w: Scratch):
+    """The precision and the step's statistics as the rule takes them (in place on ``t.grad`` and
+    ``t.curvature``): :math:`\\lambda`, :math:`\\hat g` and the target :math:`\\hat\\lambda` (tempered,
+    the control variate subtracted, the prior added, an outlier clipped); ``prepared``: done before,
+    by :func:`noise_pass` (only the precision is read again)."""
+    # the precision the ELBO read this step (else the one NGVI wrote, else the raw scale's)
+    if b.known_scale:
+        precision = torch.pow(t.scale, -2, out=w.precision)
+    else:
+        precision = _forward(b, transform, t.raw_scale, out=w.precision, scratch=(w.a, w.b)).pow_(-2)
+    grad, curvature = t.grad, t.curvature
+    if b.prepared:
+        return precision, grad, curvature
+    prior_precision = t.prior_precision if b.prior else None
+    if b.tau:  # from here g / tau and h / tau
+        grad, curvature = grad.div_(n.tau), curvature.div_(n.tau)
+    adaptive = b.rates == "adaptive"
+    if b.control_variate:
+        if adaptive:
+            known, baseline = t.count > n.first_count, t.drift
+        else:
+            known, baseline = t.known, None
+        eps_sq_minus_one = t.eps_sq_mean.sub(1.0) if b.branch_free else t.eps_sq_mean.sub_(1.0)
+        control_variate(grad, curvature, t.eps_mean, eps_sq_minus_one, precision, prior_precision, known,
+                        baseline, scratch=(w.a, w.b, w.c))
+    target = precision_target(curvature, prior_precision)
+    if adaptive:
+        target = clip_target(target, precision, scratch=(w.a, w.b))
+    return precision, grad, target
+
+
+def noise_pass(b: Branches, t: Inputs, n: Numbers, transform, w: Scratch = NO_SCRATCH):
+    """
+    The first of two passes over a large site under the adaptive steps, whose noise is pooled
+    over the whole site before any element steps: the statistics prepared in place
+    (:func:`_prepare`; the second pass, ``prepared``, takes them as they are) and the sums of the
+    squared innovations over the elements seen, with their count
+    (:func:`~pyro_ngvi.policies.noise_sums`), for this span.
+    """
+    precision, grad, target = _prepare(b, t, n, transform, w)
+    drift = t.momentum if b.momentum != "none" else t.drift
+    sigma = torch.rsqrt(precision, out=w.scale)
+    _, squares = innovations(target, precision, grad, drift, t.hdrift, sigma, (w.c, w.ab))
+    return noise_sums(squares, seen_elements(t.fresh, t.mask, w.flag), t.noise.lengths)
+
+
 def _unchanged(b: Branches, t: Inputs, direction, clamped, signs, far, steps):
     """The state a masked step keeps: its new values where ``ok``, else the old ones (a first
     momentum average starts at 0), and flags that do not count."""
@@ -296,6 +332,19 @@ def _count(flags: torch.Tensor) -> torch.Tensor:
     """The number of set ``flags``, as a float sum (exact)."""
     dtype = torch.float32 if flags.numel() < 1 << 24 else torch.float64
     return flags.to(dtype).sum()
+
+
+def _adaptive_scratch(b: Branches, t: Inputs, w: Scratch) -> AdaptiveScratch:
+    """The pass's buffers that :func:`~pyro_ngvi.policies.adaptive_rates` may use: those the pass
+    writes only after it (its steps ``beta``, ``lr`` and new ``count`` survive it), and the
+    state's own tensors for the new state (not in a masked pass: the old state is kept there)."""
+    if w.precision is None:
+        return AdaptiveScratch()
+    own = not b.masked
+    return AdaptiveScratch(
+        rate=w.step, sigma=w.scale, innovation=w.c, pair=w.ab, z=w.denominator, grown=w.new_precision, held=w.held,
+        weight=w.raw, beta=w.rate, lr=w.lr, count=t.count if own else None, hdrift=t.hdrift if own else None,
+        drift=t.drift if own and b.momentum == "none" else None, seen=w.flag, flag=w.flag2, flag2=w.flag3)
 
 
 def _out(b: Branches, given, own, scratch):

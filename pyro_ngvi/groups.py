@@ -50,15 +50,18 @@ def flat(tensors: List[torch.Tensor], out: Optional[torch.Tensor] = None) -> tor
     return torch.cat([t.reshape(-1) for t in tensors])  # (an expanded prior: no copy before the cat)
 
 
-def select(condition: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def select(condition: torch.Tensor, a: torch.Tensor, b: torch.Tensor, weight: Optional[torch.Tensor] = None,
+           out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """
     ``torch.where(condition, a, b)`` for finite ``a`` and ``b`` (broadcast), as
     ``torch.lerp(b, a, m)`` on the 0 / 1 mask ``m`` of ``condition``: exactly the same
     values (``lerp(b, a, 0) = b``, ``lerp(b, a, 1) = a``), without torch's CPU ``where``,
     which runs one element at a time (~4 ns an element against ~0.2-0.4 ns). ``a`` and ``b``
-    have the same dtype.
+    have the same dtype. ``weight``: a buffer for the mask, ``out``: for the result (either
+    may be ``a`` or ``b`` themselves; default: new tensors).
     """
-    return torch.lerp(b, a, condition.to(a.dtype))
+    mask = condition.to(a.dtype) if weight is None else weight.copy_(condition)
+    return torch.lerp(b, a, mask, out=out)
 
 
 def statistics_kind(stats: SiteCurvature) -> tuple:
@@ -223,6 +226,11 @@ class Group:
         return self.flags([state.started is value for state in states])
 
 
+def buffer_itemsize(dtype) -> int:
+    """Bytes per element of ``dtype``."""
+    return torch.empty((), dtype=dtype).element_size()
+
+
 class Workspace:
     """
     Scratch buffers for a step's temporaries, made once per optimizer and device and grown
@@ -244,7 +252,15 @@ class Workspace:
             return views
         buffer = self._buffers.get(key)
         if buffer is None or buffer.shape[1] < n:
-            buffer = self._buffers[key] = torch.empty((count, n), dtype=dtype, device=like.device)
+            # rows of a multiple of 64 bytes: each starts aligned as a new tensor does (a reduction
+            # over a row then sums in the same order, to the bit)
+            width = -(-n * buffer_itemsize(dtype) // 64) * 64 // buffer_itemsize(dtype)
+            buffer = self._buffers[key] = torch.empty((count, width), dtype=dtype, device=like.device)
             self._views = {k: v for k, v in self._views.items() if k[:3] != key}  # (views of the old one)
         views = self._views[key + (n,)] = list(buffer[:, :n].unbind(0))
         return views
+
+    def rows(self, n: int, like: torch.Tensor, count: int, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of the buffers :meth:`take` hands out, as one ``(stop - start, n)`` view."""
+        self.take(n, like, count)
+        return self._buffers[(like.dtype, like.device, count)][start:stop, :n]

@@ -37,7 +37,7 @@ from .point import check_point_optim, check_point_states, decay_guide_part_lr, p
 from .priors import update_learned_priors
 from .safeguards import NewtonGuard, Safeguards, finite
 from .state import SiteState, check_state
-from .statistics import one_draw, site_statistics
+from .statistics import Buffers, one_draw, site_statistics
 from .steps import Context, GuardedStep, Options, couple_means, dense_adaptive, dense_site, mean_field_group, start_of
 from .variance import cross_terms
 
@@ -150,6 +150,7 @@ class NGVI(PyroOptim):
         self._spread_watch = SpreadWatch()  # means growing without bound (pyro_ngvi.monitor), per group
         self._point_checked = WeakIdKeyDictionary()  # params whose point-optimizer step was probed
         self._workspace = Workspace()  # scratch buffers of the element-wise pass (pyro_ngvi.groups)
+        self._buffers = Buffers(self._workspace)  # the statistics recovered from gradients, per site
 
     @property
     def _options(self) -> Options:
@@ -285,7 +286,9 @@ class NGVI(PyroOptim):
         when this step's ELBO made them (else they are stale)."""
         live = svi is None or getattr(getattr(svi.loss_and_grads, "__self__", None), "produces_curvature", False)
         single = one_draw(svi)
-        stats = {site.key: site_statistics(site, live, single, self.control_variate) for site in sites}
+        # (SVI replaces the gradients after the step: the recovered statistics may be written over them)
+        buffers = None if svi is None else self._buffers
+        stats = {site.key: site_statistics(site, live, single, self.control_variate, buffers) for site in sites}
         if is_distributed():
             if any(isinstance(site, (KroneckerSite, LowRankSite)) for site in sites):
                 raise NotImplementedError("NGVI does not average Kronecker or low-rank factors across "

@@ -139,9 +139,8 @@ def warm_start_rates(fresh: torch.Tensor, target: torch.Tensor, precision: torch
     minibatch): :math:`\\beta_t = 1` there. ``fresh``: the elements of sites not yet started;
     ``out`` and ``flag``: a float and a bool buffer (default: new tensors)."""
     whole = torch.gt(target, precision, out=flag).logical_and_(fresh)
-    if out is None:
-        return torch.where(whole, 1.0, beta).to(target.dtype), lr
-    return out.fill_(beta).masked_fill_(whole, 1.0), lr
+    step_beta = torch.empty_like(target) if out is None else out
+    return step_beta.fill_(beta).masked_fill_(whole, 1.0), lr
 
 
 class NoiseState(NamedTuple):
@@ -177,8 +176,32 @@ def noise_constants(sizes, dtype, device) -> Dict[str, torch.Tensor]:
     }
 
 
+class AdaptiveScratch(NamedTuple):
+    """Buffers of the length for :func:`adaptive_rates` (``None`` each: new tensors). ``pair`` is
+    ``(2, n)``; ``beta``, ``lr`` receive the step sizes, ``count``, ``hdrift``, ``drift`` the new
+    state (they may be the old state's own tensors: updated in place, read before written)."""
+
+    rate: Optional[torch.Tensor] = None
+    sigma: Optional[torch.Tensor] = None
+    innovation: Optional[torch.Tensor] = None
+    pair: Optional[torch.Tensor] = None
+    z: Optional[torch.Tensor] = None
+    grown: Optional[torch.Tensor] = None
+    held: Optional[torch.Tensor] = None
+    weight: Optional[torch.Tensor] = None
+    beta: Optional[torch.Tensor] = None
+    lr: Optional[torch.Tensor] = None
+    count: Optional[torch.Tensor] = None
+    hdrift: Optional[torch.Tensor] = None
+    drift: Optional[torch.Tensor] = None
+    seen: Optional[torch.Tensor] = None  # (bool)
+    flag: Optional[torch.Tensor] = None  # (bool)
+    flag2: Optional[torch.Tensor] = None  # (bool)
+
+
 def adaptive_rates(grad, direction, drift, pull, target, precision, count, hdrift, fresh, mask, noise: NoiseState,
-                   lr: float, beta: float, momentum: float) -> AdaptiveSteps:
+                   lr: float, beta: float, momentum: float, w: AdaptiveScratch = AdaptiveScratch(),
+                   levels=None) -> AdaptiveSteps:
     """
     Per-element steps from the measured signal-to-noise ratio of the two
     natural-gradient innovations, :math:`\\hat g` and :math:`(\\hat h - \\lambda)/\\lambda`:
@@ -194,45 +217,74 @@ def adaptive_rates(grad, direction, drift, pull, target, precision, count, hdrif
     where :math:`z^2 > z^2_{\\rm drift}`. ``hdrift`` and ``drift`` are the running means so
     far (``drift`` the momentum buffer with ``momentum``), ``fresh`` the elements without them
     yet (``None``: none). Returns :math:`(\\beta_t, \\alpha_t)` per element and the new count,
-    running means and pooled noise (:class:`AdaptiveSteps`). No device sync, no branch on values.
+    running means and pooled noise (:class:`AdaptiveSteps`), written into the buffers of ``w``
+    where given. ``levels``: the pooled noise (:func:`pooled_levels`) when it was pooled before
+    (a large site's, over all its spans). No device sync, no branch on values.
     """
     base = 1.0 / beta
-    rate = (count + 1.0).reciprocal_()
-    sigma = precision.rsqrt()
-    seen = None if fresh is None else ~fresh
-    if mask is not None:
-        seen = mask if seen is None else seen & mask
+    rate = torch.add(count, 1.0, out=w.rate).reciprocal_()
+    sigma = torch.rsqrt(precision, out=w.sigma)
     # innovations and their deviation from the running means so far (noise, pooled)
-    innovation = torch.sub(target, precision).div_(precision)
+    innovation, squares = innovations(target, precision, grad, drift, hdrift, sigma, (w.innovation, w.pair))
+    if levels is None:
+        levels = pooled_noise(squares, seen_elements(fresh, mask, w.seen), noise)
+    low, high, steps, pooled = levels
     old_hdrift, old_drift = hdrift, drift
-    deviations = torch.stack([torch.sub(grad, drift).mul_(sigma), innovation - hdrift])
-    low, high, steps, pooled = pooled_noise(deviations.square_(), seen, noise)
     if momentum:
         drift, drift_rate = direction, 1.0 - momentum
     else:
-        drift, drift_rate = torch.lerp(drift, grad, rate), rate
-    hdrift = torch.lerp(hdrift, innovation, rate)
+        drift, drift_rate = torch.lerp(drift, grad, rate, out=w.drift if mask is None else None), rate
+    hdrift = torch.lerp(hdrift, innovation, rate, out=w.hdrift if mask is None else None)
     if fresh is not None:
-        drift = drift if momentum else torch.where(fresh, grad, drift)
-        hdrift = torch.where(fresh, innovation, hdrift)
-    total = drift if pull is None else drift + pull  # the whole gradient, exact prior included
-    signal = torch.stack([(total * sigma).square_().div_(drift_rate), hdrift.square().div_(rate)])
-    stalled = signal.div(low).sum(0) < STALL_Z2  # noise at its lowest plausible value
-    drifting = signal.div_(high).sum(0) > DRIFT_Z2  # and at its highest
-    grown = count + 1.0
-    new_count = select(stalled, grown, torch.minimum(grown, torch.clamp(count, min=base)))
-    new_count = select(drifting, new_count.new_tensor(base), new_count)
-    # a first target that is not positive tells nothing of the precision: wait for one
-    new_count = select((count > 0) | (target > 0), new_count, count)
+        drift = drift if momentum else torch.where(fresh, grad, drift, out=drift)
+        hdrift = torch.where(fresh, innovation, hdrift, out=hdrift)
     if mask is not None:
-        new_count = torch.where(mask, new_count, count)
-        hdrift = torch.where(mask, hdrift, old_hdrift)
+        hdrift = torch.where(mask, hdrift, old_hdrift, out=w.hdrift)
         if not momentum:
-            drift = torch.where(mask, drift, old_drift)
+            drift = torch.where(mask, drift, old_drift, out=w.drift)
+    # (the deviations are pooled: their rows take the signal)
+    signal = squares if w.pair is not None else None
+    total = drift if pull is None else torch.add(drift, pull, out=None if signal is None else signal[0])
+    if signal is None:
+        signal = torch.stack([(total * sigma).square_().div_(drift_rate), hdrift.square().div_(rate)])
+        stalled = signal.div(low).sum(0) < STALL_Z2  # noise at its lowest plausible value
+        drifting = signal.div_(high).sum(0) > DRIFT_Z2  # and at its highest
+    else:
+        torch.mul(total, sigma, out=signal[0]).square_().div_(drift_rate)
+        torch.square(hdrift, out=signal[1]).div_(rate)
+        stalled = torch.lt(_row_sum(signal, low, w.z), STALL_Z2, out=w.flag)
+        drifting = torch.gt(_row_sum(signal, high, w.z), DRIFT_Z2, out=w.flag2)
+    grown = torch.add(count, 1.0, out=w.grown)
+    held = torch.clamp(count, min=base, out=w.held)
+    new_count = select(stalled, grown, torch.minimum(grown, held, out=held), w.weight, out=held)
+    new_count = select(drifting, new_count.new_tensor(base), new_count, w.weight, out=held)
+    # a first target that is not positive tells nothing of the precision: wait for one
+    known = torch.gt(count, 0, out=w.flag).logical_or_(torch.gt(target, 0, out=w.flag2))
+    new_count = select(known, new_count, count, w.weight, out=held)
+    if mask is not None:
+        new_count = torch.where(mask, new_count, count, out=held)
+    if w.count is not None:
+        new_count = w.count.copy_(new_count)
     tiny = torch.finfo(new_count.dtype).tiny  # (1 / tiny is finite: the unselected value too)
-    step_beta = select(new_count > 0, new_count.clamp(min=tiny).reciprocal(), new_count.new_tensor(beta))
-    step_lr = (new_count - base).clamp_(min=0.0).mul_(lr).add_(1.0).reciprocal_().mul_(lr)
+    step_beta = select(torch.gt(new_count, 0, out=w.flag), torch.clamp(new_count, min=tiny, out=w.beta).reciprocal_(),
+                       new_count.new_tensor(beta), w.weight, out=w.beta)
+    step_lr = torch.sub(new_count, base, out=w.lr).clamp_(min=0.0).mul_(lr).add_(1.0).reciprocal_().mul_(lr)
     return AdaptiveSteps(step_beta, step_lr, new_count, hdrift, None if momentum else drift, steps, pooled)
+
+
+def seen_elements(fresh, mask, out=None):
+    """The elements with running means so far (not ``fresh``) that this step touches (``mask``),
+    or ``None`` for all."""
+    seen = None if fresh is None else torch.logical_not(fresh, out=out)
+    if mask is not None:
+        seen = mask if seen is None else seen.logical_and_(mask)
+    return seen
+
+
+def _row_sum(signal: torch.Tensor, noise: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``(signal / noise).sum(0)`` of two rows (``noise`` broadcast to them), into ``out``."""
+    total = torch.div(signal[0], noise[0], out=out)
+    return total.addcdiv_(signal[1], noise[1].expand_as(signal[1]))
 
 
 def pooled_noise(squares, seen, state: NoiseState) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -245,19 +297,27 @@ def pooled_noise(squares, seen, state: NoiseState) -> Tuple[torch.Tensor, torch.
     variance of a one-draw estimate at the fixed point (the rest is a transient,
     not noise), and the new steps and pooled variances of the sites. No device sync.
     """
+    return pooled_levels(*noise_sums(squares, seen, state.lengths), state)
+
+
+def noise_sums(squares, seen, lengths) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The sums of ``squares`` (two rows) over each site's elements ``seen`` (all: ``None``), ``(2, sites)``,
+    and their counts ``(sites,)``: what :func:`pooled_levels` averages (a large site sums them span by span)."""
     dtype = squares.dtype
-    lengths = state.lengths
-    single = lengths.numel() == 1
     weights = None if seen is None else seen.to(dtype)
-    if single:  # (innovation, site = 1)
+    if lengths.numel() == 1:  # (innovation, site = 1; the squares of a span of it)
         if weights is None:
-            totals, counts = squares.sum(1, keepdim=True), lengths.to(dtype)
-        else:
-            totals, counts = (squares * weights).sum(1, keepdim=True), weights.sum().reshape(1)
-    else:
-        totals = torch.segment_reduce((squares if weights is None else squares * weights).T,
-                                      "sum", lengths=lengths).T
-        counts = lengths.to(dtype) if weights is None else torch.segment_reduce(weights, "sum", lengths=lengths)
+            return squares.sum(1, keepdim=True), squares.new_full((1,), squares.shape[1])
+        return torch.mv(squares, weights).unsqueeze(1), weights.sum().reshape(1)
+    totals = torch.segment_reduce((squares if weights is None else squares * weights).T, "sum", lengths=lengths).T
+    counts = lengths.to(dtype) if weights is None else torch.segment_reduce(weights, "sum", lengths=lengths)
+    return totals, counts
+
+
+def pooled_levels(totals, counts, state: NoiseState) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`pooled_noise` from the sums of the squares and their counts (:func:`noise_sums`)."""
+    dtype = totals.dtype
+    lengths = state.lengths
     means = (totals / counts.clamp(min=1.0)).unsqueeze(-1)  # innovation, site, 1
     noise = state.noise
     touched = counts > 0
@@ -270,9 +330,23 @@ def pooled_noise(squares, seen, state: NoiseState) -> Tuple[torch.Tensor, torch.
     # and at least NOISE_FLOOR: a drift below a millionth of a standard deviation is none
     ceiling = state.ceiling
     low, high = (torch.minimum(n, ceiling).clamp_(min=NOISE_FLOOR) for n in (low, high))
-    if not single:
+    if lengths.numel() != 1:
         low, high = low.repeat_interleave(lengths, dim=1), high.repeat_interleave(lengths, dim=1)
     return low, high, steps, noise
+
+
+def innovations(target, precision, grad, drift, hdrift, sigma, out=(None, None)):
+    """The two innovations' deviations from their running means so far, in standard-deviation
+    units, squared: :math:`((g - \\bar g)\\sigma)^2` and :math:`((\\hat h - \\lambda)/\\lambda - \\bar e)^2`
+    (``out``: a buffer for the innovation :math:`(\\hat h - \\lambda)/\\lambda`, kept, and a
+    ``(2, n)`` one for the squares)."""
+    innovation = torch.sub(target, precision, out=out[0]).div_(precision)
+    if out[1] is None:
+        return innovation, torch.stack([torch.sub(grad, drift).mul_(sigma), innovation - hdrift]).square_()
+    squares = out[1]
+    torch.sub(grad, drift, out=squares[0]).mul_(sigma)
+    torch.sub(innovation, hdrift, out=squares[1])
+    return innovation, squares.square_()
 
 
 # --------------------------------------------------------------------------- #

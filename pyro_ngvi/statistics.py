@@ -13,7 +13,9 @@ rows a step did not touch have exactly zero gradients (a ``mask``), and :math:`s
 divided out of the touched ones.
 """
 
+import weakref
 from dataclasses import replace
+from typing import Optional
 
 import torch
 
@@ -23,6 +25,7 @@ from . import full_covariance
 from .family import FullCovarianceSite, GaussianSite, SiteCurvature, pop_curvature
 from .kronecker import KroneckerCurvature, KroneckerSite
 from .low_rank_guide import LowRankCurvature, LowRankSite
+from .scales import FastExp
 
 #: A recovered draw :math:`|\epsilon|` beyond this is float32 round-off, not a normal draw.
 EPS_MAX = 8.0
@@ -44,7 +47,8 @@ def tensors(stats) -> tuple:
     return stats.grad, stats.curvature
 
 
-def site_statistics(site, live: bool = True, one_draw: bool = False, recover_draws: bool = True):
+def site_statistics(site, live: bool = True, one_draw: bool = False, recover_draws: bool = True,
+                    buffers: Optional["Buffers"] = None):
     """
     The ELBO's statistics for ``site`` (when ``live``: this step's ELBO made them; run under
     ``torch.no_grad()``),
@@ -52,6 +56,8 @@ def site_statistics(site, live: bool = True, one_draw: bool = False, recover_dra
     from the ordinary gradients. With one draw per step (``one_draw``) the draw of a
     mean-field site is recovered too (``recover_draws``, for the control variate),
     :math:`\\epsilon = \\sigma h / g`, and a low-rank site's is read off its guide.
+    With ``buffers`` (:class:`Buffers`: ``SVI`` replaces the gradients after the step) the
+    estimate is written over the gradients and into buffers kept for the site: no new tensor.
 
     :raises ValueError: when there is neither (a loss that does not backpropagate
         through the guide, a Kronecker layer without its factors).
@@ -77,40 +83,78 @@ def site_statistics(site, live: bool = True, one_draw: bool = False, recover_dra
         return full_reparam_curvature(site)
     # a guide site scaled by s (poutine.scale beyond its plates) weighs its entropy by s: its h
     # carries (1 - s) lambda, and sigma h / g is no draw
-    return reparam_curvature(site, one_draw and recover_draws and getattr(site, "weight", 1.0) == 1.0)
+    return reparam_curvature(site, one_draw and recover_draws and getattr(site, "weight", 1.0) == 1.0, buffers)
 
 
-def reparam_curvature(site: GaussianSite, one_draw: bool = False) -> SiteCurvature:
+class Buffers:
+    """Tensors kept per site for the statistics recovered from its gradients (the draws and their
+    squares), and the optimizer's workspace for the temporaries: a step makes no new tensor."""
+
+    def __init__(self, workspace):
+        self.workspace = workspace
+        self._kept = {}
+
+    def kept(self, site, name: str, like: torch.Tensor) -> torch.Tensor:
+        """A tensor like ``like`` kept for ``site``'s ``name`` (written over every step)."""
+        key = (id(site.loc), name)
+        found = self._kept.get(key)
+        if found is None or found[0]() is not site.loc or found[1].shape != like.shape or found[1].dtype != like.dtype:
+            found = self._kept[key] = (weakref.ref(site.loc), torch.empty_like(like))
+        return found[1]
+
+    def scratch(self, like: torch.Tensor):
+        """A float and a bool temporary of ``like``'s length (flat)."""
+        (value,) = self.workspace.take(like.numel(), like, 1)
+        (flag,) = self.workspace.take(like.numel(), like, 1, torch.bool)
+        return value.view_as(like), flag.view_as(like)
+
+
+def reparam_curvature(site: GaussianSite, one_draw: bool = False, buffers: Optional[Buffers] = None) -> SiteCurvature:
     """The Price estimate of a mean-field site from the gradients on its ``loc`` and raw
-    scale (module docstring), the plate scale divided out of the touched rows."""
+    scale (module docstring), the plate scale divided out of the touched rows. With
+    ``buffers``, written over the gradients (ours: ``SVI`` replaces them after the step) and
+    into the site's kept tensors."""
     raw = site.raw_scale.detach()
     scale = site.scale
     transform = site._scale_transform
-    if hasattr(transform, "derivative"):  # softplus: d sigma / d r = sigmoid(r)
-        dscale_draw = transform.derivative(raw)
+    if buffers is None:
+        scale_grad, grad, work, flag = site.raw_scale.grad.clone(), site.loc.grad.clone(), None, None
     else:
-        dscale_draw = transform.log_abs_det_jacobian(raw, scale).exp()
-    scale_grad = site.raw_scale.grad / dscale_draw
+        scale_grad, grad = site.raw_scale.grad, site.loc.grad
+        work, flag = buffers.scratch(grad)
+    if isinstance(transform, FastExp):  # d sigma / d r = sigma
+        scale_grad.div_(scale)
+    elif hasattr(transform, "derivative"):  # softplus: d sigma / d r = sigmoid(r)
+        scale_grad.div_(torch.sigmoid(raw, out=work))
+    else:
+        scale_grad.div_(transform.log_abs_det_jacobian(raw, scale).exp())
     touched = int(torch.count_nonzero(scale_grad))
     if touched == scale_grad.numel():
         mask, plate_scale = None, 1.0
     else:
         mask, plate_scale = scale_grad != 0, scale_grad.numel() / max(touched, 1)
-    grad = site.loc.grad / plate_scale if plate_scale != 1.0 else site.loc.grad.clone()  # ours to change
-    inverse_scale = scale.reciprocal()
     if plate_scale != 1.0:
+        grad.div_(plate_scale)
         scale_grad.div_(plate_scale)
+    inverse_scale = torch.reciprocal(scale, out=work)
     curvature = scale_grad.add_(inverse_scale).mul_(inverse_scale)  # (d_sigma + 1 / sigma) / sigma
     if not one_draw:
         return SiteCurvature(grad, curvature, mask=mask, sampled=True)
     # eps = sigma h / g; where g vanishes (untouched rows) the draw is unknown: 0.
     # |eps| beyond EPS_MAX is float32 round-off in h, never a real draw. (By arithmetic
     # on 0 / 1 masks: torch's CPU where and masked_fill run one element at a time.)
-    eps = torch.mul(curvature, scale).div_(grad)  # +-inf or nan where g = 0: |eps| <= max fails
-    keep = (eps.abs() <= EPS_MAX).to(eps.dtype)
+    eps = torch.mul(curvature, scale, out=None if buffers is None else buffers.kept(site, "eps", grad))
+    eps.div_(grad)  # +-inf or nan where g = 0: |eps| <= max fails
+    keep = torch.le(torch.abs(eps, out=work), EPS_MAX, out=flag)
     eps = eps.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).mul_(keep)
-    eps_sq_mean = (eps == 0).to(eps.dtype).addcmul_(eps, eps)  # eps^2, and 1 where the draw is unknown
-    return SiteCurvature(grad, curvature, mask=mask, sampled=True, eps_mean=eps, eps_sq_mean=eps_sq_mean)
+    unknown = torch.eq(eps, 0, out=flag)
+    if buffers is None:
+        eps_sq_mean = unknown.to(eps.dtype)
+    else:
+        eps_sq_mean = buffers.kept(site, "eps_sq", grad).copy_(unknown)
+    eps_sq_mean.addcmul_(eps, eps)  # eps^2, and 1 where the draw is unknown
+    return SiteCurvature(grad, curvature, mask=mask, sampled=True, eps_mean=eps, eps_sq_mean=eps_sq_mean,
+                         fitted=True)
 
 
 @torch.no_grad()

@@ -16,13 +16,13 @@ from typing import Dict, List, NamedTuple, Optional
 
 import torch
 
-from .elementwise import SCRATCH_FLAGS, SCRATCH_FLOATS, Branches, Inputs, Numbers, Scratch, mean_field_pass
+from .elementwise import SCRATCH_FLAGS, SCRATCH_FLOATS, Branches, Inputs, Numbers, Scratch, mean_field_pass, noise_pass
 from .family import FullCovarianceSite, SiteCurvature
 from .groups import Group, Workspace, flat as _flat
 from .kronecker import KroneckerSite
 from .low_rank import low_rank_step, marginal_variance, solve
 from .low_rank_guide import LowRankSite
-from .policies import NoiseState, Settings, dense_count, dense_rates, first_count, noise_constants
+from .policies import NoiseState, Settings, dense_count, dense_rates, first_count, noise_constants, pooled_levels
 from .scales import FastExp, known_scale, remember_scale
 from .update import full_covariance
 from .update import fused
@@ -85,21 +85,29 @@ def mean_field_group(ctx: Context, group: Group, stats: List[SiteCurvature], gra
                      curvature: torch.Tensor, settings: Settings, tau: float, states: list):
     """
     :func:`span_step` on the whole group; a large site (beyond :data:`SPAN` elements,
-    alone in its group, no mask, not the adaptive steps, whose noise is pooled over the
-    site first; not when compiled or masked) in spans of :data:`SPAN` elements, one after
-    the other: the same element-wise update, with temporaries of a span's size that stay in
-    the cache. Returns what :func:`span_step` returns.
+    alone in its group, no mask; not when compiled or masked) in spans of :data:`SPAN`
+    elements, one after the other: the same element-wise update, with temporaries of a span's
+    size that stay in the cache. Under the adaptive steps, whose noise is pooled over the whole
+    site, a first pass over the spans prepares the statistics and sums the noise. Returns what
+    :func:`span_step` returns.
     """
     first = stats[0]
     size = grad.numel()
-    if (not group.one or first.mask is not None or size <= SPAN or adaptive_for(first, ctx.options)
-            or compiled(ctx, group, size) or ctx.ok is not None):
+    if (not group.one or first.mask is not None or size <= SPAN or compiled(ctx, group, size)
+            or ctx.ok is not None):
         result = span_step(ctx, group, stats, grad, curvature, settings, tau, states)
     else:
         run = Spans(ctx, group, states)
         run.sampled, run.scale = first.sampled, _scales(group, stats)
-        for start in range(0, size, SPAN):
-            run.slice = slice(start, min(start + SPAN, size))
+        spans = [slice(start, min(start + SPAN, size)) for start in range(0, size, SPAN)]
+        if adaptive_for(first, ctx.options):  # the noise is pooled over the whole site first
+            run.adaptive = _adaptive_inputs(group, states, settings.beta, settings.momentum, ctx.options.warm_start)
+            sums = []
+            for run.slice in spans:
+                sums.append(span_step(ctx, group, stats, grad, curvature, settings, tau, states, run, "noise"))
+            totals, counts = (sum(parts) for parts in zip(*sums))
+            run.levels = pooled_levels(totals, counts, run.adaptive["noise"])
+        for run.slice in spans:
             span_step(ctx, group, stats, grad, curvature, settings, tau, states, run)
         result = run.finish(ctx, group, states, first.prior_precision is not None)
     for state in states:
@@ -108,7 +116,7 @@ def mean_field_group(ctx: Context, group: Group, stats: List[SiteCurvature], gra
 
 
 def span_step(ctx: Context, group: Group, stats: List[SiteCurvature], grad: torch.Tensor,
-              curvature: torch.Tensor, settings: Settings, tau: float, states: list, run=None):
+              curvature: torch.Tensor, settings: Settings, tau: float, states: list, run=None, phase=None):
     """
     The chain for the sites of ``group`` at once, as one flat vector; ``grad`` and
     ``curvature`` are the sites' ``g`` and ``h`` so flattened (this step's: written over).
@@ -126,7 +134,9 @@ def span_step(ctx: Context, group: Group, stats: List[SiteCurvature], grad: torc
         had at the group's last step; the new :math:`\\sigma` as a flat vector (``None``
         for a masked site); and the flag of the watch on growing means
         (:mod:`pyro_ngvi.monitor`; ``None`` without a prior). In a ``run`` of spans:
-        ``None`` (the run gathers them).
+        ``None`` (the run gathers them); in its ``"noise"`` phase (the adaptive steps' first pass
+        over a large site, :func:`~pyro_ngvi.elementwise.noise_pass`) the span's sums of squared
+        innovations and their count.
     """
     options = ctx.options
     first, sites = stats[0], group.sites
@@ -171,7 +181,11 @@ def span_step(ctx: Context, group: Group, stats: List[SiteCurvature], grad: torc
     # (before the buffers are made; for a run of spans, at its start)
     momentum_fresh = run.momentum_fresh if run is not None else [state.momentum is None for state in states]
     if adaptive:
-        inputs.update(_adaptive_inputs(group, states, beta, rho, options.warm_start))
+        adaptive_inputs = run.adaptive if run is not None else _adaptive_inputs(group, states, beta, rho,
+                                                                                options.warm_start)
+        inputs.update({k: v if k == "noise" or v is None else cut(v) for k, v in adaptive_inputs.items()})
+        if run is not None and phase is None:  # the second pass: the statistics prepared, the noise pooled
+            inputs["levels"] = run.levels
     control = options.control_variate and first.eps_mean is not None and first.num_data is None
     if control:
         inputs.update(eps_mean=cut(_flat([s.eps_mean for s in stats])), eps_sq_mean=cut(_flat([s.eps_sq_mean
@@ -211,9 +225,13 @@ def span_step(ctx: Context, group: Group, stats: List[SiteCurvature], grad: torc
         at_most_one=fuse and first.min_precision is not None
         and group.least("min_precision", [s.min_precision for s in stats]) >= 1.0,
         in_place=in_place or (fuse and group.one and mask is None), masked=masked_write,
+        prepared=run is not None and adaptive and phase is None,
     )
     numbers = Numbers(lr, beta, rho, settings.damping, tau, options.max_step,
                       ctx.guarded.factor if guarded else 1.0, first_count(beta, options.warm_start))
+    if phase == "noise":
+        return noise_pass(branches, Inputs(**inputs), numbers, group.transform,
+                          _scratch(ctx.workspace, grad.numel(), grad))
     if fuse:
         out = fused.run(mean_field_pass, branches, True, Inputs(**inputs), numbers, None)
     else:
@@ -226,7 +244,10 @@ def _scratch(workspace: Optional[Workspace], n: int, like: torch.Tensor) -> Scra
     """The pass's scratch buffers of ``n`` elements from ``workspace`` (none: it allocates)."""
     if workspace is None:
         return Scratch()
-    return Scratch(*workspace.take(n, like, SCRATCH_FLOATS), *workspace.take(n, like, SCRATCH_FLAGS, torch.bool))
+    floats = workspace.take(n, like, SCRATCH_FLOATS)
+    flags = workspace.take(n, like, SCRATCH_FLAGS, torch.bool)
+    rows = Scratch._fields.index("a")  # (a and b are adjacent rows: one (2, n) view of both)
+    return Scratch(*floats, *flags, ab=workspace.rows(n, like, SCRATCH_FLOATS, rows, rows + 2))
 
 
 def _scales(group: Group, stats: List[SiteCurvature]) -> Optional[torch.Tensor]:
@@ -300,18 +321,20 @@ def _keep(ctx: Context, group: Group, states, mask, out, run, rho: float, own_sc
     """Keep what the pass returned: the new mean and raw scale in the guide (only the ``mask`` rows),
     :math:`\\sigma'` remembered, the momentum and adaptive state in the group's buffers, the stall
     test's signs and the flags. (Eagerly most of it was written in place by the pass.)"""
+    def store(name: str, value: torch.Tensor, fill=None) -> None:  # (eagerly written in place already)
+        buffer = group.state(states, name, fill)
+        target = buffer if run is None else buffer[run.slice]
+        if value.data_ptr() != target.data_ptr():
+            target.copy_(value)
+
     steps = out.adaptive
     if steps is not None:
         for name in ("count", "hdrift") + (() if steps.drift is None else ("drift",)):
-            buffer = group.state(states, name, None)
-            if getattr(steps, name) is not buffer:
-                buffer.copy_(getattr(steps, name))
+            store(name, getattr(steps, name))
         for j, state in enumerate(states):
             state.steps, state.noise = steps.steps[j], steps.noise[:, j]
     if rho != 0:
-        buffer = group.state(states, "momentum", 0.0)
-        if out.momentum is not (buffer if run is None else buffer[run.slice]):
-            (buffer if run is None else buffer[run.slice]).copy_(out.momentum)
+        store("momentum", out.momentum, 0.0)
     if run is not None:  # one site, no mask: the span is written
         run.clamped.append(out.clamped)
         if out.spread is not None:
@@ -369,6 +392,7 @@ class Spans:
     def __init__(self, ctx: Context, group: Group, states):
         like = group.like
         self.momentum_fresh = [state.momentum is None for state in states]
+        self.adaptive = self.levels = None  # the adaptive steps' inputs, and their noise pooled over the spans
         self.slice = slice(0, 0)
         self.clamped: List[torch.Tensor] = []
         self.spread = torch.zeros((), dtype=like.dtype, device=like.device)  # sum lambda_0 (mu - m_0)^2

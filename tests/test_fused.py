@@ -149,6 +149,33 @@ def test_branch_free_pass_is_the_chain_in_every_configuration(dtype):
     assert count > 600
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_pass_in_the_workspace_is_the_pass_with_new_tensors(dtype):
+    """Eagerly the pass writes its temporaries into the optimizer's workspace and its results into
+    the tensors it is given (the momentum buffer, the adaptive steps' state, the out_* tensors):
+    bit for bit the step it takes with new tensors, in every configuration, and the workspace
+    holds nothing between calls (a second configuration after the first, same buffers)."""
+    from pyro_ngvi.groups import Workspace
+    from pyro_ngvi.steps import _scratch
+
+    workspace = Workspace()
+    count = 0
+    for b in _configurations():
+        t = _inputs(b, n=257, dtype=dtype, seed=count)
+        ref = mean_field_pass(b, _copy(t, False), _numbers(b), FastSoftplus())
+        inputs = _copy(t, False)
+        if b.signs:
+            inputs = inputs._replace(out_signs=torch.empty(257, dtype=torch.bool))
+        out = mean_field_pass(b, inputs, _numbers(b), FastSoftplus(), _scratch(workspace, 257, inputs.grad))
+        _assert_same_step(out, ref, dtype, 0.0)
+        if b.momentum in ("average", "mixed"):  # written in place into the momentum buffer
+            assert out.momentum is inputs.momentum
+        if b.rates == "adaptive" and b.momentum == "none":
+            assert out.adaptive.count is inputs.count and out.adaptive.hdrift is inputs.hdrift
+        count += 1
+    assert count > 600
+
+
 def test_masked_pass_writes_only_when_ok():
     """A masked pass (a deferred check) returns its step where ``ok`` holds and exactly the old
     state where it does not: mean, raw scale, sigma, momentum, the adaptive steps' state."""
