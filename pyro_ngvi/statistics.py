@@ -11,6 +11,20 @@ gradients that :class:`~pyro.infer.Trace_ELBO` left on the guide's parameters
 A subsampled plate scales a site's terms, its entropy included, by :math:`s = N/B`;
 rows a step did not touch have exactly zero gradients (a ``mask``), and :math:`s` is
 divided out of the touched ones.
+
+A guide site that ``poutine.scale`` weighs by :math:`w` beyond its plates
+(:class:`~pyro_ngvi.family.GaussianSite`'s ``weight``) carries :math:`w` on its entropy:
+the objective of the site is :math:`\\mathbb{E}_q[f] - w\\,\\mathrm{H}[q]`, i.e. :math:`w`
+times the ordinary one of the tempered target :math:`f / w` (with a model scaled by the
+same :math:`w`, the untempered one). The recovered curvature then carries the entropy's
+share, :math:`(\\nabla_\\sigma + 1/\\sigma)/\\sigma = \\nabla_\\sigma \\mathbb{E}_q[f]/\\sigma + (1 - w)\\lambda`,
+and the statistics of :math:`f / w` are
+
+.. math:: g_w = g / w, \\qquad h_w = \\big((\\nabla_\\sigma + 1/\\sigma)/\\sigma - (1 - w)\\lambda\\big) / w,
+          \\qquad \\epsilon = \\sigma h_w / g_w,
+
+on which the step runs as on any site: its fixed point :math:`\\lambda = h_w` is the optimum
+of the weighted objective, :math:`\\sigma^2 = w / \\nabla^2 f` for a Gaussian target.
 """
 
 import weakref
@@ -81,9 +95,7 @@ def site_statistics(site, live: bool = True, one_draw: bool = False, recover_dra
         )
     if isinstance(site, FullCovarianceSite):
         return full_reparam_curvature(site)
-    # a guide site scaled by s (poutine.scale beyond its plates) weighs its entropy by s: its h
-    # carries (1 - s) lambda, and sigma h / g is no draw
-    return reparam_curvature(site, one_draw and recover_draws and getattr(site, "weight", 1.0) == 1.0, buffers)
+    return reparam_curvature(site, one_draw and recover_draws, buffers)
 
 
 class Buffers:
@@ -111,9 +123,10 @@ class Buffers:
 
 def reparam_curvature(site: GaussianSite, one_draw: bool = False, buffers: Optional[Buffers] = None) -> SiteCurvature:
     """The Price estimate of a mean-field site from the gradients on its ``loc`` and raw
-    scale (module docstring), the plate scale divided out of the touched rows. With
-    ``buffers``, written over the gradients (ours: ``SVI`` replaces them after the step) and
-    into the site's kept tensors."""
+    scale (module docstring), the plate scale divided out of the touched rows, of the
+    tempered target :math:`f / w` for a site of ``weight`` :math:`w`. With ``buffers``,
+    written over the gradients (ours: ``SVI`` replaces them after the step) and into the
+    site's kept tensors."""
     raw = site.raw_scale.detach()
     scale = site.scale
     transform = site._scale_transform
@@ -138,6 +151,10 @@ def reparam_curvature(site: GaussianSite, one_draw: bool = False, buffers: Optio
         scale_grad.div_(plate_scale)
     inverse_scale = torch.reciprocal(scale, out=work)
     curvature = scale_grad.add_(inverse_scale).mul_(inverse_scale)  # (d_sigma + 1 / sigma) / sigma
+    weight = getattr(site, "weight", 1.0)
+    if weight != 1.0:  # the statistics of f / w (module docstring); untouched rows keep lambda
+        curvature.sub_(inverse_scale.square().mul_(1.0 - weight)).div_(weight)
+        grad.div_(weight)
     if not one_draw:
         return SiteCurvature(grad, curvature, mask=mask, sampled=True)
     # eps = sigma h / g; where g vanishes (untouched rows) the draw is unknown: 0.

@@ -5,6 +5,7 @@
 #     git -C <pyro clone> archive HEAD tests setup.cfg | tar -x -C /tmp/pyrosrc
 # and add `ignore:\`torch.jit.trace\` is deprecated:FutureWarning` to its setup.cfg filterwarnings
 # (torch 2.14 deprecates jit.trace; Pyro's suite turns the warning into an error, with Adam too).
+# Pyro's AutoGaussianFunsor tests need funsor (in the bench extra: pip install -e ".[bench]").
 # usage: run.sh PYRO_SCRATCH OUTFILE [pytest args]
 #   NGVI_SWAP=0           Pyro's own optimizers (the baseline)
 #   NGVI_ACCEPT_WARNING=1 NGVI's NotGaussianWarning is not an error
