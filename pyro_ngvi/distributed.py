@@ -41,6 +41,8 @@ import torch.distributed as dist
 import pyro
 
 from .family import SiteCurvature
+from .kronecker import KroneckerSite
+from .low_rank_guide import LowRankSite
 
 __all__ = [
     "DistributedError",
@@ -99,6 +101,16 @@ def shard(num_examples: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- the hook
+def without_draws(stats: Dict, sites) -> Dict:
+    """The statistics of ``sites`` for averaging across processes: each rank draws its own
+    :math:`\\epsilon`, so no control variate (the draws dropped). Kronecker and low-rank sites are
+    refused (their factors are not averaged yet)."""
+    if any(isinstance(site, (KroneckerSite, LowRankSite)) for site in sites):
+        raise NotImplementedError("NGVI does not average Kronecker or low-rank factors across processes yet")
+    return {key: replace(s, eps_mean=None, eps_sq_mean=None, draws=False) if isinstance(s, SiteCurvature) else s
+            for key, s in stats.items()}
+
+
 def all_reduce_stats(
     stats: Dict[str, SiteCurvature], others: Sequence[torch.Tensor]
 ) -> Dict[str, SiteCurvature]:

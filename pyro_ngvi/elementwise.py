@@ -20,6 +20,7 @@ from .policies import (AdaptiveScratch, AdaptiveSteps, NoiseState, adaptive_rate
                        seen_elements, warm_start_rates)
 from .safeguards import clamp_precision_, clip_, clip_target, far_elements, precision_trust_region
 from .scales import softplus_branch_free, softplus_inverse_branch_free
+from .statistics import EPS_MAX
 from .update.mean_field import mean_step, momentum, precision_step, precision_target, trusted_mean_step
 from .variance import control_variate
 
@@ -51,6 +52,8 @@ class Branches(NamedTuple):
     in_place: bool = False  # the new mean and raw scale written into ``mean`` and ``raw_scale`` (compiled)
     masked: bool = False  # written only if ``ok`` (a 0-d flag: the statistics are finite; pyro_ngvi.checks)
     prepared: bool = False  # grad and curvature are the rule's g and target already (noise_pass ran on them)
+    recover: bool = False  # grad and curvature are the gradients of loc and raw scale: recover g and h from them
+    recover_draws: bool = False  # ... and the draws
 
 
 class Inputs(NamedTuple):
@@ -99,7 +102,7 @@ class Numbers(NamedTuple):
 
 
 class Outputs(NamedTuple):
-    """What the pass returns: the new mean, raw scale and :math:`\\sigma` read back from it
+    """What the pass returns: the new mean, raw scale and :math:`\\sigma'`
     (``None`` for a masked group), the new momentum average, the flags' inputs as 0-d tensors,
     and the adaptive steps' new state. Written into ``out_*`` where given."""
 
@@ -136,6 +139,9 @@ class Scratch(NamedTuple):
     c: Optional[torch.Tensor] = None
     lr: Optional[torch.Tensor] = None  # the adaptive steps' per-element lr
     held: Optional[torch.Tensor] = None  # ... and their new count
+    sigma: Optional[torch.Tensor] = None
+    eps: Optional[torch.Tensor] = None  # the recovered draws (recover_draws)
+    eps_sq: Optional[torch.Tensor] = None
     flag: Optional[torch.Tensor] = None  # (bool)
     flag2: Optional[torch.Tensor] = None  # (bool)
     flag3: Optional[torch.Tensor] = None  # (bool)
@@ -143,7 +149,7 @@ class Scratch(NamedTuple):
 
 
 #: The number of float buffers and of bool buffers of :class:`Scratch`.
-SCRATCH_FLOATS, SCRATCH_FLAGS = 16, 3
+SCRATCH_FLOATS, SCRATCH_FLAGS = 19, 3
 NO_SCRATCH = Scratch()
 
 
@@ -235,11 +241,12 @@ def mean_field_pass(b: Branches, t: Inputs, n: Numbers, transform, w: Scratch = 
     elif b.in_place and new_mean is not mean:  # (compiled)
         new_mean = mean.copy_(new_mean)
 
-    # sigma' = lambda'^-1/2 as a raw scale, and sigma read back from it (what a reader of the raw
-    # scale gets: the next step, the fast path, a process that loads the param store)
+    # sigma' = lambda'^-1/2, and as a raw scale (the guide's own parameter: what Predictive, the
+    # param store and Adam see; its bijection gives sigma' back to an ulp or two). NGVI remembers
+    # sigma' itself for the next reader (the next step, the fast path; saved with its state)
     new_scale = torch.rsqrt(new_precision, out=w.scale if b.masked else t.out_scale)
-    new_raw, small = _inverse(b, transform, new_scale, _out(b, t.out_raw_scale, t.raw_scale, w.raw), lowest,
-                              scratch=(w.a, w.b, w.c))
+    new_raw = _inverse(b, transform, new_scale, _out(b, t.out_raw_scale, t.raw_scale, w.raw), lowest,
+                       scratch=(w.a, w.b, w.c))
     if b.masked:
         new_raw = torch.where(t.ok, new_raw, t.raw_scale)
         if t.out_raw_scale is not None:
@@ -248,10 +255,8 @@ def mean_field_pass(b: Branches, t: Inputs, n: Numbers, transform, w: Scratch = 
         new_raw = t.raw_scale.copy_(new_raw)
     read = None
     if mask is None:
-        # (every sigma' <= 1 gives r' < 1: softplus need not look for its linear part)
-        read = _forward(b, transform, new_raw, linear=False if small else None,
-                        out=None if b.branch_free else new_scale, scratch=(w.a, w.b))
-        if b.masked:  # (bit for bit the old sigma: not read again)
+        read = new_scale
+        if b.masked:  # (the old sigma, bit for bit)
             read = torch.where(t.ok, read, t.scale if b.known_scale else _forward(b, transform, t.raw_scale))
         if t.out_scale is not None and read is not t.out_scale:
             read = t.out_scale.copy_(read)
@@ -269,11 +274,17 @@ def _prepare(b: Branches, t: Inputs, n: Numbers, transform, w: Scratch):
     # the precision the ELBO read this step (else the one NGVI wrote, else the raw scale's)
     if b.known_scale:
         precision = torch.pow(t.scale, -2, out=w.precision)
-    else:
+    elif not b.recover:
         precision = _forward(b, transform, t.raw_scale, out=w.precision, scratch=(w.a, w.b)).pow_(-2)
     grad, curvature = t.grad, t.curvature
+    if b.recover and not b.known_scale:  # (the recovery reads sigma)
+        sigma = _forward(b, transform, t.raw_scale, out=w.sigma, scratch=(w.a, w.b))
+        precision = torch.pow(sigma, -2, out=w.precision)
     if b.prepared:
         return precision, grad, curvature
+    if b.recover:
+        t = _recover(b, t, t.scale if b.known_scale else sigma, w)
+        grad, curvature = t.grad, t.curvature
     prior_precision = t.prior_precision if b.prior else None
     if b.tau:  # from here g / tau and h / tau
         grad, curvature = grad.div_(n.tau), curvature.div_(n.tau)
@@ -290,6 +301,28 @@ def _prepare(b: Branches, t: Inputs, n: Numbers, transform, w: Scratch):
     if adaptive:
         target = clip_target(target, precision, scratch=(w.a, w.b))
     return precision, grad, target
+
+
+def _recover(b: Branches, t: Inputs, sigma: torch.Tensor, w: Scratch) -> Inputs:
+    """The statistics from the gradients of the loc and the raw scale (``t.grad``, ``t.curvature``,
+    written over), as :func:`~pyro_ngvi.statistics.reparam_curvature` recovers them: :math:`g`,
+    :math:`h = (\\nabla_\\sigma + 1/\\sigma)/\\sigma` and, with ``recover_draws``, the draws
+    :math:`\\epsilon = \\sigma h / g` (those that cannot be one: 0) and their squares."""
+    grad, curvature = t.grad, t.curvature
+    if b.exp_scale:  # d sigma / d r: sigma for the exponential, sigmoid(r) for the softplus
+        curvature.div_(sigma)
+    else:
+        curvature.div_(torch.sigmoid(t.raw_scale, out=w.a))
+    inverse = torch.reciprocal(sigma, out=w.a)
+    curvature.add_(inverse).mul_(inverse)
+    if not b.recover_draws:
+        return t
+    eps = torch.mul(curvature, sigma, out=w.eps).div_(grad)
+    keep = torch.le(torch.abs(eps, out=w.a), EPS_MAX, out=w.flag)
+    eps = eps.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).mul_(keep)
+    unknown = torch.eq(eps, 0, out=w.flag)
+    eps_sq = unknown.to(eps.dtype) if w.eps_sq is None else w.eps_sq.copy_(unknown)
+    return t._replace(eps_mean=eps, eps_sq_mean=eps_sq.addcmul_(eps, eps))
 
 
 def noise_pass(b: Branches, t: Inputs, n: Numbers, transform, w: Scratch = NO_SCRATCH):
@@ -387,15 +420,12 @@ def _forward(b: Branches, transform, raw, linear=None, out=None, scratch=(None, 
 
 
 def _inverse(b: Branches, transform, new_scale, out, lowest, scratch=(None, None, None)):
-    """The raw scale of :math:`\\sigma'` (into ``out`` where given), and whether every
-    :math:`\\sigma' \\le 1` is known (eager: then the series was used)."""
+    """The raw scale of :math:`\\sigma'` (into ``out`` where given)."""
     if b.exp_scale:
-        return torch.log(new_scale, out=out), True
+        return torch.log(new_scale, out=out)
     if not b.fast_scale:
         raw = transform.inv(new_scale)
-        return (raw if out is None else out.copy_(raw)), False
+        return raw if out is None else out.copy_(raw)
     if b.branch_free:
-        return softplus_inverse_branch_free(new_scale, b.at_most_one), False
-    # (its log sigma, of sigma before the round trip, tells that the series was used)
-    new_raw, log_sigma = transform.inverse_and_log(new_scale, out, lowest.rsqrt(), scratch)
-    return new_raw, log_sigma is not None
+        return softplus_inverse_branch_free(new_scale, b.at_most_one)
+    return transform.inverse_and_log(new_scale, out, lowest.rsqrt(), scratch)[0]

@@ -104,6 +104,11 @@ class SiteCurvature:
         (set by :func:`attach_curvature`).
     :param bool fitted: every tensor already has the dtype, device and shape of the
         site's ``loc`` (an ELBO that makes them so says it; NGVI then checks nothing).
+    :param bool gradients: ``grad`` and ``curvature`` are still the ordinary gradients of the
+        site's ``loc`` and raw scale (:mod:`~pyro_ngvi.statistics`): the element-wise pass
+        recovers :math:`g` and :math:`h` from them, span by span (and the draws too where
+        ``draws``), instead of a pass of its own over the site.
+    :param bool draws: with ``gradients``, the draws are recoverable (one draw per step).
     """
 
     grad: torch.Tensor
@@ -126,6 +131,8 @@ class SiteCurvature:
     min_precision: Optional[torch.Tensor] = None
     loss: Optional[torch.Tensor] = None
     fitted: bool = False
+    gradients: bool = False
+    draws: bool = False
 
     def prior_params(self) -> List[PriorParam]:
         """The learned prior params of this site (none, one or two)."""

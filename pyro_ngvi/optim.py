@@ -14,7 +14,6 @@ import copy
 import math
 import warnings
 import weakref
-from dataclasses import replace
 from typing import Dict, List, Optional
 
 import torch
@@ -25,7 +24,7 @@ from pyro.optim.optim import PyroOptim
 
 from .checkpoint import safe_load
 from .checks import DeferredChecks, read_checks, sync_every
-from .distributed import all_reduce_stats, is_distributed
+from .distributed import all_reduce_stats, is_distributed, without_draws
 from .family import FullCovarianceSite, GaussianSite, SiteCurvature, calling_svi, end_handover, split_params
 from .groups import Group, Workspace, group_sites, statistics_kind
 from .kronecker import KroneckerSite
@@ -36,7 +35,7 @@ from .policies import (DENSE, DENSE_SAMPLED, FULL_BATCH, MINIBATCH, Schedule, Se
 from .point import check_point_optim, check_point_states, decay_guide_part_lr, probe_point_step
 from .priors import update_learned_priors
 from .safeguards import NewtonGuard, Safeguards, finite
-from .state import SiteState, check_state
+from .state import SiteState, check_state, restore_scales
 from .statistics import Buffers, one_draw, site_statistics
 from .steps import Context, GuardedStep, Options, couple_means, dense_adaptive, dense_site, mean_field_group, start_of
 from .variance import cross_terms
@@ -289,14 +288,7 @@ class NGVI(PyroOptim):
         # (SVI replaces the gradients after the step: the recovered statistics may be written over them)
         buffers = None if svi is None else self._buffers
         stats = {site.key: site_statistics(site, live, single, self.control_variate, buffers) for site in sites}
-        if is_distributed():
-            if any(isinstance(site, (KroneckerSite, LowRankSite)) for site in sites):
-                raise NotImplementedError("NGVI does not average Kronecker or low-rank factors across "
-                                          "processes yet")
-            # draws differ between ranks: no control variate
-            stats = {key: replace(s, eps_mean=None, eps_sq_mean=None) if isinstance(s, SiteCurvature) else s
-                     for key, s in stats.items()}
-        return stats
+        return without_draws(stats, sites) if is_distributed() else stats
 
     def _skip(self, why: str, advice: str, every: bool = False, stacklevel: int = 4) -> None:
         """Warn of a skipped step, counted already (at the 1st, 2nd, 4th, ... unless ``every``),
@@ -377,8 +369,11 @@ class NGVI(PyroOptim):
         if state is not None and state.loc() is site.loc:
             return state
         pending = self._pending_states.pop(site.key, None)
-        state = SiteState(weakref.ref(site.loc)) if pending is None else SiteState.restored(site.loc, site.key,
-                                                                                             pending)
+        raw, transform = (site.raw_scale, site._scale_transform) if isinstance(site, GaussianSite) else (None, None)
+        if pending is None:
+            state = SiteState(weakref.ref(site.loc), None if raw is None else weakref.ref(raw))
+        else:
+            state = SiteState.restored(site.loc, site.key, pending, raw, transform)
         self._states[id(site.loc)] = state
         return state
 
@@ -404,7 +399,7 @@ class NGVI(PyroOptim):
             loc = state.loc()
             name = None if loc is None else store.param_name(loc)
             if name is not None:
-                sites[name] = state.saved()
+                sites[name] = state.saved(store)
         for name, pending in self._pending_states.items():  # restored, not seen since
             sites.setdefault(name, pending)
         return {
@@ -430,6 +425,7 @@ class NGVI(PyroOptim):
         self._plans = {}
         self._pending_states = {name: dict(entry) for name, entry in ngvi["sites"].items()}
         store = pyro.get_param_store()
+        restore_scales(self._pending_states.values(), store)  # (the fast path reads sigma before the first step)
         for p in [p for p in self.optim_objs if store.param_name(p) in point]:
             del self.optim_objs[p]  # restored, not kept: it loads the entry when it next steps
         super().set_state(copy.deepcopy(point))  # loading may alias them: steps would change ``point``

@@ -9,6 +9,9 @@ from typing import Dict, Optional
 
 import torch
 
+from .family import scale_transform
+from .scales import known_scale, remember_scale
+
 #: The per-element buffers of :class:`SiteState` (saved by ``NGVI.get_state``).
 BUFFERS = ("momentum", "count", "drift", "hdrift")
 #: Per-site (not per-element) tensors of :class:`SiteState`, saved too.
@@ -18,11 +21,12 @@ SITE_TENSORS = ("steps", "noise", "cross")
 class SiteState:
     """What NGVI keeps for one site between steps, keyed by its ``loc`` tensor."""
 
-    __slots__ = ("loc", "started", "momentum", "far_steps", "count", "drift", "hdrift", "steps", "noise",
+    __slots__ = ("loc", "raw", "started", "momentum", "far_steps", "count", "drift", "hdrift", "steps", "noise",
                  "cross")
 
-    def __init__(self, loc: weakref.ref):
+    def __init__(self, loc: weakref.ref, raw: Optional[weakref.ref] = None):
         self.loc = loc  # a weak reference: a cleared param store frees the site
+        self.raw = raw  # ... and to its raw scale (mean-field sites), whose sigma NGVI remembers
         self.started = False  # the first-step warm start has happened
         self.momentum: Optional[torch.Tensor] = None
         self.far_steps = 0  # consecutive steps its gradient exceeded safeguards.FAR sigma (mostly)
@@ -37,15 +41,24 @@ class SiteState:
         # is the first of (pyro_ngvi.variance.cross_terms)
         self.cross: Optional[torch.Tensor] = None
 
-    def saved(self) -> Dict:
-        """The entry :meth:`~pyro_ngvi.NGVI.get_state` saves (copies)."""
+    def saved(self, store) -> Dict:
+        """The entry :meth:`~pyro_ngvi.NGVI.get_state` saves (copies), with the sigma NGVI wrote into
+        the site's raw scale and the raw scale's name in the param ``store`` (its bijection gives
+        sigma back only to an ulp or two; a resumed run reads it, not the bijection, and takes the
+        same steps)."""
+        raw = None if self.raw is None else self.raw()
+        scale = None if raw is None else known_scale(raw)
         return {"started": self.started,
                 **{key: None if getattr(self, key) is None else getattr(self, key).clone()
-                   for key in BUFFERS + SITE_TENSORS}}
+                   for key in BUFFERS + SITE_TENSORS},
+                "scale": None if scale is None else scale.clone(),
+                "scale_name": None if scale is None else store.param_name(raw)}
 
     @classmethod
-    def restored(cls, loc: torch.Tensor, key: str, entry: Dict) -> "SiteState":
-        """A state from a saved ``entry`` for the site whose ``loc`` is given.
+    def restored(cls, loc: torch.Tensor, key: str, entry: Dict, raw: Optional[torch.Tensor] = None,
+                 transform=None) -> "SiteState":
+        """A state from a saved ``entry`` for the site whose ``loc`` (and raw scale, with its
+        bijection ``transform``) is given.
 
         :raises ValueError: when a buffer does not fit the site (a checkpoint of another model)."""
         for name in BUFFERS:
@@ -55,12 +68,36 @@ class SiteState:
                     f"NGVI state for '{key}' holds a {name} of shape {tuple(buffer.shape)}, the "
                     f"site has {tuple(loc.shape)}: the checkpoint belongs to another model"
                 )
-        state = cls(weakref.ref(loc))
+        state = cls(weakref.ref(loc), None if raw is None else weakref.ref(raw))
         state.started = entry["started"]
         for name in BUFFERS + SITE_TENSORS:
             buffer = entry.get(name)
             setattr(state, name, None if buffer is None else buffer.to(loc).clone())
+        if raw is not None:
+            restore_scale(raw, entry.get("scale"), transform)
         return state
+
+
+def restore_scale(raw: torch.Tensor, scale: Optional[torch.Tensor], transform) -> bool:
+    """Remember the saved sigma ``scale`` as the one ``raw`` holds, if it is that (to a few ulps:
+    a saved state of another point of the run is not); whether it was."""
+    if scale is None or scale.shape != raw.shape or known_scale(raw) is not None:
+        return False
+    with torch.no_grad():
+        scale = scale.to(raw).clone()
+        read = transform(raw.detach())
+        if not torch.allclose(read, scale, rtol=8 * torch.finfo(raw.dtype).eps, atol=0.0):
+            return False
+    remember_scale(raw, scale)
+    return True
+
+
+def restore_scales(entries, store) -> None:
+    """:func:`restore_scale` for every saved site entry whose raw scale the param ``store`` holds."""
+    for entry in entries:
+        raw = store._params.get(entry.get("scale_name") or "")
+        if raw is not None:
+            restore_scale(raw, entry.get("scale"), scale_transform(store._constraints[entry["scale_name"]]))
 
 
 def check_state(state_dict) -> None:
@@ -81,15 +118,17 @@ def check_state(state_dict) -> None:
             fail(f"state['ngvi'][{key!r}] must be a non-negative integer, got {ngvi[key]!r}")
     if not isinstance(ngvi["sites"], dict):
         fail("state['ngvi']['sites'] must be a dict")
-    keys = {"started", *BUFFERS, *SITE_TENSORS}
+    keys = {"started", "scale", "scale_name", *BUFFERS, *SITE_TENSORS}
     for name, entry in ngvi["sites"].items():
         if not (isinstance(name, str) and isinstance(entry, dict) and "started" in entry
                 and "momentum" in entry and set(entry) <= keys):
             fail(f"site entry {name!r} must be a dict with the keys 'started', 'momentum' and "
                  f"(from this version on) {', '.join(map(repr, BUFFERS[1:] + SITE_TENSORS))}")
+        if not (entry.get("scale_name") is None or isinstance(entry["scale_name"], str)):
+            fail(f"site entry {name!r} needs a string 'scale_name' or None")
         if not isinstance(entry["started"], bool) or not all(
             entry.get(key) is None or (torch.is_tensor(entry[key]) and entry[key].is_floating_point())
-            for key in BUFFERS + SITE_TENSORS
+            for key in BUFFERS + SITE_TENSORS + ("scale",)
         ):
             fail(f"site entry {name!r} needs a bool 'started' and float tensors or None for the rest")
     if not isinstance(point, dict):

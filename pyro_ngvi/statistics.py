@@ -8,6 +8,9 @@ gradients that :class:`~pyro.infer.Trace_ELBO` left on the guide's parameters
 .. math:: g = \\nabla_\\mu, \\qquad h = (\\nabla_\\sigma + 1/\\sigma)/\\sigma, \\qquad
           \\epsilon = \\sigma h / g \\;\\text{(one draw per step)}.
 
+A large site whose rows were all touched hands the gradients over as they are, and the
+element-wise pass recovers the same statistics span by span (``RECOVER_IN_PASS``).
+
 A subsampled plate scales a site's terms, its entropy included, by :math:`s = N/B`;
 rows a step did not touch have exactly zero gradients (a ``mask``), and :math:`s` is
 divided out of the touched ones.
@@ -43,6 +46,12 @@ from .scales import FastExp
 
 #: A recovered draw :math:`|\epsilon|` beyond this is float32 round-off, not a normal draw.
 EPS_MAX = 8.0
+#: A site of at least this many elements, every row touched, gets its statistics recovered by
+#: the element-wise pass itself, span by span (:class:`~pyro_ngvi.family.SiteCurvature`
+#: ``gradients``): the recovery's dozen operations then run on cached spans, or compiled
+#: into the pass, instead of over the whole site first. (Smaller sites are recovered here:
+#: the cross terms of a small model read their draws before the pass.)
+RECOVER_IN_PASS = 1 << 12
 _ONE_DRAW_ELBOS = (Trace_ELBO, JitTrace_ELBO)
 
 
@@ -135,6 +144,11 @@ def reparam_curvature(site: GaussianSite, one_draw: bool = False, buffers: Optio
     else:
         scale_grad, grad = site.raw_scale.grad, site.loc.grad
         work, flag = buffers.scratch(grad)
+    weight = getattr(site, "weight", 1.0)
+    if (buffers is not None and weight == 1.0 and grad.numel() >= RECOVER_IN_PASS
+            and hasattr(transform, "inverse_and_log")
+            and int(torch.count_nonzero(scale_grad)) == scale_grad.numel()):  # (no row untouched)
+        return SiteCurvature(grad, scale_grad, sampled=True, fitted=True, gradients=True, draws=one_draw)
     if isinstance(transform, FastExp):  # d sigma / d r = sigma
         scale_grad.div_(scale)
     elif hasattr(transform, "derivative"):  # softplus: d sigma / d r = sigmoid(r)
@@ -151,7 +165,6 @@ def reparam_curvature(site: GaussianSite, one_draw: bool = False, buffers: Optio
         scale_grad.div_(plate_scale)
     inverse_scale = torch.reciprocal(scale, out=work)
     curvature = scale_grad.add_(inverse_scale).mul_(inverse_scale)  # (d_sigma + 1 / sigma) / sigma
-    weight = getattr(site, "weight", 1.0)
     if weight != 1.0:  # the statistics of f / w (module docstring); untouched rows keep lambda
         curvature.sub_(inverse_scale.square().mul_(1.0 - weight)).div_(weight)
         grad.div_(weight)

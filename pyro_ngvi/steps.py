@@ -167,7 +167,8 @@ def span_step(ctx: Context, group: Group, stats: List[SiteCurvature], grad: torc
         out_mean = out_raw = None
     else:
         mean = group.gather("mean", group.loc_tensors)
-        raw = None if known and not masked_write else group.gather("raw", group.raw_tensors)
+        needs_raw = not known or masked_write or (first.gradients and not isinstance(group.transform, FastExp))
+        raw = group.gather("raw", group.raw_tensors) if needs_raw else None
         in_place = False
         out_mean, out_raw = (mean, group.owned("raw")) if eager and not masked_write else (None, None)
     inputs = dict(
@@ -186,14 +187,16 @@ def span_step(ctx: Context, group: Group, stats: List[SiteCurvature], grad: torc
         inputs.update({k: v if k == "noise" or v is None else cut(v) for k, v in adaptive_inputs.items()})
         if run is not None and phase is None:  # the second pass: the statistics prepared, the noise pooled
             inputs["levels"] = run.levels
-    control = options.control_variate and first.eps_mean is not None and first.num_data is None
+    draws = first.eps_mean is not None or (first.gradients and first.draws)
+    control = options.control_variate and draws and first.num_data is None
     if control:
-        inputs.update(eps_mean=cut(_flat([s.eps_mean for s in stats])), eps_sq_mean=cut(_flat([s.eps_sq_mean
-                                                                                               for s in stats])))
-        if not adaptive:
-            inputs["known"] = cut(group.started(states, True))
-            if fuse:  # (a 0 / 1 mask in the control variate; compiled loops move bools slowly)
-                inputs["known"] = inputs["known"].to(grad.dtype)
+        if not first.gradients:  # (else the pass recovers the draws)
+            inputs.update(eps_mean=cut(_flat([s.eps_mean for s in stats])),
+                          eps_sq_mean=cut(_flat([s.eps_sq_mean for s in stats])))
+        if not adaptive:  # (compiled: a 0 / 1 mask in the control variate; compiled loops move bools slowly)
+            inputs["known"] = cut(group.started(states, True) if not fuse else group.cached(
+                ("known", tuple(state.started for state in states)),
+                lambda: group.started(states, True).to(grad.dtype)))
     momentum = _momentum_inputs(group, states, rho, run, inputs, cut, momentum_fresh)
     if adaptive:
         rates = "adaptive"
@@ -226,6 +229,7 @@ def span_step(ctx: Context, group: Group, stats: List[SiteCurvature], grad: torc
         and group.least("min_precision", [s.min_precision for s in stats]) >= 1.0,
         in_place=in_place or (fuse and group.one and mask is None), masked=masked_write,
         prepared=run is not None and adaptive and phase is None,
+        recover=first.gradients, recover_draws=first.gradients and first.draws and control,
     )
     numbers = Numbers(lr, beta, rho, settings.damping, tau, options.max_step,
                       ctx.guarded.factor if guarded else 1.0, first_count(beta, options.warm_start))

@@ -80,8 +80,8 @@ class CrossTerms(NamedTuple):
 
 def _takes_cross_terms(stats: SiteCurvature) -> bool:
     """Sampled statistics with known draws, no mask, not a BayesianNet's minibatch statistics."""
-    return (stats.sampled and stats.eps_mean is not None and stats.eps_sq_mean is not None
-            and stats.mask is None and stats.num_data is None)
+    known = (stats.eps_mean is not None and stats.eps_sq_mean is not None) or (stats.gradients and stats.draws)
+    return stats.sampled and known and stats.mask is None and stats.num_data is None
 
 
 def cross_terms(sites: List[GaussianSite], stats: Dict[str, SiteCurvature],
