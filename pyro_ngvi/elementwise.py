@@ -85,7 +85,7 @@ class Inputs(NamedTuple):
     out_mean: Optional[torch.Tensor] = None  # where to write mu', the raw scale and sigma (else new tensors)
     out_raw_scale: Optional[torch.Tensor] = None
     out_scale: Optional[torch.Tensor] = None
-    out_signs: Optional[torch.Tensor] = None  # where to write the signs of g (bool)
+    out_signs: Optional[torch.Tensor] = None  # where to write the signs of g (0 / 1 in g's dtype)
 
 
 class Numbers(NamedTuple):
@@ -142,14 +142,14 @@ class Scratch(NamedTuple):
     sigma: Optional[torch.Tensor] = None
     eps: Optional[torch.Tensor] = None  # the recovered draws (recover_draws)
     eps_sq: Optional[torch.Tensor] = None
-    flag: Optional[torch.Tensor] = None  # (bool)
-    flag2: Optional[torch.Tensor] = None  # (bool)
-    flag3: Optional[torch.Tensor] = None  # (bool)
+    flag: Optional[torch.Tensor] = None  # 0 / 1 masks (comparisons into floats are vectorised, into
+    flag2: Optional[torch.Tensor] = None  # bools they are not, nor bool-to-float casts: 4-10x slower
+    flag3: Optional[torch.Tensor] = None  # on the CPU)
     ab: Optional[torch.Tensor] = None  # (2, n): the rows a and b
 
 
-#: The number of float buffers and of bool buffers of :class:`Scratch`.
-SCRATCH_FLOATS, SCRATCH_FLAGS = 19, 3
+#: The number of buffers of :class:`Scratch` (``ab`` aside: a view of two of them).
+SCRATCH_FLOATS = 22
 NO_SCRATCH = Scratch()
 
 
@@ -194,7 +194,7 @@ def mean_field_pass(b: Branches, t: Inputs, n: Numbers, transform, w: Scratch = 
                                t.noise, n.lr, n.beta, n.rho, _adaptive_scratch(b, t, w), t.levels)
         step_beta, step_lr = steps.beta, steps.lr
     elif b.rates == "warm":
-        step_beta, step_lr = warm_start_rates(t.fresh, target, precision, n.beta, n.lr, out=w.rate, flag=w.flag)
+        step_beta, step_lr = warm_start_rates(t.fresh, target, precision, n.beta, n.lr, out=w.rate)
     else:
         step_beta, step_lr = n.beta, n.lr
 
@@ -208,15 +208,11 @@ def mean_field_pass(b: Branches, t: Inputs, n: Numbers, transform, w: Scratch = 
     denominator = torch.add(new_precision, n.damping, out=w.denominator) if b.damping else new_precision
     signs = far = None
     if b.signs:  # the stall test: |g| sigma beyond FAR with the last step's sign
-        if b.branch_free:  # (compiled: 0 / 1 in g's dtype; inductor's CPU loops move bools slowly)
-            signs = (grad > 0).to(grad.dtype)
-        else:
-            signs = torch.gt(grad, 0, out=t.out_signs)
+        signs = _flag(torch.gt, grad, 0, t.out_signs)  # (0 / 1 in g's dtype)
         if b.far:
             far = far_elements(grad, precision, signs, t.last_signs, scratch=(w.a, w.b), flags=(w.flag, w.flag2))
-            far = far if mask is None else far.logical_and_(mask) if not b.branch_free else far & mask
-            # (compiled: a float sum, exact below 2^24 elements (else in float64); no int64 vectors)
-            far = _count(far) if b.branch_free else torch.count_nonzero(far)
+            far = far if mask is None else far.mul_(mask)
+            far = _count(far)  # (a float sum, exact below 2^24 elements (else in float64))
 
     # the mean, and its safeguards
     predicted = None
@@ -291,7 +287,7 @@ def _prepare(b: Branches, t: Inputs, n: Numbers, transform, w: Scratch):
     adaptive = b.rates == "adaptive"
     if b.control_variate:
         if adaptive:
-            known, baseline = t.count > n.first_count, t.drift
+            known, baseline = _flag(torch.gt, t.count, n.first_count, w.flag3), t.drift
         else:
             known, baseline = t.known, None
         eps_sq_minus_one = t.eps_sq_mean.sub(1.0) if b.branch_free else t.eps_sq_mean.sub_(1.0)
@@ -318,10 +314,9 @@ def _recover(b: Branches, t: Inputs, sigma: torch.Tensor, w: Scratch) -> Inputs:
     if not b.recover_draws:
         return t
     eps = torch.mul(curvature, sigma, out=w.eps).div_(grad)
-    keep = torch.le(torch.abs(eps, out=w.a), EPS_MAX, out=w.flag)
+    keep = _flag(torch.le, torch.abs(eps, out=w.a), EPS_MAX, w.flag)
     eps = eps.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).mul_(keep)
-    unknown = torch.eq(eps, 0, out=w.flag)
-    eps_sq = unknown.to(eps.dtype) if w.eps_sq is None else w.eps_sq.copy_(unknown)
+    eps_sq = _flag(torch.eq, eps, 0, w.eps_sq)  # 1 where the draw is unknown, and + eps^2
     return t._replace(eps_mean=eps, eps_sq_mean=eps_sq.addcmul_(eps, eps))
 
 
@@ -347,9 +342,9 @@ def _unchanged(b: Branches, t: Inputs, direction, clamped, signs, far, steps):
     if b.momentum == "average":
         direction = torch.where(ok, direction, t.momentum)
     elif b.momentum == "mixed":
-        direction = torch.where(ok, direction, torch.where(t.started, t.momentum, 0.0))
+        direction = torch.where(ok, direction, t.momentum * t.started)
     if signs is not None and t.last_signs is not None:
-        signs = torch.where(ok, signs, t.last_signs.to(signs.dtype))
+        signs = torch.where(ok, signs, t.last_signs)
     if far is not None:
         far = torch.where(ok, far, torch.zeros_like(far))
     if steps is not None:
@@ -361,10 +356,18 @@ def _unchanged(b: Branches, t: Inputs, direction, clamped, signs, far, steps):
     return direction, clamped & ok, signs, far, steps
 
 
+def _flag(compare, x, y, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``compare(x, y)`` as 0 / 1 in ``x``'s dtype (into ``out`` where given)."""
+    if out is None:
+        return compare(x, y).to(x.dtype)
+    return compare(x, y, out=out)
+
+
 def _count(flags: torch.Tensor) -> torch.Tensor:
     """The number of set ``flags``, as a float sum (exact)."""
-    dtype = torch.float32 if flags.numel() < 1 << 24 else torch.float64
-    return flags.to(dtype).sum()
+    if flags.dtype == torch.float32 and flags.numel() >= 1 << 24:
+        return flags.sum(dtype=torch.float64)
+    return flags.sum()
 
 
 def _adaptive_scratch(b: Branches, t: Inputs, w: Scratch) -> AdaptiveScratch:

@@ -60,7 +60,10 @@ def select(condition: torch.Tensor, a: torch.Tensor, b: torch.Tensor, weight: Op
     have the same dtype. ``weight``: a buffer for the mask, ``out``: for the result (either
     may be ``a`` or ``b`` themselves; default: new tensors).
     """
-    mask = condition.to(a.dtype) if weight is None else weight.copy_(condition)
+    if condition.dtype == a.dtype:  # (a 0 / 1 mask already)
+        mask = condition
+    else:
+        mask = condition.to(a.dtype) if weight is None else weight.copy_(condition)
     return torch.lerp(b, a, mask, out=out)
 
 
@@ -208,21 +211,21 @@ class Group:
         return buffer
 
     def flags(self, values: List[bool]) -> torch.Tensor:
-        """Flat bool: each site's elements set to its value (kept per pattern of values)."""
+        """Flat 0 / 1 in the sites' dtype: each site's elements set to its value (kept per pattern)."""
         key = ("flags", tuple(values))
         found = self.cache.get(key)
         if found is None:
-            found = self.cache[key] = flat([torch.full_like(site.loc, value, dtype=torch.bool)
-                                            for site, value in zip(self.sites, values)])
+            found = self.cache[key] = flat([torch.full_like(site.loc, float(value)) for site, value in
+                                            zip(self.sites, values)])
         return found
 
     def fresh(self, states, name: str):
-        """Where a site has no ``name`` buffer yet (flat bool), or ``None`` when all have."""
+        """Where a site has no ``name`` buffer yet (flat 0 / 1), or ``None`` when all have."""
         values = [getattr(state, name) is None for state in states]
         return self.flags(values) if any(values) else None
 
     def started(self, states, value: bool) -> torch.Tensor:
-        """Flat bool: the elements of sites whose ``started`` is ``value``."""
+        """Flat 0 / 1: the elements of sites whose ``started`` is ``value``."""
         return self.flags([state.started is value for state in states])
 
 

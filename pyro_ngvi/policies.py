@@ -132,15 +132,13 @@ def first_count(beta: float, warm_start: bool) -> float:
 
 
 def warm_start_rates(fresh: torch.Tensor, target: torch.Tensor, precision: torch.Tensor, beta: float,
-                     lr: float, out: Optional[torch.Tensor] = None,
-                     flag: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, float]:
+                     lr: float, out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, float]:
     """Constant steps, except that a site's first step takes the curvature target whole
     where it exceeds the precision (as VOGN initialises its precision from the first
-    minibatch): :math:`\\beta_t = 1` there. ``fresh``: the elements of sites not yet started;
-    ``out`` and ``flag``: a float and a bool buffer (default: new tensors)."""
-    whole = torch.gt(target, precision, out=flag).logical_and_(fresh)
-    step_beta = torch.empty_like(target) if out is None else out
-    return step_beta.fill_(beta).masked_fill_(whole, 1.0), lr
+    minibatch): :math:`\\beta_t = 1` there. ``fresh``: the elements of sites not yet started
+    (0 / 1); ``out``: a buffer (default: a new tensor)."""
+    whole = torch.gt(target, precision, out=out) if out is not None else torch.gt(target, precision).to(target.dtype)
+    return select(whole.mul_(fresh), target.new_ones(()), target.new_full((), beta), out=whole), lr
 
 
 class NoiseState(NamedTuple):
@@ -235,9 +233,9 @@ def adaptive_rates(grad, direction, drift, pull, target, precision, count, hdrif
     else:
         drift, drift_rate = torch.lerp(drift, grad, rate, out=w.drift if mask is None else None), rate
     hdrift = torch.lerp(hdrift, innovation, rate, out=w.hdrift if mask is None else None)
-    if fresh is not None:
-        drift = drift if momentum else torch.where(fresh, grad, drift, out=drift)
-        hdrift = torch.where(fresh, innovation, hdrift, out=hdrift)
+    if fresh is not None:  # (0 / 1: where fresh, the running means start at this step's values)
+        drift = drift if momentum else torch.lerp(drift, grad, fresh, out=drift)
+        hdrift = torch.lerp(hdrift, innovation, fresh, out=hdrift)
     if mask is not None:
         hdrift = torch.where(mask, hdrift, old_hdrift, out=w.hdrift)
         if not momentum:
@@ -252,32 +250,36 @@ def adaptive_rates(grad, direction, drift, pull, target, precision, count, hdrif
     else:
         torch.mul(total, sigma, out=signal[0]).square_().div_(drift_rate)
         torch.square(hdrift, out=signal[1]).div_(rate)
-        stalled = torch.lt(_row_sum(signal, low, w.z), STALL_Z2, out=w.flag)
+        stalled = torch.lt(_row_sum(signal, low, w.z), STALL_Z2, out=w.flag)  # (0 / 1)
         drifting = torch.gt(_row_sum(signal, high, w.z), DRIFT_Z2, out=w.flag2)
     grown = torch.add(count, 1.0, out=w.grown)
     held = torch.clamp(count, min=base, out=w.held)
     new_count = select(stalled, grown, torch.minimum(grown, held, out=held), w.weight, out=held)
     new_count = select(drifting, new_count.new_tensor(base), new_count, w.weight, out=held)
     # a first target that is not positive tells nothing of the precision: wait for one
-    known = torch.gt(count, 0, out=w.flag).logical_or_(torch.gt(target, 0, out=w.flag2))
+    if w.flag is None:
+        known = (count > 0) | (target > 0)
+    else:
+        known = torch.maximum(torch.gt(count, 0, out=w.flag), torch.gt(target, 0, out=w.flag2), out=w.flag)
     new_count = select(known, new_count, count, w.weight, out=held)
     if mask is not None:
         new_count = torch.where(mask, new_count, count, out=held)
     if w.count is not None:
         new_count = w.count.copy_(new_count)
     tiny = torch.finfo(new_count.dtype).tiny  # (1 / tiny is finite: the unselected value too)
-    step_beta = select(torch.gt(new_count, 0, out=w.flag), torch.clamp(new_count, min=tiny, out=w.beta).reciprocal_(),
+    counted = torch.gt(new_count, 0) if w.flag is None else torch.gt(new_count, 0, out=w.flag)
+    step_beta = select(counted, torch.clamp(new_count, min=tiny, out=w.beta).reciprocal_(),
                        new_count.new_tensor(beta), w.weight, out=w.beta)
     step_lr = torch.sub(new_count, base, out=w.lr).clamp_(min=0.0).mul_(lr).add_(1.0).reciprocal_().mul_(lr)
     return AdaptiveSteps(step_beta, step_lr, new_count, hdrift, None if momentum else drift, steps, pooled)
 
 
 def seen_elements(fresh, mask, out=None):
-    """The elements with running means so far (not ``fresh``) that this step touches (``mask``),
-    or ``None`` for all."""
-    seen = None if fresh is None else torch.logical_not(fresh, out=out)
+    """The elements with running means so far (not ``fresh``, 0 / 1) that this step touches
+    (``mask``, bool), 0 / 1, or ``None`` for all."""
+    seen = None if fresh is None else torch.sub(1.0, fresh, out=out)
     if mask is not None:
-        seen = mask if seen is None else seen.logical_and_(mask)
+        seen = mask if seen is None else seen.mul_(mask)
     return seen
 
 

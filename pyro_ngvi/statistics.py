@@ -124,9 +124,8 @@ class Buffers:
         return found[1]
 
     def scratch(self, like: torch.Tensor):
-        """A float and a bool temporary of ``like``'s length (flat)."""
-        (value,) = self.workspace.take(like.numel(), like, 1)
-        (flag,) = self.workspace.take(like.numel(), like, 1, torch.bool)
+        """Two temporaries like ``like`` (the second for 0 / 1 masks)."""
+        value, flag = self.workspace.take(like.numel(), like, 2)
         return value.view_as(like), flag.view_as(like)
 
 
@@ -175,13 +174,12 @@ def reparam_curvature(site: GaussianSite, one_draw: bool = False, buffers: Optio
     # on 0 / 1 masks: torch's CPU where and masked_fill run one element at a time.)
     eps = torch.mul(curvature, scale, out=None if buffers is None else buffers.kept(site, "eps", grad))
     eps.div_(grad)  # +-inf or nan where g = 0: |eps| <= max fails
-    keep = torch.le(torch.abs(eps, out=work), EPS_MAX, out=flag)
+    keep = torch.abs(eps) <= EPS_MAX if buffers is None else torch.le(torch.abs(eps, out=work), EPS_MAX, out=flag)
     eps = eps.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).mul_(keep)
-    unknown = torch.eq(eps, 0, out=flag)
     if buffers is None:
-        eps_sq_mean = unknown.to(eps.dtype)
-    else:
-        eps_sq_mean = buffers.kept(site, "eps_sq", grad).copy_(unknown)
+        eps_sq_mean = (eps == 0).to(eps.dtype)
+    else:  # (0 / 1 floats: a comparison into floats is vectorised, into bools it is not)
+        eps_sq_mean = torch.eq(eps, 0, out=buffers.kept(site, "eps_sq", grad))
     eps_sq_mean.addcmul_(eps, eps)  # eps^2, and 1 where the draw is unknown
     return SiteCurvature(grad, curvature, mask=mask, sampled=True, eps_mean=eps, eps_sq_mean=eps_sq_mean,
                          fitted=True)

@@ -16,7 +16,7 @@ from typing import Dict, List, NamedTuple, Optional
 
 import torch
 
-from .elementwise import SCRATCH_FLAGS, SCRATCH_FLOATS, Branches, Inputs, Numbers, Scratch, mean_field_pass, noise_pass
+from .elementwise import SCRATCH_FLOATS, Branches, Inputs, Numbers, Scratch, mean_field_pass, noise_pass
 from .family import FullCovarianceSite, SiteCurvature
 from .groups import Group, Workspace, flat as _flat
 from .kronecker import KroneckerSite
@@ -248,10 +248,8 @@ def _scratch(workspace: Optional[Workspace], n: int, like: torch.Tensor) -> Scra
     """The pass's scratch buffers of ``n`` elements from ``workspace`` (none: it allocates)."""
     if workspace is None:
         return Scratch()
-    floats = workspace.take(n, like, SCRATCH_FLOATS)
-    flags = workspace.take(n, like, SCRATCH_FLAGS, torch.bool)
     rows = Scratch._fields.index("a")  # (a and b are adjacent rows: one (2, n) view of both)
-    return Scratch(*floats, *flags, ab=workspace.rows(n, like, SCRATCH_FLOATS, rows, rows + 2))
+    return Scratch(*workspace.take(n, like, SCRATCH_FLOATS), ab=workspace.rows(n, like, SCRATCH_FLOATS, rows, rows + 2))
 
 
 def _scales(group: Group, stats: List[SiteCurvature]) -> Optional[torch.Tensor]:
@@ -311,8 +309,8 @@ def _momentum_inputs(group: Group, states, rho: float, run, inputs: dict, cut, f
 
 def _signs_buffer(group: Group, last: Optional[torch.Tensor]) -> torch.Tensor:
     """Where this step's signs of g go: one of two bool buffers of the group, not the last step's."""
-    first = group.owned("signs0", torch.bool)
-    return group.owned("signs1", torch.bool) if last is first else first
+    first = group.owned("signs0")  # (0 / 1 in the sites' dtype)
+    return group.owned("signs1") if last is first else first
 
 
 def _last_signs(ctx: Context, group: Group) -> Optional[torch.Tensor]:

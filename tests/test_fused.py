@@ -49,27 +49,28 @@ def _inputs(b: Branches, n: int = 3000, sizes=None, dtype=torch.float32, device=
     if b.prior:
         t.update(prior_loc=normal(n) * 0.1, prior_precision=uniform(n) + 0.5)
     if b.mask:
-        t["mask"] = uniform(n) > 0.3
+        t["mask"] = uniform(n) > 0.3  # (bool; the other masks are 0 / 1 floats)
     if b.floor:
         t["floor"] = uniform(n) * 0.5 + (1.0 if b.at_most_one else 0.0)
     if b.control_variate:
         eps = normal(n)
         t.update(eps_mean=eps, eps_sq_mean=eps * eps)
         if b.rates != "adaptive":
-            t["known"] = uniform(n) > 0.2
+            t["known"] = (uniform(n) > 0.2).to(dtype)
     if b.momentum in ("average", "mixed", "span"):
         t["momentum"] = normal(n) * 10
     if b.momentum == "span_first":
         t["momentum"] = torch.empty(n, dtype=dtype, device=device)
     if b.momentum == "mixed":
-        t["started"] = uniform(n) > 0.5
+        t["started"] = (uniform(n) > 0.5).to(dtype)
     if b.rates == "warm":
-        t["fresh"] = uniform(n) > 0.5
+        t["fresh"] = (uniform(n) > 0.5).to(dtype)
     if b.far:
-        t["last_signs"] = uniform(n) > 0.5
+        t["last_signs"] = (uniform(n) > 0.5).to(dtype)
     if b.rates == "adaptive":
         sizes = sizes or [n]
-        t.update(count=torch.floor(uniform(n) * 40), drift=normal(n), hdrift=normal(n) * 0.1, fresh=uniform(n) > 0.9)
+        t.update(count=torch.floor(uniform(n) * 40), drift=normal(n), hdrift=normal(n) * 0.1,
+                 fresh=(uniform(n) > 0.9).to(dtype))
         t["noise"] = NoiseState(torch.full((len(sizes),), 3.0, dtype=dtype, device=device),
                                 uniform(2, len(sizes), 2) + 0.1, **noise_constants(sizes, dtype, device))
     return t
@@ -82,8 +83,6 @@ def _copy(t: dict, branch_free: bool) -> Inputs:
             value = NoiseState(*[v.clone() for v in value])
         elif value is not None:
             value = value.clone()
-            if branch_free and key in ("last_signs", "known"):  # (the compiled pass's 0 / 1 floats)
-                value = value.to(t["grad"].dtype)
         out[key] = value
     return Inputs(**out)
 
@@ -165,7 +164,7 @@ def test_pass_in_the_workspace_is_the_pass_with_new_tensors(dtype):
         ref = mean_field_pass(b, _copy(t, False), _numbers(b), FastSoftplus())
         inputs = _copy(t, False)
         if b.signs:
-            inputs = inputs._replace(out_signs=torch.empty(257, dtype=torch.bool))
+            inputs = inputs._replace(out_signs=torch.empty(257, dtype=dtype))
         out = mean_field_pass(b, inputs, _numbers(b), FastSoftplus(), _scratch(workspace, 257, inputs.grad))
         _assert_same_step(out, ref, dtype, 0.0)
         if b.momentum in ("average", "mixed"):  # written in place into the momentum buffer

@@ -39,7 +39,7 @@ def precision_step(precision: torch.Tensor, target: torch.Tensor, beta, correct:
     :math:`\\lambda' = (1-\\beta)\\lambda + \\beta\\hat h`, plus Lin et al.'s correction
     :math:`\\tfrac{\\beta^2}{2\\lambda}(\\lambda - \\hat h)^2` where :math:`\\hat h \\le 0`
     (with ``correct``; a target known to be positive needs none). Into ``out`` (default: a new
-    tensor); ``scratch``: a float and a bool buffer for the correction. ``fused``: in the form a
+    tensor); ``scratch``: two buffers for the correction. ``fused``: in the form a
     compiler fuses best (a selection), the same values.
     """
     new_precision = torch.lerp(precision, target, beta, out=out)
@@ -50,7 +50,8 @@ def precision_step(precision: torch.Tensor, target: torch.Tensor, beta, correct:
         work, flag = scratch if scratch is not None else (None, None)
         correction = torch.sub(precision, target, out=work).square_().mul_(beta**2 / 2).div_(precision)
         # only where target <= 0 (a 0 / 1 mask: an overflowed correction times 0 is nan, made 0)
-        correction.mul_(torch.le(target, 0, out=flag)).nan_to_num_(nan=0.0, posinf=math.inf)
+        where = torch.le(target, 0, out=flag) if flag is not None else (target <= 0).to(target.dtype)
+        correction.mul_(where).nan_to_num_(nan=0.0, posinf=math.inf)
         new_precision.add_(correction)
     return new_precision
 
@@ -107,16 +108,16 @@ def momentum(grad: torch.Tensor, old: Optional[torch.Tensor], rho: float, starte
              scratch: Optional[torch.Tensor] = None) -> torch.Tensor:
     """
     :math:`\\bar g \\leftarrow \\rho \\bar g + (1 - \\rho) g` from the ``old`` average
-    (``None``: a first step, which takes g); where ``started`` is given, only its
+    (``None``: a first step, which takes g); where ``started`` (0 / 1) is given, only its
     elements average (the others take g); else, where ``mask`` is, only its rows change.
     ``out``: where the new average goes (it may be ``old`` itself: updated in place;
     default: a new tensor); ``scratch``: a buffer for the average of a masked step.
     """
     if old is None:
         return grad if out is None else out.copy_(grad)
-    if started is not None:
+    if started is not None:  # (0 / 1: where started the average, else g)
         new = torch.lerp(grad, old, rho, out=out)
-        return torch.where(started, new, grad, out=out)
+        return torch.lerp(grad, new, started, out=out)
     if mask is not None:
         new = torch.lerp(grad, old, rho, out=scratch)
         return torch.where(mask, new, old, out=out)
