@@ -290,7 +290,10 @@ def _prepare(b: Branches, t: Inputs, n: Numbers, transform, w: Scratch):
             known, baseline = _flag(torch.gt, t.count, n.first_count, w.flag3), t.drift
         else:
             known, baseline = t.known, None
-        eps_sq_minus_one = t.eps_sq_mean.sub(1.0) if b.branch_free else t.eps_sq_mean.sub_(1.0)
+        if t.eps_sq_mean is None:  # (a curvature exact at the draws: the gradient's control variate alone)
+            eps_sq_minus_one = None
+        else:
+            eps_sq_minus_one = t.eps_sq_mean.sub(1.0) if b.branch_free else t.eps_sq_mean.sub_(1.0)
         control_variate(grad, curvature, t.eps_mean, eps_sq_minus_one, precision, prior_precision, known,
                         baseline, scratch=(w.a, w.b, w.c))
     target = precision_target(curvature, prior_precision)

@@ -70,7 +70,8 @@ def select(condition: torch.Tensor, a: torch.Tensor, b: torch.Tensor, weight: Op
 def statistics_kind(stats: SiteCurvature) -> tuple:
     """What of a site's statistics decides its group and its update's code path."""
     return (stats.mask is None, stats.sampled, stats.nonnegative, stats.prior_precision is None,
-            stats.eps_mean is None, stats.num_data, stats.min_precision is None, stats.gradients, stats.draws)
+            stats.eps_mean is None, stats.eps_sq_mean is None, stats.num_data, stats.min_precision is None,
+            stats.gradients, stats.draws)
 
 
 def group_sites(sites: List[GaussianSite], stats: Dict[str, SiteCurvature]) -> List[List[GaussianSite]]:

@@ -80,7 +80,8 @@ class SiteCurvature:
         particles of the standard-normal draws :math:`\\epsilon` (``u = mu + sigma eps``);
         with ``eps_sq_mean`` (the mean of :math:`\\epsilon^2`) NGVI subtracts a
         control variate from ``(grad, curvature)``; ``None`` otherwise.
-    :param eps_sq_mean: see ``eps_mean``.
+    :param eps_sq_mean: see ``eps_mean``; ``None`` beside ``eps_mean`` when ``curvature`` is
+        exact at the draws (not a Price estimate): then only the gradient's control variate applies.
     :param float objective: for statistics evaluated at the mean (``deterministic``),
         :math:`F(\\mu) = -\\log p(x, T(\\mu)) - \\log|\\det J_T(\\mu)|` there (the same
         for every site of the evaluation), whose Newton step the update is; NGVI's

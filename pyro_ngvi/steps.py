@@ -192,7 +192,8 @@ def span_step(ctx: Context, group: Group, stats: List[SiteCurvature], grad: torc
     if control:
         if not first.gradients:  # (else the pass recovers the draws)
             inputs.update(eps_mean=cut(_flat([s.eps_mean for s in stats])),
-                          eps_sq_mean=cut(_flat([s.eps_sq_mean for s in stats])))
+                          eps_sq_mean=None if first.eps_sq_mean is None else cut(_flat([s.eps_sq_mean
+                                                                                         for s in stats])))
         if not adaptive:  # (compiled: a 0 / 1 mask in the control variate; compiled loops move bools slowly)
             inputs["known"] = cut(group.started(states, True) if not fuse else group.cached(
                 ("known", tuple(state.started for state in states)),

@@ -51,7 +51,9 @@ def control_variate(grad, curvature, eps_mean, eps_sq_mean_minus_one, precision,
     where the element has no estimate yet: ``known`` false). Where :math:`\\ell` is
     quadratic with curvature :math:`c` and gradient :math:`b` at the mean they are
     exact: then :math:`\\hat g(\\mu + \\sigma\\epsilon) = b + c\\sigma\\epsilon`.
-    ``eps_sq_mean_minus_one`` is consumed; ``scratch``: three buffers of the length.
+    ``eps_sq_mean_minus_one`` is consumed; ``None`` for a curvature exact at the draw (not a Price
+    estimate, whose noise these terms of :math:`\\hat h` are): the gradient's alone. ``scratch``:
+    three buffers of the length.
     """
     work, sigma, product = scratch
     # (known: a 0 / 1 mask; finite c and baseline: a product is the masked fill)
@@ -62,6 +64,8 @@ def control_variate(grad, curvature, eps_mean, eps_sq_mean_minus_one, precision,
     c.mul_(known)
     sigma = torch.rsqrt(precision, out=sigma)
     grad.sub_(torch.mul(c, sigma, out=product).mul_(eps_mean))
+    if eps_sq_mean_minus_one is None:
+        return
     curvature.sub_(eps_sq_mean_minus_one.mul_(c))
     if baseline is not None:
         curvature.sub_(torch.mul(baseline, known, out=product).mul_(eps_mean).div_(sigma))

@@ -322,3 +322,32 @@ def test_deterministic_loss_is_likelihood_at_the_mean_plus_closed_form_kl(float6
     nll = -dist.Normal((x * loc).sum(-1), NOISE).log_prob(y).sum()
     kl = torch.distributions.kl_divergence(dist.Normal(loc, scale), dist.Normal(PRIOR_LOC, PRIOR_SCALE)).sum()
     assert loss == pytest.approx(float(nll + kl), rel=1e-12)
+
+
+def test_exact_curvature_at_draws_is_averaged_to_the_exact_posterior():
+    """CurvatureELBO('hessian') at draws (deterministic=False, its default) hands noisy statistics
+    (the gradient at a draw) and the draws: NGVI() takes them as sampled statistics (the adaptive
+    steps, the gradient's control variate) and reaches the exact posterior of a conjugate model
+    within 60 steps, where, taken as exact, they stayed 0.4-1.7 posterior standard deviations
+    off after 300."""
+    data = torch.tensor([0.3, 1.2, -0.5, 0.8])
+
+    def model():
+        loc = pyro.sample("loc", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", len(data)):
+            pyro.sample("obs", dist.Normal(loc, 1.0), obs=data)
+
+    n = len(data)
+    exact_mean, exact_sd = float(data.sum()) / (n + 1), (n + 1) ** -0.5
+    errors = []
+    for seed in range(3):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(seed)
+        guide = AutoNormal(model)
+        svi = SVI(model, guide, NGVI(), CurvatureELBO("hessian"))
+        for _ in range(60):
+            svi.step()
+        store = pyro.get_param_store()
+        mean, sd = float(store["AutoNormal.locs.loc"].detach()), float(store["AutoNormal.scales.loc"].detach())
+        errors.append((abs(mean - exact_mean) / exact_sd, abs(sd / exact_sd - 1)))
+    assert max(e for e, _ in errors) < 1e-3 and max(e for _, e in errors) < 1e-3, errors

@@ -49,7 +49,9 @@ def mean_field_loss_and_grads(elbo, model, guide, args, kwargs) -> float:
     for p, grad in point_grads.values():
         p.grad = grad if p.grad is None else p.grad + grad
     store = pyro.get_param_store()
-    sampled = elbo.curvature == "reparam"
+    # statistics at draws are noisy whatever their source (the adaptive steps average them), and
+    # the draws give the gradient's control variate; the curvature's only for the Price estimate
+    sampled, price = not elbo.deterministic, elbo.curvature == "reparam"
     hints = statistics_hints(model)
     for name, (grad, curvature, count, eps, eps_sq, *objective) in totals.items():
         touched = count > 0
@@ -70,7 +72,7 @@ def mean_field_loss_and_grads(elbo, model, guide, args, kwargs) -> float:
                 prior_weight=learned.get("weight", 1.0),
                 # the draws, for NGVI's control variate (untouched rows: eps 0, eps^2 1)
                 eps_mean=eps / denominator if sampled else None,
-                eps_sq_mean=torch.where(touched, eps_sq / denominator, 1.0) if sampled else None,
+                eps_sq_mean=torch.where(touched, eps_sq / denominator, 1.0) if price else None,
                 # deterministic (one draw, at the mean): the merit of NGVI's Newton safeguard
                 objective=objective[0] if objective else None,
                 loss=loss,
