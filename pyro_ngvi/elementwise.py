@@ -85,7 +85,6 @@ class Inputs(NamedTuple):
     out_mean: Optional[torch.Tensor] = None  # where to write mu', the raw scale and sigma (else new tensors)
     out_raw_scale: Optional[torch.Tensor] = None
     out_scale: Optional[torch.Tensor] = None
-    out_signs: Optional[torch.Tensor] = None  # where to write the signs of g (0 / 1 in g's dtype)
 
 
 class Numbers(NamedTuple):
@@ -145,11 +144,12 @@ class Scratch(NamedTuple):
     flag: Optional[torch.Tensor] = None  # 0 / 1 masks (comparisons into floats are vectorised, into
     flag2: Optional[torch.Tensor] = None  # bools they are not, nor bool-to-float casts: 4-10x slower
     flag3: Optional[torch.Tensor] = None  # on the CPU)
+    signs: Optional[torch.Tensor] = None  # of g (the caller keeps them after the pass)
     ab: Optional[torch.Tensor] = None  # (2, n): the rows a and b
 
 
 #: The number of buffers of :class:`Scratch` (``ab`` aside: a view of two of them).
-SCRATCH_FLOATS = 22
+SCRATCH_FLOATS = 23
 NO_SCRATCH = Scratch()
 
 
@@ -166,7 +166,7 @@ def mean_field_pass(b: Branches, t: Inputs, n: Numbers, transform, w: Scratch = 
 
     ``transform`` maps the raw scale to :math:`\\sigma`; the temporaries go into the
     buffers of ``w`` (eagerly: :class:`Scratch`), and where ``t`` names outputs
-    (``out_*``, the momentum buffer, ``out_signs``) the results are written there.
+    (``out_*``, the momentum buffer) the results are written there.
     """
     mean, mask = t.mean, t.mask
     if b.branch_free:  # (compiled: no input is changed but those written; the copies are fused away)
@@ -208,7 +208,7 @@ def mean_field_pass(b: Branches, t: Inputs, n: Numbers, transform, w: Scratch = 
     denominator = torch.add(new_precision, n.damping, out=w.denominator) if b.damping else new_precision
     signs = far = None
     if b.signs:  # the stall test: |g| sigma beyond FAR with the last step's sign
-        signs = _flag(torch.gt, grad, 0, t.out_signs)  # (0 / 1 in g's dtype)
+        signs = _flag(torch.gt, grad, 0, w.signs)  # (0 / 1 in g's dtype)
         if b.far:
             far = far_elements(grad, precision, signs, t.last_signs, scratch=(w.a, w.b), flags=(w.flag, w.flag2))
             far = far if mask is None else far.mul_(mask)

@@ -215,8 +215,6 @@ def span_step(ctx: Context, group: Group, stats: List[SiteCurvature], grad: torc
         last = _last_signs(ctx, group)
         if last is not None:
             inputs["last_signs"] = cut(last)
-        if eager:
-            inputs["out_signs"] = cut(run.signs if run is not None else _signs_buffer(group, last))
     branches = Branches(
         tau=tau != 1, control_variate=control, prior=prior, mask=mask is not None, momentum=momentum, rates=rates,
         correct=not (first.nonnegative and prior), trust=trust, floor=first.min_precision is not None,
@@ -308,12 +306,6 @@ def _momentum_inputs(group: Group, states, rho: float, run, inputs: dict, cut, f
     return "mixed"
 
 
-def _signs_buffer(group: Group, last: Optional[torch.Tensor]) -> torch.Tensor:
-    """Where this step's signs of g go: one of two bool buffers of the group, not the last step's."""
-    first = group.owned("signs0")  # (0 / 1 in the sites' dtype)
-    return group.owned("signs1") if last is first else first
-
-
 def _last_signs(ctx: Context, group: Group) -> Optional[torch.Tensor]:
     """The signs of the group's gradient at its last sampled step (``None``: none yet)."""
     last = ctx.signs.get(id(group))
@@ -342,15 +334,17 @@ def _keep(ctx: Context, group: Group, states, mask, out, run, rho: float, own_sc
         run.clamped.append(out.clamped)
         if out.spread is not None:
             run.spread = run.spread + out.spread
-        if out.signs is not None and out.far is not None:
-            run.far = run.far + out.far
+        if out.signs is not None:  # (after the pass read the last step's)
+            group.owned("signs")[run.slice].copy_(out.signs)
+            if out.far is not None:
+                run.far = run.far + out.far
         return None
     if ctx.guarded is not None and out.predicted is not None:  # the decrease of F the quadratic model predicts
         numerator_step, curvature_step = out.predicted
         ctx.guarded.predicted = ctx.guarded.predicted + numerator_step - 0.5 * curvature_step
     far = None
-    if out.signs is not None:
-        ctx.signs[id(group)] = (group, out.signs)
+    if out.signs is not None:  # (0 / 1 in the sites' dtype, kept in the group's buffer after the pass read it)
+        ctx.signs[id(group)] = (group, group.owned("signs").copy_(out.signs))
         if out.far is None:
             far = torch.zeros((), dtype=torch.bool, device=out.signs.device)
         elif mask is None:
@@ -401,7 +395,6 @@ class Spans:
         self.spread = torch.zeros((), dtype=like.dtype, device=like.device)  # sum lambda_0 (mu - m_0)^2
         self.far = 0
         self.last_signs = _last_signs(ctx, group)
-        self.signs = _signs_buffer(group, self.last_signs)  # (read only for sampled statistics)
         self.sampled = False
 
     def finish(self, ctx: Context, group: Group, states, prior: bool):
@@ -413,7 +406,7 @@ class Spans:
         size = own_scale.numel()
         far = None
         if self.sampled:
-            ctx.signs[id(group)] = (group, self.signs)
+            ctx.signs[id(group)] = (group, group.owned("signs"))
             far = (torch.as_tensor(self.far) > size // 2) if self.last_signs is not None else torch.zeros(
                 (), dtype=torch.bool, device=own_scale.device)
         spreading = ctx.spread_watch.flag(group, self.spread / size, ctx.step) if prior else None
