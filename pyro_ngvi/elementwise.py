@@ -199,8 +199,8 @@ def mean_field_pass(b: Branches, t: Inputs, n: Numbers, transform, w: Scratch = 
         step_beta, step_lr = n.beta, n.lr
 
     # the precision, and its safeguards
-    new_precision = precision_step(precision, target, step_beta, correct=b.correct, fused=b.branch_free,
-                                   out=w.new_precision, scratch=(w.a, w.flag))
+    new_precision = precision_step(precision, target, step_beta, correct=b.correct, out=w.new_precision,
+                                   scratch=(w.a, w.flag))
     del target
     if b.trust:  # trust region on the precision too
         new_precision = precision_trust_region(new_precision, precision, prior_precision, scratch=(w.a, w.b))

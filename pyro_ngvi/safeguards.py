@@ -64,8 +64,7 @@ def precision_trust_region(new_precision: torch.Tensor, precision: torch.Tensor,
     if prior_precision is not None:
         upper = torch.maximum(upper, prior_precision, out=scratch[0])
         lower = torch.minimum(lower, prior_precision, out=scratch[1])
-    new_precision = torch.minimum(new_precision, upper, out=new_precision)
-    return torch.maximum(new_precision, lower, out=new_precision)
+    return torch.clamp(new_precision, min=lower, max=upper, out=new_precision)
 
 
 def clip_(step: torch.Tensor, radius: torch.Tensor) -> torch.Tensor:

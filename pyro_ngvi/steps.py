@@ -73,6 +73,14 @@ class Context(NamedTuple):
     workspace: Optional[Workspace] = None  # the scratch buffers of the eager pass (None: new tensors)
 
 
+def stall_test(stats: SiteCurvature) -> bool:
+    """Whether a group with statistics like ``stats`` runs the stall test (the signs of g kept
+    between steps, :func:`~pyro_ngvi.safeguards.far_elements`): sampled full-batch statistics,
+    whose mean the trust region may hold far from the data's for long. A network's minibatch
+    statistics have watches of their own (growing means, a worsening ELBO)."""
+    return stats.sampled and stats.num_data is None
+
+
 def adaptive_for(stats: SiteCurvature, options: Options) -> bool:
     """Whether statistics like ``stats`` take the adaptive steps: sampled, not a
     BayesianNet's minibatch statistics (``num_data``: their noise is the data's as much
@@ -98,7 +106,7 @@ def mean_field_group(ctx: Context, group: Group, stats: List[SiteCurvature], gra
         result = span_step(ctx, group, stats, grad, curvature, settings, tau, states)
     else:
         run = Spans(ctx, group, states)
-        run.sampled, run.scale = first.sampled, _scales(group, stats)
+        run.sampled, run.scale = stall_test(first), _scales(group, stats)
         spans = [slice(start, min(start + SPAN, size)) for start in range(0, size, SPAN)]
         if adaptive_for(first, ctx.options):  # the noise is pooled over the whole site first
             run.adaptive = _adaptive_inputs(group, states, settings.beta, settings.momentum, ctx.options.warm_start)
@@ -211,7 +219,8 @@ def span_step(ctx: Context, group: Group, stats: List[SiteCurvature], grad: torc
     last = None
     if ctx.ok is not None:
         inputs["ok"] = ctx.ok
-    if first.sampled:  # the stall test's signs of the group's last step, and where this step's go
+    stalls = stall_test(first)
+    if stalls:  # the stall test's signs of the group's last step
         last = _last_signs(ctx, group)
         if last is not None:
             inputs["last_signs"] = cut(last)
@@ -220,7 +229,7 @@ def span_step(ctx: Context, group: Group, stats: List[SiteCurvature], grad: torc
         correct=not (first.nonnegative and prior), trust=trust, floor=first.min_precision is not None,
         damping=bool(settings.damping), guarded=guarded,
         guard_clip=guarded and ctx.guarded.factor > 1 and options.max_step is not None,
-        signs=first.sampled, far=last is not None, spread=prior and mask is None,
+        signs=stalls, far=last is not None, spread=prior and mask is None,
         known_scale=known, fast_scale=hasattr(group.transform, "inverse_and_log"),
         exp_scale=isinstance(group.transform, FastExp), branch_free=fuse,
         # a floor >= 1 keeps every new sigma <= 1 (compiled: the raw scale's series alone)

@@ -18,7 +18,6 @@ step. :math:`\\beta` and :math:`\\alpha` may be tensors (per-element step sizes 
 adaptive policy). The exact prior term stays out of the momentum (as in VOGN and IVON).
 """
 
-import math
 from typing import Optional
 
 import torch
@@ -34,26 +33,23 @@ def precision_target(curvature: torch.Tensor, prior_precision: Optional[torch.Te
 
 
 def precision_step(precision: torch.Tensor, target: torch.Tensor, beta, correct: bool = True,
-                   fused: bool = False, out: Optional[torch.Tensor] = None, scratch=None) -> torch.Tensor:
+                   out: Optional[torch.Tensor] = None, scratch=None) -> torch.Tensor:
     """
     :math:`\\lambda' = (1-\\beta)\\lambda + \\beta\\hat h`, plus Lin et al.'s correction
     :math:`\\tfrac{\\beta^2}{2\\lambda}(\\lambda - \\hat h)^2` where :math:`\\hat h \\le 0`
     (with ``correct``; a target known to be positive needs none). Into ``out`` (default: a new
-    tensor); ``scratch``: two buffers for the correction. ``fused``: in the form a
-    compiler fuses best (a selection), the same values.
+    tensor); ``scratch``: two buffers for the correction.
     """
     new_precision = torch.lerp(precision, target, beta, out=out)
-    if correct and fused:
-        correction = (precision - target).square() * (beta**2 / 2) / precision
-        return new_precision + torch.where(target <= 0, correction, 0.0)
-    if correct:
-        work, flag = scratch if scratch is not None else (None, None)
-        correction = torch.sub(precision, target, out=work).square_().mul_(beta**2 / 2).div_(precision)
-        # only where target <= 0 (a 0 / 1 mask: an overflowed correction times 0 is nan, made 0)
-        where = torch.le(target, 0, out=flag) if flag is not None else (target <= 0).to(target.dtype)
-        correction.mul_(where).nan_to_num_(nan=0.0, posinf=math.inf)
-        new_precision.add_(correction)
-    return new_precision
+    if not correct:
+        return new_precision
+    # (lambda - h) where h <= 0 (masked by 0 / 1 before it is squared: no inf * 0), squared
+    work, flag = scratch if scratch is not None else (None, None)
+    where = torch.le(target, 0, out=flag) if flag is not None else (target <= 0).to(target.dtype)
+    square = torch.sub(precision, target, out=work).mul_(where).square_()
+    if torch.is_tensor(beta):  # (per-element steps)
+        return new_precision.addcdiv_(square.mul_(beta).mul_(beta), precision, value=0.5)
+    return new_precision.addcdiv_(square, precision, value=beta**2 / 2)
 
 
 def mean_step(mean, direction, pull, denominator, lr, out=None, scratch=None) -> torch.Tensor:
@@ -74,9 +70,11 @@ def trusted_mean_step(mean, direction, pull, denominator, lr, radius, out=None, 
     ``out`` (default: a new tensor), ``scratch`` a buffer for the step."""
     step = clip_(torch.mul(direction, lr, out=scratch).div_(denominator), radius)
     new_mean = torch.sub(mean, step, out=out)
-    if pull is not None:
-        new_mean.sub_(pull.mul_(lr).div_(denominator))
-    return new_mean
+    if pull is None:
+        return new_mean
+    if torch.is_tensor(lr):  # (per-element steps)
+        return new_mean.sub_(pull.mul_(lr).div_(denominator))
+    return new_mean.addcdiv_(pull, denominator, value=-lr)
 
 
 def coupled_mean_step(step: torch.Tensor, denominator: torch.Tensor, off_diagonal: torch.Tensor,
