@@ -176,25 +176,24 @@ def _normal_and_transforms(fn) -> Tuple[Optional[torch.distributions.Normal], li
     ``log_prob`` (``HalfNormal``, ``FoldedDistribution``) is not peeled: its
     density is no longer the one its layers describe.
     """
+    return _peel(fn, torch.distributions.Normal,
+                 (torch.distributions.Independent, ExpandedDistribution, torch.distributions.TransformedDistribution))
+
+
+def _peel(fn, bottom, layers) -> Tuple[Optional[torch.distributions.Distribution], list]:
+    """``fn``'s ``bottom`` distribution behind ``layers`` (classes whose ``log_prob`` is their own,
+    not overridden), and the transforms of its ``TransformedDistribution`` layers, base to top;
+    ``(None, [])`` where anything else is met."""
     transforms: list = []
     while True:
         cls = type(fn)
-        if isinstance(fn, torch.distributions.Normal):
-            if cls.log_prob is torch.distributions.Normal.log_prob:
-                return fn, transforms
+        if isinstance(fn, bottom):
+            return (fn, transforms) if cls.log_prob is bottom.log_prob else (None, [])
+        layer = next((kind for kind in layers if isinstance(fn, kind)), None)
+        if layer is None or cls.log_prob is not layer.log_prob:
             return None, []
-        if isinstance(fn, torch.distributions.Independent):
-            if cls.log_prob is not torch.distributions.Independent.log_prob:
-                return None, []
-        elif isinstance(fn, ExpandedDistribution):
-            if cls.log_prob is not ExpandedDistribution.log_prob:
-                return None, []
-        elif isinstance(fn, torch.distributions.TransformedDistribution):
-            if cls.log_prob is not torch.distributions.TransformedDistribution.log_prob:
-                return None, []
+        if layer is torch.distributions.TransformedDistribution:
             transforms = list(fn.transforms) + transforms
-        else:
-            return None, []
         fn = fn.base_dist
 
 
@@ -278,19 +277,7 @@ def _multivariate_normal_and_transforms(fn):
     ``TransformedDistribution`` layers only; ``Independent`` / ``expand`` would
     give it a batch shape, which a single vector site does not have).
     """
-    transforms: list = []
-    while True:
-        cls = type(fn)
-        if isinstance(fn, torch.distributions.MultivariateNormal):
-            if cls.log_prob is torch.distributions.MultivariateNormal.log_prob:
-                return fn, transforms
-            return None, []
-        if not isinstance(fn, torch.distributions.TransformedDistribution) or (
-            cls.log_prob is not torch.distributions.TransformedDistribution.log_prob
-        ):
-            return None, []
-        transforms = list(fn.transforms) + transforms
-        fn = fn.base_dist
+    return _peel(fn, torch.distributions.MultivariateNormal, (torch.distributions.TransformedDistribution,))
 
 
 def conjugate_multivariate_normal(
