@@ -9,7 +9,17 @@ its safeguards (:mod:`~pyro_ngvi.safeguards`) :math:`\\to` the new raw scale
 group this step). Which parts apply is decided by the caller from the sites' state, never
 from tensor values, so the pass runs unchanged under :func:`torch.compile`
 (:mod:`~pyro_ngvi.update.fused`): each state tensor read once and written once. Eagerly it is
-the chain's own operations, in place wherever a value is not needed again.
+the chain's own operations, each writing into a buffer of the optimizer's workspace
+(:class:`Scratch`, :class:`~pyro_ngvi.groups.Workspace`) or in place into the state it
+updates: no tensor is made (on the CPU a new temporary of a large site costs more in page
+faults than its arithmetic). Masks are 0 / 1 floats (a comparison into floats is vectorised
+on the CPU, into bools it is not) and selections are ``lerp``, exact at 0 and 1.
+
+A large site's statistics may come as the ordinary gradients of its loc and raw scale
+(:class:`~pyro_ngvi.family.SiteCurvature` ``gradients``): the pass recovers them first
+(:func:`_recover`, the equations of :mod:`~pyro_ngvi.statistics`), span by span. Under the
+adaptive steps a large site takes two passes: :func:`noise_pass` prepares the statistics
+and sums the noise over the site, then the step (``prepared``).
 """
 
 from typing import NamedTuple, Optional

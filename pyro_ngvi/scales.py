@@ -33,20 +33,20 @@ Other dtypes and devices use torch's own kernels.
 Torch's ``biject_to(constraints.positive)`` is ``exp`` followed by the identity
 affine map, which gives the same bits.
 
-**The remembered scale.** NGVI writes the raw scale of every site each step and reads
-it back once, :math:`\\sigma = \\mathrm{softplus}(r)` in the same pass;
-:func:`remember_scale` keeps that :math:`\\sigma` beside the raw tensor, and
-:func:`known_scale` hands it to the next reader (the BayesianNet fast path, NGVI's own
-next step) instead of another softplus pass, as long as the raw tensor has not been
-written since (its autograd version counter is unchanged). It is bit for bit the
-softplus of the raw scale (the kernels give the same bits at any offset of a vector),
-what a process that loads a saved param store reads: a resumed run takes the same steps.
-The raw scale stays the single source of truth: Predictive, save / load and the
+**The remembered scale.** NGVI computes :math:`\\sigma' = \\lambda'^{-1/2}` and writes its raw
+scale :math:`r' = T^{-1}(\\sigma')` each step; :func:`remember_scale` keeps :math:`\\sigma'` beside
+the raw tensor, and :func:`known_scale` hands it to the next reader (the BayesianNet fast
+path, NGVI's own next step) instead of a pass of the bijection, as long as the raw tensor has
+not been written since (its autograd version counter is unchanged). The bijection gives
+:math:`T(r')` back only to an ulp or two of :math:`\\sigma'` (each direction rounds once), so
+NGVI saves :math:`\\sigma'` with its state (:meth:`~pyro_ngvi.NGVI.get_state`) and, restored, remembers
+it again for the raw scale loaded beside it when that holds it to a few ulps
+(:func:`~pyro_ngvi.state.restore_scale`): a resumed run reads the same :math:`\\sigma` and takes
+the same steps. The raw scale stays the guide's own parameter: Predictive, save / load and the
 param store always see it, and any in-place write to it (``copy_``, an optimizer,
-``load_state_dict``) or a new tensor in the store makes the remembered value
-unused. (A write through ``.data`` bypasses the version counter: use ``torch.no_grad()``.)
-What is remembered is one latent-size vector in all (sigma of every site): a cache, not
-optimizer state (never saved).
+``load_state_dict``) or a new tensor in the store makes the remembered value unused. (A write
+through ``.data`` bypasses the version counter: use ``torch.no_grad()``.) What is remembered
+is one latent-size vector in all (the :math:`\\sigma` of every site).
 """
 
 import math
