@@ -472,6 +472,32 @@ def warn_not_gaussian(guide, others: List[NotGaussian], warned: Optional[set] = 
     )
 
 
+def warn_hidden(guide, sites: List[str], warned: Optional[set] = None) -> None:
+    """One :class:`~pyro_ngvi.NGVIWarning` naming the guide ``sites`` none of whose params
+    ``SVI`` handed the optimizer (a handler hides their ``pyro.param`` statements, e.g.
+    ``poutine.block(guide, expose_types=["sample"])``): nothing trains them. Once per structure,
+    as :func:`warn_not_gaussian`."""
+    if not sites:
+        return
+    signature = ("hidden", frozenset(sites))
+    if warned is None:
+        try:
+            warned = _warned_guides.setdefault(guide, set())
+        except TypeError:  # not weakly referenceable
+            warned, signature = _warned_ids, (id(guide), signature)
+    if signature in warned:
+        return
+    warned.add(signature)
+    warnings.warn(
+        f"SVI handed NGVI none of the params of the guide sites {', '.join(repr(s) for s in sites)}: a "
+        "handler hides their pyro.param statements from SVI (e.g. poutine.block(guide, "
+        "expose_types=['sample']) or hide_types=['param']), so no optimizer trains them. Expose the "
+        "guide's params to train them.",
+        NGVIWarning,
+        stacklevel=4,
+    )
+
+
 def split_params(guide, params, args: Optional[Sequence] = None, kwargs: Optional[dict] = None,
                  warned: Optional[set] = None,
                  model=None) -> Tuple[List[Site], List[torch.Tensor], List[torch.Tensor]]:
@@ -502,11 +528,15 @@ def split_params(guide, params, args: Optional[Sequence] = None, kwargs: Optiona
             args = ()
     params = list(params)
     view = guide_view(guide, args, kwargs, model)
-    warn_not_gaussian(guide, view.others, warned)
     present = {id(p) for p in params}
+    store = pyro.get_param_store()._params
+    handed = [part for part in view.others if any(id(store.get(name)) in present for name in part.params)]
+    hidden = [site.name for site in view.sites if id(site.loc) not in present]
+    hidden += [part.site for part in view.others if part not in handed]
+    warn_not_gaussian(guide, handed, warned)
+    warn_hidden(guide, hidden, warned)
     sites = [site for site in view.sites if id(site.loc) in present]
     used = {id(t) for site in sites for t in site.tensors}
     others = [p for p in params if id(p) not in used]
-    store = pyro.get_param_store()._params
     in_parts = {id(store[name]) for part in view.others for name in part.params if name in store}
     return sites, others, [p for p in others if id(p) in in_parts]

@@ -662,3 +662,30 @@ def test_reading_the_guide_off_its_trace_draws_no_random_numbers():
         states.append(torch.get_rng_state())
     assert torch.equal(states[0], states[1])
     assert losses[0] == losses[1]
+
+
+def test_a_guide_whose_params_a_handler_hides_from_svi_is_named_not_said_to_be_trained():
+    """poutine.block(guide, expose_types=['sample']) hides the guide's pyro.param statements from
+    SVI, which then hands NGVI none of them: no optimizer trains them (Adam neither). NGVI says so
+    once, naming the sites, and claims no point optimizer for them; the guide stays as it was."""
+    from pyro_ngvi import NGVIWarning
+    from pyro_ngvi.family import NotGaussianWarning
+
+    def model():
+        w = pyro.sample("w", dist.Normal(0.0, 1.0))
+        pyro.sample("x", dist.Normal(w, 1.0), obs=torch.tensor(1.0))
+
+    pyro.clear_param_store()
+    guide = AutoNormal(model)
+    guide()
+    before = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+    svi = SVI(model, poutine.block(guide, expose_types=["sample"]), NGVI(), Trace_ELBO())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            svi.step()
+    ours = [w for w in caught if issubclass(w.category, NGVIWarning)]
+    assert len(ours) == 1 and not issubclass(ours[0].category, NotGaussianWarning)
+    assert "'w_unconstrained'" in str(ours[0].message) and "no optimizer trains them" in str(ours[0].message)
+    for k, v in pyro.get_param_store().items():
+        assert torch.equal(v.detach(), before[k]), k
