@@ -32,7 +32,6 @@ import math
 import os
 import sys
 import time
-import warnings
 
 import torch
 from torch import nn
@@ -41,7 +40,6 @@ from torch.func import functional_call
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
-import pyro  # noqa: E402
 
 import harness  # noqa: E402
 import smalldata as sd  # noqa: E402
@@ -277,14 +275,8 @@ def main():
     parser.add_argument("--ll-prior-draws", type=int, default=8, help="hidden draws of that evidence (0: means)")
     parser.add_argument("--variants", default="LL,GLM", help="comma-separated: LL, LLmean, LLa1, GLM")
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", "Full backward hook is firing")
-    tasks = {**harness.suite_tasks(), **harness.small_tasks()}
-    make, _ = tasks[args.task]
-    pyro.clear_param_store()
     start = time.time()
-    with pyro.validation_enabled(False):
-        task = make(args.seed)
+    with harness.probe(args.task, args.seed) as task:
         method = eval(args.method, {"harness": harness, "task": task, "recipe": recipe, "fan_in_prior": fan_in_prior})
         split = task.split
         if args.ll_prior is not None:

@@ -11,14 +11,12 @@ import argparse
 import os
 import sys
 import time
-import warnings
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
-import pyro  # noqa: E402
 
 import harness  # noqa: E402
 import smalldata as sd  # noqa: E402
@@ -54,14 +52,8 @@ def main():
     parser.add_argument("--every", type=int, default=50)
     parser.add_argument("--v", type=float, default=1.0)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", "Full backward hook is firing")
-    tasks = {**harness.suite_tasks(), **harness.small_tasks()}
-    make, _ = tasks[args.task]
-    pyro.clear_param_store()
     start = time.time()
-    with pyro.validation_enabled(False):
-        task = make(args.seed)
+    with harness.probe(args.task, args.seed) as task:
         method = harness.ngvi_recipe(task, "ggn")
         if args.mode != "recipe":
             step = method.step

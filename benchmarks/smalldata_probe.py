@@ -46,7 +46,6 @@ from torch.func import functional_call, jvp
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
-import pyro  # noqa: E402
 
 from pyro_ngvi import NGVI, CurvatureELBO  # noqa: E402
 
@@ -227,14 +226,8 @@ def main():
     parser.add_argument("--elbo", action="store_true")
     parser.add_argument("--samples", action="store_true")
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", "Full backward hook is firing")
-    tasks = {**harness.suite_tasks(), **harness.small_tasks()}
-    make, _ = tasks[args.task]
-    pyro.clear_param_store()
     start = time.time()
-    with pyro.validation_enabled(False):
-        task = make(args.seed)
+    with harness.probe(args.task, args.seed) as task:
         method = eval(args.method, {"harness": harness, "task": task, "recipe": recipe, "fan_in_prior": fan_in_prior})
         split = task.split
         if args.evidence_prior is not None:

@@ -423,14 +423,14 @@ def _momentum(b: Branches, t: Inputs, grad, rho, w: Scratch):
                     out=out, scratch=None if b.masked else w.direction)
 
 
-def _forward(b: Branches, transform, raw, linear=None, out=None, scratch=(None, None)):
+def _forward(b: Branches, transform, raw, out=None, scratch=(None, None)):
     """:math:`\\sigma` from the raw scale (into ``out`` where given)."""
     if b.exp_scale:
         return torch.exp(raw, out=out)
     if b.branch_free and b.fast_scale:
         return softplus_branch_free(raw)
     if b.fast_scale:
-        return transform._call(raw, linear, out, scratch)
+        return transform._call(raw, None, out, scratch)
     sigma = transform(raw)
     return sigma if out is None else out.copy_(sigma)
 

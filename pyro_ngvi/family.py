@@ -441,6 +441,20 @@ _warned_guides: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _warned_ids: set = set()
 
 
+def _first_time(guide, signature, warned: Optional[set]) -> bool:
+    """Whether a warning of this ``signature`` (a guide's structure) is new: not in ``warned``
+    when given (an optimizer's own record), else in a record kept per guide; recorded."""
+    if warned is None:
+        try:
+            warned = _warned_guides.setdefault(guide, set())
+        except TypeError:  # not weakly referenceable
+            warned, signature = _warned_ids, (id(guide), signature)
+    if signature in warned:
+        return False
+    warned.add(signature)
+    return True
+
+
 def warn_not_gaussian(guide, others: List[NotGaussian], warned: Optional[set] = None) -> None:
     """
     One :class:`NotGaussianWarning` naming the ``others`` of ``guide`` and why, unless
@@ -449,15 +463,8 @@ def warn_not_gaussian(guide, others: List[NotGaussian], warned: Optional[set] = 
     """
     if not others:
         return
-    signature = frozenset(others)
-    if warned is None:
-        try:
-            warned = _warned_guides.setdefault(guide, set())
-        except TypeError:  # not weakly referenceable
-            warned, signature = _warned_ids, (id(guide), signature)
-    if signature in warned:
+    if not _first_time(guide, frozenset(others), warned):
         return
-    warned.add(signature)
     parts = "; ".join(f"'{part.site}' ({part.reason}; params {', '.join(repr(p) for p in part.params)})"
                       for part in others)
     warnings.warn(
@@ -479,15 +486,8 @@ def warn_hidden(guide, sites: List[str], warned: Optional[set] = None) -> None:
     as :func:`warn_not_gaussian`."""
     if not sites:
         return
-    signature = ("hidden", frozenset(sites))
-    if warned is None:
-        try:
-            warned = _warned_guides.setdefault(guide, set())
-        except TypeError:  # not weakly referenceable
-            warned, signature = _warned_ids, (id(guide), signature)
-    if signature in warned:
+    if not _first_time(guide, ("hidden", frozenset(sites)), warned):
         return
-    warned.add(signature)
     warnings.warn(
         f"SVI handed NGVI none of the params of the guide sites {', '.join(repr(s) for s in sites)}: a "
         "handler hides their pyro.param statements from SVI (e.g. poutine.block(guide, "

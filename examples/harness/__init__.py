@@ -12,7 +12,7 @@ The experiment harness of the examples (the readable face) and the benchmarks
 * ``report``  markdown tables and figures; ``cli`` the examples' command line.
 """
 
-from .cli import make_parser, parse_bnn_args, run_suite, seed, session, suite_args
+from .cli import make_parser, parse_bnn_args, probe, run_suite, seed, session, suite_args
 from .methods import (
     IVON, MAP, HandVOGN, KroneckerSVI, Method, Posterior, PyroSVI, annealed, bayes_by_backprop, decaying, ivon_installed,
     ngvi, ngvi_kronecker, ngvi_recipe,
@@ -47,5 +47,5 @@ __all__ = [
     "run_full_batch", "precise_elbo", "log_spaced", "steps_to_within",
     # report.py, cli.py
     "markdown_table", "mean_sd", "publish", "save_figure", "plt", "plot_training", "plot_elbo_curves", "plot_reliability",
-    "plot_entropy", "make_parser", "parse_bnn_args", "session", "seed", "suite_args", "run_suite",
+    "plot_entropy", "make_parser", "parse_bnn_args", "session", "probe", "seed", "suite_args", "run_suite",
 ]

@@ -10,6 +10,8 @@ import torch
 
 import pyro
 
+from .tasks import small_tasks, suite_tasks
+
 
 def make_parser(name: str, description: str, epochs: int, unit: str = "epochs") -> argparse.ArgumentParser:
     """The options every example has: ``--epochs`` (or steps), ``--quick``, ``--out``, ``--seed``, ``--threads``."""
@@ -117,3 +119,18 @@ def run_suite(tasks: dict, args, labels, run, describe) -> dict:
                     for message in warned[:3]:
                         print("    " + message)
     return results
+
+
+@contextlib.contextmanager
+def probe(task_name: str, seed: int):
+    """
+    One run of a benchmark probe on a task of :func:`~harness.tasks.suite_tasks` or
+    :func:`~harness.tasks.small_tasks` by name: one thread, BackPACK's hook warning
+    silenced, an empty param store, Pyro's validation off inside; yields the task.
+    """
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", "Full backward hook is firing")
+    make, _ = {**suite_tasks(), **small_tasks()}[task_name]
+    pyro.clear_param_store()
+    with pyro.validation_enabled(False):
+        yield make(seed)
