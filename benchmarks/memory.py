@@ -12,8 +12,12 @@ same for every source). For each method, after 5 steps:
   (or a network's weights) are the posterior, not optimizer memory, and are not counted;
   ivon-opt keeps its posterior precision (``hess``) in its state, so that counts there.
 * **remembered scales**: the :math:`\\sigma` of every site NGVI keeps beside the guide's raw
-  scales between steps (:mod:`pyro_ngvi.scales`), so that the next step reads no softplus: a
-  cache, not state (never saved), also in latent vectors;
+  scales between steps (:mod:`pyro_ngvi.scales`), so that the next step reads no softplus; it
+  is saved with NGVI's state (a copy in ``get_state()``), so the state column counts it too:
+  what NGVI holds between steps is the state column;
+* **scratch buffers kept**: NGVI's workspace (the element-wise pass's temporaries, rows of
+  the longest group or span) and the statistics it recovers from gradients, made once and
+  kept so that a step allocates nothing (their values do not outlive a step);
 * **update peak**: the largest amount of memory the optimizer's update (``NGVI`` /
   Pyro's Adam as ``SVI`` calls it, ``IVON.step``) holds on top of what it started with,
   from :mod:`torch.profiler` (``profile_memory=True``: the running sum of every op's own
@@ -121,12 +125,23 @@ def remembered_bytes(method) -> int:
     return sum(storages.values())
 
 
+def workspace_bytes(method) -> int:
+    """Bytes of NGVI's scratch buffers (:class:`~pyro_ngvi.groups.Workspace`, the element-wise
+    pass's temporaries, and the statistics recovered from gradients, per site): made once and
+    kept between steps so that a step allocates nothing; their values do not outlive a step."""
+    optim = getattr(method, "optim", None)
+    if not hasattr(optim, "_workspace"):
+        return 0
+    kept = [tensor for _, tensor in optim._buffers._kept.values()]
+    return tensor_bytes(list(optim._workspace._buffers.values()) + kept)
+
+
 def table(title: str, methods, x, y, latent: int) -> None:
     vector = latent * 4  # float32
     print(f"\n{title}: latent size {latent:,} ({vector / 2**20:.2f} MiB in float32), batch {len(x)}\n")
-    print("| method | optimizer state (latent vectors) | remembered scales (latent vectors) "
-          "| update's peak extra memory (latent vectors) |")
-    print("|---|---:|---:|---:|")
+    print("| method | optimizer state (latent vectors) | of which the remembered scales (latent vectors) "
+          "| update's peak extra memory (latent vectors) | scratch buffers kept (latent vectors) |")
+    print("|---|---:|---:|---:|---:|")
     for name, make in methods.items():
         pyro.set_rng_seed(0)
         method = make()
@@ -136,7 +151,9 @@ def table(title: str, methods, x, y, latent: int) -> None:
             state = state_bytes(method)
             peak = update_peak_bytes(method, x, y)
             cache = remembered_bytes(method)
-        print(f"| {name} | {state / vector:.2f} | {cache / vector:.2f} | {peak / vector:.1f} |", flush=True)
+            scratch = workspace_bytes(method)
+        print(f"| {name} | {state / vector:.2f} | {cache / vector:.2f} | {peak / vector:.1f} | {scratch / vector:.1f} |",
+              flush=True)
 
 
 def main():
