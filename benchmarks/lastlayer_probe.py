@@ -305,18 +305,15 @@ def main():
             extra = f"ece {s['ece']:.4f}" if "ece" in s else f"cov90 {s['coverage90']:.2f}"
             return f"{sd.nll_of(task, s):.4f} {extra}"
 
-        def evaluate(m):
-            epoch = evaluate.epoch = evaluate.epoch + args.every
+        def evaluate(m, epoch):
             with m.active():
                 line = f"{args.task} s{args.seed} {epoch:4d} recipe {metrics(m.predict(split.x_test, 32, gen()))}"
                 if hasattr(m, "ll_alpha"):
                     line += f" (prior alpha {m.ll_alpha:.3g})"
                 line += last_layer_variants(args, task, m, metrics, gen)
                 print(line, f"[{time.time() - start:.0f} s]", flush=True)
-            return {}
 
-        evaluate.epoch = 0
-        harness.fit(method, args.epochs, evaluate, list(range(args.every, args.epochs + 1, args.every)))
+        harness.fit_every(method, args.epochs, args.every, evaluate)
 
 
 if __name__ == "__main__":

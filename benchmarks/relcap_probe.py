@@ -65,8 +65,7 @@ def main():
 
             method.step = relative_step
 
-        def evaluate(m):
-            epoch = evaluate.epoch = evaluate.epoch + args.every
+        def evaluate(m, epoch):
             scores = sd.score(task, m)
             post = m.posterior()
             ratio = []
@@ -81,10 +80,8 @@ def main():
             weights = [s for s in m.bnn.latent_sites if s.endswith("weight")]
             line += " sig " + " ".join(f"{float(post[s][1].mean()):.3f}" for s in weights)
             print(line, f"[{time.time() - start:.0f} s]", flush=True)
-            return {}
 
-        evaluate.epoch = 0
-        harness.fit(method, args.epochs, evaluate, list(range(args.every, args.epochs + 1, args.every)))
+        harness.fit_every(method, args.epochs, args.every, evaluate)
 
 
 if __name__ == "__main__":

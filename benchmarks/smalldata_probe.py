@@ -253,8 +253,7 @@ def main():
             return f"nll {sd.nll_of(task, scores):.4f} {'ece' if 'ece' in scores else 'cov90'} " \
                    f"{scores.get('ece', scores.get('coverage90')):.4f}"
 
-        def evaluate(m):
-            epoch = evaluate.epoch = evaluate.epoch + args.every
+        def evaluate(m, epoch):
             scores, bounds = sd.score(task, m), sd.bounds(m)
             line = f"{args.task} {epoch:4d} nll {sd.nll_of(task, scores):.4f}"
             line += (f" ece {scores['ece']:.4f} acc {scores['accuracy']:.3f}" if "ece" in scores
@@ -287,10 +286,8 @@ def main():
                           f"sampled net {metrics(laplace.outputs(split.x_test, 32, generator(), linear=False))}; "
                           f"log evidence {laplace.log_evidence:.1f}; alpha "
                           + " ".join(f"{a:.3g}" for a in laplace.alphas), flush=True)
-            return {}
 
-        evaluate.epoch = 0
-        harness.fit(method, args.epochs, evaluate, list(range(args.every, args.epochs + 1, args.every)))
+        harness.fit_every(method, args.epochs, args.every, evaluate)
 
 
 if __name__ == "__main__":

@@ -105,6 +105,18 @@ def fit(method: Method, epochs: int, evaluate: Optional[Callable[[Method], Dict[
                      None if evaluate is None else lambda: evaluate(method), eval_epochs)
 
 
+def fit_every(method: Method, epochs: int, every: int, report: Callable[[Method, int], None]) -> History:
+    """:func:`fit`, calling ``report(method, epoch)`` after every ``every`` epochs (a probe's printout)."""
+    marks = list(range(every, epochs + 1, every))
+    due = iter(marks)
+
+    def evaluate(m):
+        report(m, next(due))
+        return {}
+
+    return fit(method, epochs, evaluate, marks)
+
+
 def compare(factories: Dict[str, Callable[[], Method]], epochs: int,
             evaluate: Callable[[Method], Dict[str, float]]) -> Dict[str, Tuple[Method, History]]:
     """Build and :func:`fit` each method in turn; ``{name: (method, history)}``."""
