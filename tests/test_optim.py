@@ -514,3 +514,32 @@ def test_momentum_state_is_shaped_like_each_site():
         svi.step()
     shapes = {k: tuple(v["momentum"].shape) for k, v in optim.get_state()["ngvi"]["sites"].items()}
     assert shapes == {"AutoNormal.locs.a": (3, 2), "AutoNormal.locs.b": ()}
+
+
+def _wide_model(data):
+    shift = pyro.sample("shift", dist.Normal(0.0, 1.0))
+    z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([len(data)]).to_event(1))
+    pyro.sample("obs", dist.Normal(z + shift, 1.0).to_event(1), obs=data)
+
+
+@pytest.mark.parametrize("size", [10, 5000])  # 5000: past statistics.RECOVER_IN_PASS, recovered in the pass
+def test_own_loop_leaves_the_gradients_as_the_elbo_made_them(size):
+    # Under SVI.step NGVI may turn a site's gradients into its statistics in place (SVI zeroes
+    # them next); called from a loop of one's own it works on copies: the .grad untouched.
+    data = torch.linspace(-2.0, 2.0, size)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoNormal(_wide_model)
+    optim = NGVI(guide=guide)
+    for _ in range(3):
+        with pyro.poutine.trace(param_only=True) as capture:
+            Trace_ELBO().loss_and_grads(_wide_model, guide, data)
+        params = {site["value"].unconstrained() for site in capture.trace.nodes.values()}
+        grads = {p: p.grad.clone() for p in params}
+        optim(params)
+        for p in params:
+            assert torch.equal(p.grad, grads[p])
+            p.grad = None
+    assert optim.num_steps == 3
+    loc = pyro.param("AutoNormal.locs.z").detach()
+    assert float((loc * data).sum()) > 0  # the means moved towards the data
