@@ -186,13 +186,6 @@ class Group:
         self.cache[("state", name)] = (buffer, views)
         return buffer
 
-    def adopt(self, states, name: str, buffer: torch.Tensor) -> None:
-        """Make ``buffer`` (flat, the group's length, not to be reallocated) the sites' ``name`` state."""
-        views = self.views(buffer)
-        for state, view in zip(states, views):
-            setattr(state, name, view)
-        self.cache[("state", name)] = (buffer, views)
-
     def owned(self, name: str, dtype=None) -> torch.Tensor:
         """A flat buffer of the group's length that the group alone holds (made once)."""
         key = ("owned", name)
@@ -230,11 +223,6 @@ class Group:
         return self.flags([state.started is value for state in states])
 
 
-def buffer_itemsize(dtype) -> int:
-    """Bytes per element of ``dtype``."""
-    return torch.empty((), dtype=dtype).element_size()
-
-
 class Workspace:
     """
     Scratch buffers for a step's temporaries, made once per optimizer and device and grown
@@ -258,7 +246,7 @@ class Workspace:
         if buffer is None or buffer.shape[1] < n:
             # rows of a multiple of 64 bytes: each starts aligned as a new tensor does (a reduction
             # over a row then sums in the same order, to the bit)
-            width = -(-n * buffer_itemsize(dtype) // 64) * 64 // buffer_itemsize(dtype)
+            width = -(-n * dtype.itemsize // 64) * 64 // dtype.itemsize
             buffer = self._buffers[key] = torch.empty((count, width), dtype=dtype, device=like.device)
             self._views = {k: v for k, v in self._views.items() if k[:3] != key}  # (views of the old one)
         views = self._views[key + (n,)] = list(buffer[:, :n].unbind(0))
