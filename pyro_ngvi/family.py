@@ -472,7 +472,7 @@ def warn_not_gaussian(guide, others: List[NotGaussian], warned: Optional[set] = 
         f"Adam would take), not with natural-gradient steps: {parts}. Natural-gradient steps need a "
         "Normal (possibly .to_event()) whose loc is a pyro.param and whose scale is a positive "
         "pyro.param, of the site's shape. By default the point optimizer is Adam, for these params "
-        "with a step size decaying from 0.05 as 0.05 / (1 + t / 100); NGVI(point_optim_args={'lr': ...}) "
+        "with a step size decaying from 0.05 as 0.05 / (1 + t / 50); NGVI(point_optim_args={'lr': ...}) "
         "sets one for every param. Filter pyro_ngvi.NotGaussianWarning to silence this.",
         NotGaussianWarning,
         stacklevel=4,

@@ -400,7 +400,7 @@ def _guide_with_a_delta_part(y):
 @pytest.mark.parametrize("given", [None, {"lr": 0.01}])
 def test_point_optimizer_step_sizes_model_params_and_guide_parts(given):
     """By default the model's params step with Adam at 0.01 and a guide part that is not a
-    Gaussian (a Delta) at 0.05 / (1 + t / 100) after t steps; arguments given run as given."""
+    Gaussian (a Delta) at 0.05 / (1 + t / 50) after t steps; arguments given run as given."""
     y = torch.tensor([0.5, 1.5, 1.0])
     optim = NGVI(point_optim_args=given)
     svi = SVI(_model_with_a_delta_part, _guide_with_a_delta_part, optim, Trace_ELBO())
@@ -412,7 +412,7 @@ def test_point_optimizer_step_sizes_model_params_and_guide_parts(given):
             lrs = {name: optim.optim_objs[store.get_param(name).unconstrained()].param_groups[0]["lr"]
                    for name in ("offset", "b_value")}
             assert lrs["offset"] == 0.01
-            assert lrs["b_value"] == (0.01 if given else pytest.approx(0.05 / (1 + (step - 1) / 100), rel=1e-12))
+            assert lrs["b_value"] == (0.01 if given else pytest.approx(0.05 / (1 + (step - 1) / 50), rel=1e-12))
     assert store.get_param("w_loc").unconstrained() not in optim.optim_objs  # the Gaussian site: NGVI's step
 
 
@@ -446,7 +446,7 @@ def test_a_resumed_run_keeps_the_guide_parts_decaying_step_size(tmp_path):
     for name, value in pyro.get_param_store().items():
         assert torch.equal(value.detach(), expected[name]), name
     b_value = pyro.get_param_store().get_param("b_value").unconstrained()
-    assert resumed.optim_objs[b_value].param_groups[0]["lr"] == pytest.approx(0.05 / (1 + 59 / 100), rel=1e-12)
+    assert resumed.optim_objs[b_value].param_groups[0]["lr"] == pytest.approx(0.05 / (1 + 59 / 50), rel=1e-12)
 
 
 def test_skipped_step_warnings_count_attempted_steps():
