@@ -231,13 +231,13 @@ class LowRankSite:
         """:math:`g` = ``loc.grad`` and the Price factors at the one draw the ELBO took.
 
         :raises ValueError: unless the gradients come from one draw (a one-particle
-            ``Trace_ELBO``), the only case where the draw they were taken at is known."""
+            ``Trace_ELBO``, ``TraceGraph_ELBO`` or ``TraceEnum_ELBO``), the only case where the draw they were taken at is known."""
         draws = self.guide.draws()
         if not one_draw or len(draws) != 1 or self.loc.grad is None:
             raise ValueError(
                 f"NGVI's step for the LowRankPrecisionNormal '{self.name}' reads its curvature off the "
                 "draw its gradients were taken at (Price's theorem): train it with a one-particle "
-                f"pyro.infer.Trace_ELBO (found {len(draws)} draws since the last step"
+                f"pyro.infer.Trace_ELBO, TraceGraph_ELBO or TraceEnum_ELBO (found {len(draws)} draws since the last step"
                 f"{'' if self.loc.grad is not None else ' and no gradient on its loc'}).")
         grad = self.loc.grad.detach()
         plus, minus = low_rank.price_factors(self.factor, self.diag, draws[0][None], grad[None])

@@ -36,7 +36,7 @@ from typing import Optional
 
 import torch
 
-from pyro.infer import JitTrace_ELBO, Trace_ELBO
+from pyro.infer import JitTrace_ELBO, JitTraceEnum_ELBO, JitTraceGraph_ELBO, Trace_ELBO, TraceEnum_ELBO, TraceGraph_ELBO
 
 from . import full_covariance
 from .family import FullCovarianceSite, GaussianSite, SiteCurvature, pop_curvature
@@ -52,13 +52,18 @@ EPS_MAX = 8.0
 #: into the pass, instead of over the whole site first. (Smaller sites are recovered here:
 #: the cross terms of a small model read their draws before the pass.)
 RECOVER_IN_PASS = 1 << 12
-_ONE_DRAW_ELBOS = (Trace_ELBO, JitTrace_ELBO)
+#: ELBOs whose gradients of a Gaussian site, at one particle, are those of one draw
+#: :math:`u = \mu + \sigma\epsilon` (pathwise through :math:`u`, plus the exact
+#: :math:`-1/\sigma` of :math:`-\log q(u)`), whatever else they add: TraceGraph's and
+#: TraceEnum's score-function and enumerated terms reach the site through :math:`u` only.
+#: Not TraceMeanField_ELBO (its analytic KL is no draw), nor any ELBO of several draws.
+_ONE_DRAW_ELBOS = (Trace_ELBO, JitTrace_ELBO, TraceGraph_ELBO, JitTraceGraph_ELBO, TraceEnum_ELBO, JitTraceEnum_ELBO)
 
 
 def one_draw(svi) -> bool:
     """Whether ``svi`` computes its gradients from one draw of each latent: a plain
-    ``Trace_ELBO`` / ``JitTrace_ELBO`` with one particle (then :math:`\\epsilon` is
-    recoverable from :math:`g` and :math:`h`)."""
+    ``Trace_ELBO``, ``TraceGraph_ELBO`` or ``TraceEnum_ELBO`` (or their Jit versions) with
+    one particle (then :math:`\\epsilon` is recoverable from :math:`g` and :math:`h`)."""
     elbo = getattr(getattr(svi, "loss_and_grads", None), "__self__", None)
     return type(elbo) in _ONE_DRAW_ELBOS and getattr(elbo, "num_particles", None) == 1
 
