@@ -140,6 +140,52 @@ def whitened_price_curvature(factor: torch.Tensor, factor_grad: torch.Tensor) ->
     return inner + inner.transpose(-1, -2)
 
 
+#: The largest relative residual with which a factor gradient counts as one draw's
+#: :math:`\mathrm{tril}(g\epsilon^\top)` (:func:`recovered_draw`): round-off, not a second draw.
+DRAW_RESIDUAL = 1e-8
+
+
+def recovered_draw(grad: torch.Tensor, factor_grad: torch.Tensor) -> Optional[torch.Tensor]:
+    """
+    :math:`\\epsilon` of the one draw :math:`u = \\mu + C\\epsilon` behind ``factor_grad``
+    :math:`= \\mathrm{tril}(g\\epsilon^\\top)` (the entropy's term removed) and ``grad``
+    :math:`g`: column :math:`j` holds :math:`g_i\\epsilon_j` for :math:`i \\ge j`, so
+    :math:`\\epsilon_j = \\sum_{i \\ge j} g_i \\bar C_{ij} / \\sum_{i \\ge j} g_i^2`. ``None``
+    where that does not reproduce ``factor_grad`` (a column without gradient, gradients
+    of several draws).
+    """
+    lower = factor_grad.tril()
+    weights = grad.square().flip(-1).cumsum(-1).flip(-1)  # sum_{i >= j} g_i^2
+    if not bool((weights > 0).all()):
+        return None
+    eps = (grad.unsqueeze(-1) * lower).sum(-2) / weights
+    residual = (torch.outer(grad, eps).tril() - lower).norm()
+    if not bool(residual <= DRAW_RESIDUAL * lower.norm()):
+        return None
+    return eps
+
+
+def controlled_price_statistics(factor: torch.Tensor, grad: torch.Tensor, whitened: torch.Tensor,
+                                eps: torch.Tensor, level: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """
+    One draw's statistics :math:`g` and :math:`W = C^\\top \\hat H C` with the control variate
+    of the quadratic whose Hessian is :math:`c\\,S`, :math:`S = C^{-\\top}C^{-1}` the current
+    precision and :math:`c` = ``level`` (a number from before the draw), at the same draw:
+    its gradient :math:`cS(u - \\mu) = c\\,C^{-\\top}\\epsilon` and whitened Price estimate
+    :math:`c\\,W_S` (mean :math:`cI`) subtracted, their means added back,
+
+    .. math:: g' = g - c\\,C^{-\\top}\\epsilon, \\qquad W' = W - c\\,(W_S - I),
+
+    unbiased for any target and any :math:`c`, and exact on a quadratic target of Hessian
+    :math:`cS`: the full-covariance form of the mean-field :math:`h - c(\\epsilon^2 - 1)`.
+    With :math:`c` the running level of the whitened curvature, :math:`\\mathrm{tr}(W)/D`,
+    it tends to 1 as :math:`S` reaches the Hessian. Returns :math:`(g', W')`.
+    """
+    pulled = torch.linalg.solve_triangular(factor.transpose(-1, -2), eps.unsqueeze(-1), upper=True).squeeze(-1)
+    baseline = whitened_price_curvature(factor, torch.outer(pulled, eps).tril()) - _eye(factor.shape[-1], factor)
+    return grad - level * pulled, whitened - level * baseline
+
+
 def price_curvature(factor: torch.Tensor, factor_grad: torch.Tensor) -> torch.Tensor:
     """
     The symmetric :math:`H` whose :math:`\\tfrac12 H` is the gradient w.r.t.

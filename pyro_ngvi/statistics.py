@@ -108,7 +108,7 @@ def site_statistics(site, live: bool = True, one_draw: bool = False, recover_dra
             "pyro_ngvi.CurvatureELBO."
         )
     if isinstance(site, FullCovarianceSite):
-        return full_reparam_curvature(site)
+        return full_reparam_curvature(site, one_draw and recover_draws)
     return reparam_curvature(site, one_draw and recover_draws, buffers)
 
 
@@ -191,7 +191,7 @@ def reparam_curvature(site: GaussianSite, one_draw: bool = False, buffers: Optio
 
 
 @torch.no_grad()
-def full_reparam_curvature(site: FullCovarianceSite) -> SiteCurvature:
+def full_reparam_curvature(site: FullCovarianceSite, one_draw: bool = False) -> SiteCurvature:
     """
     :math:`g` and the Price curvature :math:`H` of a full-covariance site from the
     reparameterised gradients ``SVI`` left on its ``loc``, ``scale`` and
@@ -201,7 +201,9 @@ def full_reparam_curvature(site: FullCovarianceSite) -> SiteCurvature:
     :func:`~pyro_ngvi.full_covariance.price_curvature` of it plus
     :math:`\\mathrm{diag}(1/s)` is :math:`H` (the mean-field
     :math:`(\\nabla_\\sigma + 1/\\sigma)/\\sigma` on a diagonal). Handed on whitened,
-    :math:`C^\\top H C`, which needs no inverse.
+    :math:`C^\\top H C`, which needs no inverse. With ``one_draw`` the draw is recovered
+    (:func:`~pyro_ngvi.full_covariance.recovered_draw`) and handed on as ``eps_mean``, for
+    the control variate of the step (:func:`~pyro_ngvi.full_covariance.controlled_price_statistics`).
     """
     raw = site.raw_scale.detach().double()
     transform = site._scale_transform
@@ -213,10 +215,12 @@ def full_reparam_curvature(site: FullCovarianceSite) -> SiteCurvature:
     # UnitLowerCholeskyTransform is the identity on the strictly lower triangle
     factor_grad = full_covariance.factor_gradient(scale, unit_tril, scale_grad, tril_grad)
     factor_grad = factor_grad + torch.diag_embed(scale.reciprocal())
-    curvature = full_covariance.whitened_price_curvature(
-        full_covariance.covariance_factor(scale, unit_tril), factor_grad)
-    return SiteCurvature(site.loc.grad.detach(), curvature.to(site.loc.dtype), sampled=True,
-                         whitened=True)
+    factor = full_covariance.covariance_factor(scale, unit_tril)
+    grad = site.loc.grad.detach()
+    eps = full_covariance.recovered_draw(grad.double(), factor_grad) if one_draw else None
+    curvature = full_covariance.whitened_price_curvature(factor, factor_grad)
+    return SiteCurvature(grad, curvature.to(site.loc.dtype), sampled=True, whitened=True,
+                         eps_mean=None if eps is None else eps.to(site.loc.dtype))
 
 
 def fit_to_site(stats: SiteCurvature, site: GaussianSite) -> SiteCurvature:

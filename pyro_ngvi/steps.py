@@ -12,6 +12,7 @@ written, so that a step whose new precision is not positive definite can be skip
 """
 
 import math
+from dataclasses import replace
 from typing import Dict, List, NamedTuple, Optional
 
 import torch
@@ -24,6 +25,7 @@ from .low_rank import low_rank_step, marginal_variance, solve
 from .low_rank_guide import LowRankSite
 from .policies import NoiseState, Settings, dense_count, dense_rates, first_count, noise_constants, pooled_levels
 from .scales import FastExp, known_scale, remember_scale
+from . import full_covariance as full_covariance_algebra
 from .update import full_covariance
 from .update import fused
 from .update.kronecker import kronecker_step
@@ -39,6 +41,9 @@ COMPILE_MIN = 1 << 12
 #: eigen-direction (4, the mean-field value, lets the upward bias of Lin et al.'s correction on
 #: noise-dominated directions inflate the precision at D = 100, K = 16: measured).
 DENSE_RATIO = 1.25
+#: The rate of the running level of a full-covariance site's one-draw curvature, the
+#: coefficient of its control variate (:func:`_controlled`).
+LEVEL_RATE = 0.2
 
 
 class Options(NamedTuple):
@@ -461,6 +466,11 @@ def dense_site(ctx: Context, site, stats, settings: Settings, tau: float, state,
     count = None
     if adaptive:
         lr, beta, count = dense_rates(settings, state)
+    level = {}
+    if stats.eps_mean is not None:  # one draw: its control variate (a site's first step sets the level)
+        stats, level = _controlled(site, stats, state)
+        grad = stats.grad / tau if tau != 1 else stats.grad
+        direction = torch.lerp(grad, state.momentum, rho) if rho and state.momentum is not None else grad
     step = full_covariance.natural_step(
         site.mean, site.factor, direction, stats.curvature, lr, beta, tau, damping,
         stats.prior_loc, stats.prior_precision,
@@ -470,11 +480,26 @@ def dense_site(ctx: Context, site, stats, settings: Settings, tau: float, state,
     )
     if step is None:
         return None
-    kept = {}
+    kept = dict(level)
     if adaptive:
         newton = step.factor.T.to(direction) @ direction  # z = C'^T g
-        kept = dense_count(settings, state, count, newton)
+        kept.update(dense_count(settings, state, count, newton))
     return (step.mean, step.factor), direction, kept
+
+
+def _controlled(site: FullCovarianceSite, stats: SiteCurvature, state):
+    """A full-covariance site's one-draw statistics with their control variate
+    (:func:`~pyro_ngvi.full_covariance.controlled_price_statistics`, its coefficient the level
+    kept from the steps before), and the level to keep: the running mean, at rate
+    :data:`LEVEL_RATE`, of :math:`\\mathrm{tr}(W)/D`."""
+    whitened = stats.curvature
+    observed = whitened.diagonal().mean()
+    level = 0.0 if state.level is None else float(state.level)
+    grad, curvature = full_covariance_algebra.controlled_price_statistics(
+        site.factor.to(whitened), stats.grad.to(whitened), whitened, stats.eps_mean.to(whitened), level)
+    kept = observed if state.level is None else torch.lerp(state.level.to(observed), observed, LEVEL_RATE)
+    stats = replace(stats, grad=grad.to(stats.grad), curvature=curvature, eps_mean=None)
+    return stats, {"level": kept.to(stats.grad.dtype)}
 
 
 @torch.no_grad()

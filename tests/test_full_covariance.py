@@ -767,3 +767,75 @@ def test_default_steps_on_a_nonlinear_model_reach_the_variational_fixed_point():
     whitened_hessian = factor.T @ hessians.mean(0) @ factor
     assert whitened_grad.abs().max() < 0.1
     assert (whitened_hessian - torch.eye(3, dtype=torch.float64)).abs().max() < 0.15
+
+
+# ----------------------------------------------------------------- one draw: its control variate
+def test_one_draw_is_recovered_from_the_factor_gradient_and_two_are_not():
+    """tril(g eps^T) of one Trace_ELBO particle gives eps back (the particle's own whitened
+    draw); two particles' average is no outer product, and nothing is recovered."""
+    guide, site, _, z = recovered_from_one_draw(seed=11)
+    factor = site.factor
+    noise = torch.linalg.solve_triangular(factor, (z - site.mean).unsqueeze(-1), upper=False).squeeze(-1)
+    stats = _full_reparam_curvature(site, one_draw=True)
+    torch.testing.assert_close(stats.eps_mean, noise, rtol=1e-8, atol=1e-10)
+    pyro.set_rng_seed(12)
+    for p in guide.parameters():
+        p.grad = None
+    Trace_ELBO(num_particles=2).loss_and_grads(nonlinear_model, guide)
+    assert _full_reparam_curvature(site, one_draw=True).eps_mean is None
+
+
+@pytest.mark.parametrize("level", [1.0, 2.5])
+def test_control_variate_is_exact_on_a_quadratic_of_hessian_level_times_precision(level):
+    """For f(u) = c/2 (u - mu)^T S (u - mu), S the guide's precision and mu its mean, one draw's
+    controlled statistics are exactly g = 0 and W = c I, whatever the draw; with the mean
+    elsewhere and the coefficient 1 they are still unbiased (the mean of W' over draws is c I,
+    checked to Monte-Carlo error)."""
+    torch.set_default_dtype(torch.float64)
+    size = 6
+    factor = 0.5 * random_factor(size, seed=2)
+    factor.diagonal().abs_().add_(0.3)
+    precision = fc.precision(factor)
+    mu, m = torch.randn(size), torch.randn(size)
+    controlled = []
+    for seed in range(400):
+        eps = torch.randn(size, generator=torch.Generator().manual_seed(seed))
+        u = mu + factor @ eps
+        g = level * precision @ (u - (mu if seed < 200 else m))
+        whitened = fc.whitened_price_curvature(factor, torch.outer(g, eps).tril())
+        controlled.append(fc.controlled_price_statistics(factor, g, whitened, eps, level if seed < 200 else 1.0))
+    for g, w in controlled[:200]:
+        torch.testing.assert_close(g, torch.zeros(size), rtol=0, atol=1e-9)
+        torch.testing.assert_close(w, level * torch.eye(size), rtol=1e-9, atol=1e-9)
+    mean_w = torch.stack([w for _, w in controlled[200:]]).mean(0)
+    spread = torch.stack([w for _, w in controlled[200:]]).std(0) / 200**0.5
+    assert ((mean_w - level * torch.eye(size)).abs() <= 4 * spread + 1e-12).all()
+
+
+def test_one_particle_trace_elbo_reaches_a_24_dimensional_gaussian_posterior():
+    """AutoMultivariateNormal, Trace_ELBO() (one particle, Pyro's default) and NGVI() on a
+    Gaussian posterior of 24 dimensions: the guide reaches it (KL < 1e-3 per dimension within
+    1,200 steps). Without the one-draw control variate the rank-2 curvature of each step is
+    mostly noise and the guide stays at KL 2-6 per dimension (issue: a 10x too wide scale)."""
+    torch.set_default_dtype(torch.float64)
+    size = 24
+    y = torch.randn(size, generator=torch.Generator().manual_seed(0))
+    mixing = torch.eye(size) + 0.5 * torch.randn(size, size, generator=torch.Generator().manual_seed(1)) / size**0.5
+    precision = torch.eye(size) + mixing.T @ mixing
+    covariance = torch.linalg.inv(precision)
+    mean = covariance @ mixing.T @ y
+
+    def model(y):
+        w = pyro.sample("w", dist.Normal(torch.zeros(size), 1.0).to_event(1))
+        pyro.sample("y", dist.Normal(mixing @ w, 1.0).to_event(1), obs=y)
+
+    pyro.set_rng_seed(0)
+    guide = AutoMultivariateNormal(model)
+    svi = SVI(model, guide, NGVI(), Trace_ELBO())
+    for _ in range(1200):
+        svi.step(y)
+    q = guide.get_posterior()
+    offset = q.loc.detach() - mean
+    sigma = q.covariance_matrix.detach()
+    kl = 0.5 * (torch.trace(precision @ sigma) - size + offset @ precision @ offset - torch.logdet(precision @ sigma))
+    assert float(kl) / size < 1e-3
