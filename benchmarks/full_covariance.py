@@ -276,7 +276,7 @@ def main():
             print(lines[-1], flush=True)
 
     # ---- Pyro's autoguide-test models
-    lines += ["", f"### Pyro's autoguide-test models: steps to Pyro's tolerance (AutoMultivariateNormal, "
+    lines += [] if not args.pyro_seeds else ["", f"### Pyro's autoguide-test models: steps to Pyro's tolerance (AutoMultivariateNormal, "
               f"100 particles, median over {args.pyro_seeds} seeds, cap 1000)", "",
               "| model | NGVI() | ClippedAdam (Pyro's test setting) | per seed NGVI | per seed ClippedAdam |",
               "|---|---|---|---|---|"]

@@ -494,7 +494,7 @@ def _controlled(site: FullCovarianceSite, stats: SiteCurvature, state):
     :data:`LEVEL_RATE`, of :math:`\\mathrm{tr}(W)/D`."""
     whitened = stats.curvature
     observed = whitened.diagonal().mean()
-    level = 0.0 if state.level is None else float(state.level)
+    level = 0.0 if state.level is None else max(float(state.level), 0.0)  # (any c is unbiased)
     grad, curvature = full_covariance_algebra.controlled_price_statistics(
         site.factor.to(whitened), stats.grad.to(whitened), whitened, stats.eps_mean.to(whitened), level)
     kept = observed if state.level is None else torch.lerp(state.level.to(observed), observed, LEVEL_RATE)
