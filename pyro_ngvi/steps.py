@@ -17,6 +17,7 @@ from typing import Dict, List, NamedTuple, Optional
 
 import torch
 
+from . import full_covariance as full_covariance_algebra
 from .elementwise import SCRATCH_FLOATS, Branches, Inputs, Numbers, Scratch, mean_field_pass, noise_pass
 from .family import FullCovarianceSite, SiteCurvature
 from .groups import Group, Workspace, flat as _flat
@@ -25,7 +26,6 @@ from .low_rank import low_rank_step, marginal_variance, solve
 from .low_rank_guide import LowRankSite
 from .policies import NoiseState, Settings, dense_count, dense_rates, first_count, noise_constants, pooled_levels
 from .scales import FastExp, known_scale, remember_scale
-from . import full_covariance as full_covariance_algebra
 from .update import full_covariance
 from .update import fused
 from .update.kronecker import kronecker_step
@@ -444,6 +444,9 @@ def dense_site(ctx: Context, site, stats, settings: Settings, tau: float, state,
     """
     options = ctx.options
     lr, beta, rho, damping = settings
+    level = {}
+    if isinstance(site, FullCovarianceSite) and stats.eps_mean is not None:  # one draw: its control variate
+        stats, level = _controlled(site, stats, state)
     grad = stats.grad / tau if tau != 1 else stats.grad
     direction = grad
     if rho and state.momentum is not None:
@@ -466,11 +469,6 @@ def dense_site(ctx: Context, site, stats, settings: Settings, tau: float, state,
     count = None
     if adaptive:
         lr, beta, count = dense_rates(settings, state)
-    level = {}
-    if stats.eps_mean is not None:  # one draw: its control variate (a site's first step sets the level)
-        stats, level = _controlled(site, stats, state)
-        grad = stats.grad / tau if tau != 1 else stats.grad
-        direction = torch.lerp(grad, state.momentum, rho) if rho and state.momentum is not None else grad
     step = full_covariance.natural_step(
         site.mean, site.factor, direction, stats.curvature, lr, beta, tau, damping,
         stats.prior_loc, stats.prior_precision,
