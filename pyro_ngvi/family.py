@@ -116,9 +116,13 @@ class GaussianSite(_StoredGaussian):
     :param float weight: the ``poutine.scale`` factor of the guide site beyond its
         plates' subsampling (1 for a plain guide; see
         :class:`~pyro_ngvi.guide_trace.GaussianBlock`).
+    :param tuple blocks: the sizes of the model's latents the flat site is made of, in order
+        (an ``AutoDiagonalNormal``'s), each pooling its own noise for the adaptive steps
+        (default: empty, the site is one).
     """
 
     weight: float = 1.0
+    blocks: Tuple[int, ...] = ()
 
     @property
     def tensors(self) -> Tuple[torch.Tensor, ...]:
@@ -356,8 +360,10 @@ def _structural_sites(guide, store) -> Tuple[List[Site], bool]:
             prefix = part._pyro_name
             if part.prototype_trace is None or f"{prefix}.scale" not in store._params:
                 continue
+            shapes = part._unconstrained_shapes  # (the latent vector's layout, in this order)
+            blocks = tuple(shapes[name].numel() for name, _ in part.prototype_trace.iter_stochastic_nodes())
             sites.append(GaussianSite(prefix, store._params[f"{prefix}.loc"],
-                                      store._params[f"{prefix}.scale"], f"{prefix}.scale"))
+                                      store._params[f"{prefix}.scale"], f"{prefix}.scale", blocks=blocks))
         elif _is_kronecker_normal(part):
             sites.extend(_kronecker_sites(part, store))
         elif _is_automultivariatenormal(part):

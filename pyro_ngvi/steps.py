@@ -287,16 +287,29 @@ def compiled(ctx: Context, group: Group, size: int) -> bool:
     return ctx.compiled and size >= COMPILE_MIN and hasattr(group.transform, "inverse_and_log")
 
 
+def _pools(group: Group) -> List[tuple]:
+    """Per site, the sizes of the blocks that pool their noise for the adaptive steps: a site's
+    ``blocks`` (an AutoDiagonalNormal's latents: one latent's noise says nothing of another's),
+    or the whole site (also a site updated in spans, whose sums run span by span)."""
+    return group.cached("pools", lambda: [
+        site.blocks if len(site.blocks) > 1 and site.loc.numel() <= SPAN else (site.loc.numel(),)
+        for site in group.sites])
+
+
 def _adaptive_inputs(group: Group, states, beta: float, rho: float, warm_start: bool) -> dict:
-    """The adaptive steps' state as the group's flat buffers, and the sites' pooled noise stacked."""
-    for state in states:
-        if state.noise is None:
-            state.steps = torch.zeros((), dtype=group.like.dtype, device=group.like.device)
-            state.noise = torch.full((2, 2), math.inf, dtype=group.like.dtype, device=group.like.device)
+    """The adaptive steps' state as the group's flat buffers, and the sites' pooled noise stacked
+    (one pool per block, :func:`_pools`)."""
     like = group.like
-    constants = group.cached((like.dtype, like.device), lambda: noise_constants(group.sizes, like.dtype, like.device))
-    noise = NoiseState(torch.stack([state.steps for state in states]),
-                       torch.stack([state.noise for state in states], dim=1), **constants)
+    pools = _pools(group)
+    for state, blocks in zip(states, pools):
+        if state.noise is None or state.steps.numel() != len(blocks):  # (new, or saved with other pools)
+            shape = () if len(blocks) == 1 else (len(blocks),)
+            state.steps = torch.zeros(shape, dtype=like.dtype, device=like.device)
+            state.noise = torch.full((2,) + shape + (2,), math.inf, dtype=like.dtype, device=like.device)
+    constants = group.cached((like.dtype, like.device), lambda: noise_constants(
+        [size for blocks in pools for size in blocks], like.dtype, like.device))
+    noise = NoiseState(torch.cat([state.steps.reshape(-1) for state in states]),
+                       torch.cat([state.noise.reshape(2, -1, 2) for state in states], dim=1), **constants)
     fresh = group.fresh(states, "hdrift")
     return dict(count=group.state(states, "count", first_count(beta, warm_start)),
                 drift=group.state(states, "momentum" if rho else "drift", 0.0),
@@ -340,8 +353,11 @@ def _keep(ctx: Context, group: Group, states, mask, out, run, rho: float, own_sc
     if steps is not None:
         for name in ("count", "hdrift") + (() if steps.drift is None else ("drift",)):
             store(name, getattr(steps, name))
-        for j, state in enumerate(states):
-            state.steps, state.noise = steps.steps[j], steps.noise[:, j]
+        start = 0
+        for state, blocks in zip(states, _pools(group)):
+            pick = start if len(blocks) == 1 else slice(start, start + len(blocks))
+            state.steps, state.noise = steps.steps[pick], steps.noise[:, pick]
+            start += len(blocks)
     if rho != 0:
         store("momentum", out.momentum, 0.0)
     if run is not None:  # one site, no mask: the span is written
