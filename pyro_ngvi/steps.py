@@ -12,12 +12,10 @@ written, so that a step whose new precision is not positive definite can be skip
 """
 
 import math
-from dataclasses import replace
 from typing import Dict, List, NamedTuple, Optional
 
 import torch
 
-from . import full_covariance as full_covariance_algebra
 from .elementwise import SCRATCH_FLOATS, Branches, Inputs, Numbers, Scratch, mean_field_pass, noise_pass
 from .family import FullCovarianceSite, SiteCurvature
 from .groups import Group, Workspace, flat as _flat
@@ -30,6 +28,7 @@ from .update import full_covariance
 from .update import fused
 from .update.kronecker import kronecker_step
 from .update.mean_field import coupled_mean_step
+from .variance import dense_control_variate
 
 #: A large site's update runs in spans of this many elements (see :func:`mean_field_group`; 2^18
 #: measured 5-6 % faster than 2^16 and than whole sites at 0.5 and 3.8 million weights, 2-core CPU).
@@ -41,9 +40,6 @@ COMPILE_MIN = 1 << 12
 #: eigen-direction (4, the mean-field value, lets the upward bias of Lin et al.'s correction on
 #: noise-dominated directions inflate the precision at D = 100, K = 16: measured).
 DENSE_RATIO = 1.25
-#: The rate of the running level of a full-covariance site's one-draw curvature, the
-#: coefficient of its control variate (:func:`_controlled`).
-LEVEL_RATE = 0.2
 
 
 class Options(NamedTuple):
@@ -461,8 +457,9 @@ def dense_site(ctx: Context, site, stats, settings: Settings, tau: float, state,
     options = ctx.options
     lr, beta, rho, damping = settings
     level = {}
-    if isinstance(site, FullCovarianceSite) and stats.eps_mean is not None:  # one draw: its control variate
-        stats, level = _controlled(site, stats, state)
+    factor = site.factor if isinstance(site, FullCovarianceSite) else None
+    if factor is not None and stats.eps_mean is not None:  # one draw: its control variate
+        stats, level = dense_control_variate(factor, stats, state)
     grad = stats.grad / tau if tau != 1 else stats.grad
     direction = grad
     if rho and state.momentum is not None:
@@ -486,7 +483,7 @@ def dense_site(ctx: Context, site, stats, settings: Settings, tau: float, state,
     if adaptive:
         lr, beta, count = dense_rates(settings, state)
     step = full_covariance.natural_step(
-        site.mean, site.factor, direction, stats.curvature, lr, beta, tau, damping,
+        site.mean, factor, direction, stats.curvature, lr, beta, tau, damping,
         stats.prior_loc, stats.prior_precision,
         max_step=options.max_step if stats.sampled else None,
         warm=options.warm_start and not state.started, whitened=stats.whitened,
@@ -499,21 +496,6 @@ def dense_site(ctx: Context, site, stats, settings: Settings, tau: float, state,
         newton = step.factor.T.to(direction) @ direction  # z = C'^T g
         kept.update(dense_count(settings, state, count, newton))
     return (step.mean, step.factor), direction, kept
-
-
-def _controlled(site: FullCovarianceSite, stats: SiteCurvature, state):
-    """A full-covariance site's one-draw statistics with their control variate
-    (:func:`~pyro_ngvi.full_covariance.controlled_price_statistics`, its coefficient the level
-    kept from the steps before), and the level to keep: the running mean, at rate
-    :data:`LEVEL_RATE`, of :math:`\\mathrm{tr}(W)/D`."""
-    whitened = stats.curvature
-    observed = whitened.diagonal().mean()
-    level = 0.0 if state.level is None else max(float(state.level), 0.0)  # (any c is unbiased)
-    grad, curvature = full_covariance_algebra.controlled_price_statistics(
-        site.factor.to(whitened), stats.grad.to(whitened), whitened, stats.eps_mean.to(whitened), level)
-    kept = observed if state.level is None else torch.lerp(state.level.to(observed), observed, LEVEL_RATE)
-    stats = replace(stats, grad=grad.to(stats.grad), curvature=curvature, eps_mean=None)
-    return stats, {"level": kept.to(stats.grad.dtype)}
 
 
 @torch.no_grad()

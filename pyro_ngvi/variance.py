@@ -12,6 +12,8 @@ control variates of mean zero subtracted from :math:`\\hat g = g/\\tau` and
 of a regression of past gradients on past draw points (:func:`cross_terms`, small
 models only). None of them depends on this step's draws, so the estimates stay
 unbiased; where the log joint is quadratic they are exact, with no Monte-Carlo floor.
+A full-covariance site's one-draw statistics take the matrix form of the same control
+variate (:func:`dense_control_variate`).
 
 **References**
 
@@ -24,6 +26,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional
 
 import torch
 
+from . import full_covariance
 from .family import GaussianSite, SiteCurvature
 from .groups import flat
 
@@ -35,6 +38,9 @@ CROSS_MAX = 64
 #: much (a memory of about 100 steps where the log joint is not quadratic; on a quadratic
 #: one the slope is exact whatever the weights).
 CROSS_RATE = 0.01
+#: The rate of the running level of a full-covariance site's one-draw curvature, the
+#: coefficient of its control variate (:func:`dense_control_variate`).
+LEVEL_RATE = 0.2
 
 
 def control_variate(grad, curvature, eps_mean, eps_sq_mean_minus_one, precision, prior_precision, known,
@@ -159,3 +165,22 @@ def cross_terms(sites: List[GaussianSite], stats: Dict[str, SiteCurvature],
         new[3:3 + size] = (cov_ww + weight * torch.outer(dw, dw)).mul_(1 - weight)
         new[3 + size:] = (cov_gw + weight * torch.outer(dg, dw)).mul_(1 - weight)
     return CrossTerms([site for site, _ in chosen], off, state, new)
+
+
+def dense_control_variate(factor: torch.Tensor, stats: SiteCurvature, state):
+    """
+    A full-covariance site's one-draw statistics (its draw in ``stats.eps_mean``, whitened
+    curvature :math:`W`) with the control variate of
+    :func:`~pyro_ngvi.full_covariance.controlled_price_statistics`, its coefficient :math:`c`
+    the level ``state`` kept from the steps before (0 at the first; at least 0: any :math:`c`
+    is unbiased), and the level to keep: the running mean, at rate :data:`LEVEL_RATE`, of
+    :math:`\\mathrm{tr}(W)/D`. Returns ``(stats, {"level": ...})``.
+    """
+    whitened = stats.curvature
+    observed = whitened.diagonal().mean()
+    level = 0.0 if state.level is None else max(float(state.level), 0.0)
+    grad, curvature = full_covariance.controlled_price_statistics(
+        factor.to(whitened), stats.grad.to(whitened), whitened, stats.eps_mean.to(whitened), level)
+    kept = observed if state.level is None else torch.lerp(state.level.to(observed), observed, LEVEL_RATE)
+    stats = replace(stats, grad=grad.to(stats.grad), curvature=curvature, eps_mean=None)
+    return stats, {"level": kept.to(stats.grad.dtype)}
