@@ -1,4 +1,9 @@
-"""network_curvature against brute-force references (per-example loops, J^T H J)."""
+"""
+network_curvature against brute-force references (per-example loops, J^T H J), on
+both of its paths: the closed form of a plain ``nn.Sequential`` MLP
+(:mod:`pyro_ngvi.curvature.mlp`) and BackPACK (:class:`BackpackOnly`, a ``Sequential``
+subclass, is no plain MLP to the closed form).
+"""
 
 import copy
 import warnings
@@ -26,11 +31,19 @@ def extended_copy(plain):
     return extend(copy.deepcopy(plain))
 
 
-def make_problem(likelihood, activation=nn.Tanh, seed=0):
+class BackpackOnly(nn.Sequential):
+    """A ``Sequential`` subclass (it could have a forward of its own): computed by BackPACK."""
+
+
+#: the two paths of network_curvature: the closed form of a plain MLP, and BackPACK
+CONTAINERS = [nn.Sequential, BackpackOnly]
+
+
+def make_problem(likelihood, activation=nn.Tanh, seed=0, container=nn.Sequential):
     """A 4 -> 5 -> K MLP in float64, its extended twin, a loss module and a batch."""
     torch.manual_seed(seed)
     out = {"categorical": 3, "bernoulli": 1, "gaussian": 2}[likelihood]
-    plain = nn.Sequential(nn.Linear(D_IN, HIDDEN), activation(), nn.Linear(HIDDEN, out))
+    plain = container(nn.Linear(D_IN, HIDDEN), activation(), nn.Linear(HIDDEN, out))
     plain = plain.double()
     x = torch.randn(B, D_IN, dtype=torch.float64)
     if likelihood == "categorical":
@@ -103,8 +116,9 @@ LIKELIHOODS = ["categorical", "bernoulli", "gaussian"]
 
 @pytest.mark.parametrize("activation", [nn.Tanh, nn.ReLU])
 @pytest.mark.parametrize("likelihood", LIKELIHOODS)
-def test_ef_is_sum_of_squared_per_example_gradients(likelihood, activation):
-    plain, net, loss_module, x, y = make_problem(likelihood, activation)
+@pytest.mark.parametrize("container", CONTAINERS)
+def test_ef_is_sum_of_squared_per_example_gradients(likelihood, activation, container):
+    plain, net, loss_module, x, y = make_problem(likelihood, activation, container=container)
     grad, ef = reference_ef_and_grad(plain, loss_module, x, y)
     result = network_curvature(net, loss_module, x, y, "ef")
     assert torch.allclose(result.loss, loss_module(plain(x), y).detach(), rtol=1e-12)
@@ -115,8 +129,9 @@ def test_ef_is_sum_of_squared_per_example_gradients(likelihood, activation):
 
 @pytest.mark.parametrize("activation", [nn.Tanh, nn.ReLU])
 @pytest.mark.parametrize("likelihood", LIKELIHOODS)
-def test_ggn_is_diagonal_of_jacobian_hessian_jacobian(likelihood, activation):
-    plain, net, loss_module, x, y = make_problem(likelihood, activation, seed=1)
+@pytest.mark.parametrize("container", CONTAINERS)
+def test_ggn_is_diagonal_of_jacobian_hessian_jacobian(likelihood, activation, container):
+    plain, net, loss_module, x, y = make_problem(likelihood, activation, seed=1, container=container)
     ggn, _, _ = reference_ggn(plain, likelihood, x)
     result = network_curvature(net, loss_module, x, y, "ggn")
     for h, h_ref in zip(result.curvatures, ggn):
@@ -125,11 +140,12 @@ def test_ggn_is_diagonal_of_jacobian_hessian_jacobian(likelihood, activation):
 
 
 @pytest.mark.parametrize("likelihood", LIKELIHOODS)
-def test_loss_scale_is_a_per_example_weight(likelihood):
+@pytest.mark.parametrize("container", CONTAINERS)
+def test_loss_scale_is_a_per_example_weight(likelihood, container):
     # c * loss: gradient and GGN carry c, the empirical Fisher c^2 (per-example
     # gradients are c times larger), the loss value c.
     c = 0.37
-    plain, net, loss_module, x, y = make_problem(likelihood, seed=2)
+    plain, net, loss_module, x, y = make_problem(likelihood, seed=2, container=container)
     grad, ef = reference_ef_and_grad(plain, loss_module, x, y, scale=c)
     ggn, _, _ = reference_ggn(plain, likelihood, x, scale=c)
     result_ef = network_curvature(net, loss_module, x, y, "ef", loss_scale=c)
@@ -184,8 +200,9 @@ def test_ggn_mc_is_unbiased_for_ggn(likelihood):
     assert ((2 * estimate - reference).abs() > 5 * std + 1e-12).any()
 
 
-def test_reparam_and_none_give_gradient_only():
-    plain, net, loss_module, x, y = make_problem("categorical")
+@pytest.mark.parametrize("container", CONTAINERS)
+def test_reparam_and_none_give_gradient_only(container):
+    plain, net, loss_module, x, y = make_problem("categorical", container=container)
     grad, _ = reference_ef_and_grad(plain, loss_module, x, y)
     for source in ("reparam", "none"):
         result = network_curvature(net, loss_module, x, y, source)
@@ -194,8 +211,9 @@ def test_reparam_and_none_give_gradient_only():
             assert torch.allclose(g, g_ref, rtol=1e-10, atol=1e-13)
 
 
-def test_calls_do_not_accumulate():
-    plain, net, loss_module, x, y = make_problem("categorical")
+@pytest.mark.parametrize("container", CONTAINERS)
+def test_calls_do_not_accumulate(container):
+    plain, net, loss_module, x, y = make_problem("categorical", container=container)
     first = network_curvature(net, loss_module, x, y, "ef")
     second = network_curvature(net, loss_module, x, y, "ef")
     assert all(p.grad is None for p in net.parameters())
@@ -303,7 +321,7 @@ def test_no_warnings():
 @pytest.mark.parametrize("source", ["ef", "ggn", "ggn_mc"])
 def test_network_not_extended_is_an_error(source):
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(D_IN, 3)).double()
+    net = BackpackOnly(nn.Linear(D_IN, 3)).double()
     x, y = torch.randn(B, D_IN, dtype=torch.float64), torch.randint(0, 3, (B,))
     with pytest.raises(RuntimeError, match="backpack.extend"):
         network_curvature(net, nn.CrossEntropyLoss(reduction="sum"), x, y, source)

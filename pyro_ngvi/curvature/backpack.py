@@ -76,6 +76,7 @@ from backpack.extensions import KFAC, KFLR, SumGradSquared
 from backpack.extensions.backprop_extension import BackpropExtension
 from backpack.extensions.saved_quantities import SavedQuantities
 
+from . import mlp
 from .batch_norm import EmpiricalFisherBackprop, frozen_ggn, frozen_ggn_mc, has_batch_statistics
 
 _FIRST_LAYER_HOOK_WARNING = "Full backward hook is firing when gradients are computed"
@@ -203,6 +204,14 @@ def network_curvature(
     """
     _check_source(source)
     check_loss_module(loss_module)
+    closed_form = mlp.plan(net) if source in mlp.SOURCES else None
+    if closed_form is not None and (params is None or len(params) == len(closed_form.params)
+                                    and all(p is q for p, q in zip(params, closed_form.params))):
+        result = mlp.mlp_curvature(closed_form, loss_module, x, y, source, check_output)
+        if result is not None:
+            for p in closed_form.params:
+                p.grad = None
+            return _scaled(*result, source, loss_scale)
     extension = _extension(source, mc_samples, batch_statistics=source in BATCH_STATISTICS_EXTENSIONS
                            and has_batch_statistics(net))
     if params is None:
@@ -229,7 +238,11 @@ def network_curvature(
     grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
     for p in params:
         p.grad = None
-    loss = loss.detach()
+    return _scaled(loss.detach(), grads, curvatures, source, loss_scale)
+
+
+def _scaled(loss, grads, curvatures, source, loss_scale) -> NetworkCurvature:
+    """The result with the per-example weight :math:`c` applied (see the module docstring)."""
     if isinstance(loss_scale, torch.Tensor) or loss_scale != 1.0:
         loss = loss * loss_scale
         grads = [g * loss_scale for g in grads]

@@ -1,0 +1,270 @@
+"""
+Gradient and diagonal curvature of a plain MLP in closed form: one forward and one
+backward pass written out, no hooks.
+
+For an :class:`torch.nn.Sequential` of ``Linear`` layers and element-wise
+activations, :math:`f = W_L \\phi(\\cdots \\phi(W_1 a_0 + b_1) \\cdots) + b_L`, the quantities
+:mod:`.backpack` asks BackPACK for have short closed forms. With :math:`a_{l-1}` the input of
+layer :math:`l` and :math:`\\delta_l = \\partial \\ell / \\partial z_l` its output's gradient per
+example (backpropagated as :math:`\\delta_{l-1} = (\\delta_l W_l) \\odot \\phi'(z_{l-1})`),
+
+.. math::
+
+    \\nabla_{W_l} L = \\sum_i \\delta_{l,i} a_{l-1,i}^\\top, \\qquad
+    \\text{ef:}\\ \\sum_i (\\delta_{l,i} a_{l-1,i}^\\top)^{\\odot 2}
+        = (\\delta_l^{\\odot 2})^\\top a_{l-1}^{\\odot 2},
+
+and the exact Gauss-Newton diagonal backpropagates a square root :math:`S_i` of the loss
+Hessian in the output (:math:`H_i = S_i S_i^\\top`) column by column,
+:math:`M_{l-1} = (M_l W_l) \\odot \\phi'(z_{l-1})`, :math:`M_L = S^\\top` (one row per column of
+:math:`S`):
+
+.. math::
+
+    \\text{ggn:}\\ \\mathrm{diag}\\, \\sum_i J_i^\\top H_i J_i \\big|_{W_l}
+        = \\Big(\\sum_c M_{l,c}^{\\odot 2}\\Big)^\\top a_{l-1}^{\\odot 2},
+
+with, per loss (``reduction="sum"``): cross-entropy :math:`\\nabla_f \\ell = p - e_y`,
+:math:`S = \\mathrm{diag}(\\sqrt p) - p \\sqrt p^\\top` (so :math:`S S^\\top = \\mathrm{diag}(p) - p p^\\top`);
+Bernoulli logits :math:`\\sigma(f) - y`, :math:`S = \\mathrm{diag}\\sqrt{\\sigma(1 - \\sigma)}`;
+squared error :math:`2 (f - y)`, :math:`S = \\sqrt 2 I`. Where no layer further down needs the
+rows of :math:`M`, only :math:`\\mathrm{diag}(W^\\top D H D W)` is formed (:class:`OutputHessian`). These are the same equations
+BackPACK's ``SumGradSquared`` and ``DiagGGNExact`` evaluate (Dangel et al. 2020), without
+the per-module hooks, which on a small network cost more than the arithmetic.
+
+:func:`plan` says whether a network is such an MLP (anything else, and the sampled
+``ggn_mc`` and Kronecker sources, stay with BackPACK); :func:`mlp_curvature` runs the passes.
+"""
+
+from typing import Callable, List, NamedTuple, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from backpack import hook_run_extensions, hook_store_io
+
+#: Sources computed here (the rest need BackPACK).
+SOURCES = ("ef", "ggn", "reparam", "none")
+
+#: Element-wise activations: module type -> (forward, derivative from the input ``z`` and
+#: the output ``a``), the module's own settings read at call time.
+ACTIVATIONS = {
+    nn.ReLU: (lambda m, z: F.relu(z), lambda m, z, a: a.sign()),  # (a comparison into floats is slow on CPU)
+    nn.LeakyReLU: (lambda m, z: F.leaky_relu(z, m.negative_slope),
+                   lambda m, z, a: torch.full_like(z, m.negative_slope).masked_fill_(z > 0, 1.0)),
+    nn.Tanh: (lambda m, z: torch.tanh(z), lambda m, z, a: 1 - a * a),
+    nn.Sigmoid: (lambda m, z: torch.sigmoid(z), lambda m, z, a: a * (1 - a)),
+    nn.Identity: (lambda m, z: z, None),
+}
+
+
+class Plan(NamedTuple):
+    """The layers of an MLP in order: ``("flatten", module)`` (first only), ``("linear",
+    module)`` or ``("activation", module)``; ``params`` in ``net.parameters()`` order."""
+
+    layers: List[Tuple[str, nn.Module]]
+    params: List[torch.Tensor]
+
+
+#: Hooks that may be skipped: BackPACK's own, which store inputs for its extensions.
+_BACKPACK_HOOKS = (hook_store_io, hook_run_extensions)
+
+
+def _no_foreign_hooks(module: nn.Module) -> bool:
+    """No hooks but BackPACK's on ``module``."""
+    return all(hook in _BACKPACK_HOOKS
+               for hooks in (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
+                             module._backward_pre_hooks)
+               for hook in hooks.values())
+
+
+def _flat_layers(module: nn.Module) -> Optional[list]:
+    if type(module) is nn.Sequential:  # (exactly: a subclass may have its own forward)
+        if module._parameters or not _no_foreign_hooks(module):
+            return None
+        layers = []
+        for child in module:
+            inner = _flat_layers(child)
+            if inner is None:
+                return None
+            layers += inner
+        return layers
+    if not _no_foreign_hooks(module):
+        return None
+    kind = type(module)
+    if kind is nn.Linear:
+        return [("linear", module)] if module._parameters.keys() <= {"weight", "bias"} else None
+    if module._parameters:
+        return None
+    if kind is nn.Flatten:
+        return [("flatten", module)]
+    if kind in ACTIVATIONS:
+        return [("activation", module)]
+    return None
+
+
+def plan(net: nn.Module) -> Optional[Plan]:
+    """
+    The :class:`Plan` of ``net`` if it is an MLP this module computes exactly: a
+    ``Linear``, or an ``nn.Sequential`` (nested ones flattened) of ``Linear`` layers and the activations of
+    :data:`ACTIVATIONS`, ``Flatten`` only before the first ``Linear``, ending in a
+    ``Linear`` or an activation, every parameter requiring a gradient, and no hooks but
+    BackPACK's; otherwise ``None``.
+    """
+    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks \
+            or nn.modules.module._global_backward_hooks:
+        return None
+    layers = _flat_layers(net)
+    if not layers or not any(kind == "linear" for kind, _ in layers):
+        return None
+    first_linear = next(k for k, (kind, _) in enumerate(layers) if kind == "linear")
+    if any(kind == "flatten" for kind, _ in layers[first_linear:]):
+        return None
+    params = [p for kind, m in layers if kind == "linear" for p in (m.weight, m.bias) if p is not None]
+    if not all(p.requires_grad for p in params) or len(set(map(id, params))) != len(params):
+        return None  # (a frozen layer, or one layer twice: its parameters would be listed once)
+    return Plan(layers, params)
+
+
+def output_gradient_and_hessian(loss_module: nn.Module, f: torch.Tensor, y: torch.Tensor
+                                ) -> Optional[Tuple[torch.Tensor, torch.Tensor, "OutputHessian"]]:
+    """
+    The summed loss, :math:`\\nabla_f \\ell` per example and the :class:`OutputHessian`;
+    ``None`` for a loss or target form not covered here (class weights, label smoothing,
+    soft targets).
+    """
+    kind = type(loss_module)
+    if kind is nn.CrossEntropyLoss:
+        if loss_module.weight is not None or loss_module.label_smoothing != 0.0 or f.dim() != 2 \
+                or y.dim() != 1 or y.dtype != torch.long:
+            return None
+        loss = F.cross_entropy(f, y, reduction="sum", ignore_index=loss_module.ignore_index)
+        p = torch.softmax(f, dim=-1)
+        grad = p.scatter_add(1, y.unsqueeze(1), p.new_full((len(y), 1), -1.0))
+        return loss, grad, OutputHessian(p, categorical=True)
+    if kind is nn.BCEWithLogitsLoss:
+        if loss_module.weight is not None or loss_module.pos_weight is not None or f.shape != y.shape \
+                or f.dim() != 2:
+            return None
+        loss = F.binary_cross_entropy_with_logits(f, y, reduction="sum")
+        s = torch.sigmoid(f)
+        return loss, s - y, OutputHessian(s * (1 - s))
+    if kind is nn.MSELoss:
+        if f.shape != y.shape or f.dim() != 2:
+            return None
+        diff = f - y
+        return diff.square().sum(), 2 * diff, OutputHessian(torch.full_like(f, 2.0))
+    return None
+
+
+class OutputHessian:
+    """
+    The loss Hessian in the network output per example, backpropagated through the layers
+    for the Gauss-Newton diagonal: :math:`D H D` with :math:`D = \\mathrm{diag}(s)` the
+    activations' derivatives met so far, :math:`H = \\mathrm{diag}(p) - p p^\\top` (cross-entropy,
+    ``categorical``) or :math:`\\mathrm{diag}(h)`; after a ``Linear`` layer :math:`W`,
+    :math:`W^\\top D H D W`, kept as its diagonal when no layer below needs more, else as the rows
+    :math:`M = S^\\top D W` of a square root (:math:`S S^\\top = H`).
+    """
+
+    def __init__(self, p: torch.Tensor, categorical: bool = False):
+        self.p, self.categorical = p, categorical
+        self.diagonal = None  # diag(W^T D H D W), the last layer's input side
+        self.rows = None  # M (B, columns, units)
+        self.scale = None  # s (B, units), pending
+
+    def activation(self, derivative: torch.Tensor) -> None:
+        """Through an element-wise activation: :math:`D \\leftarrow D\\,\\mathrm{diag}(\\phi'(z))`."""
+        self.scale = derivative if self.scale is None else self.scale * derivative
+
+    def column_square(self) -> torch.Tensor:
+        """:math:`\\mathrm{diag}(D H D)` per example, ``(B, units)``: the layer's output side."""
+        if self.rows is not None:
+            square = self.rows.square().sum(1)
+        elif self.diagonal is not None:
+            square = self.diagonal
+        else:
+            square = self.p * (1 - self.p) if self.categorical else self.p
+        return square if self.scale is None else square * self.scale.square()
+
+    def linear(self, weight: torch.Tensor, last: bool) -> None:
+        """Through a ``Linear`` layer's weight (``last``: no ``Linear`` layer below needs more than the diagonal)."""
+        s, p = self.scale, self.p
+        if self.rows is not None:
+            self.rows = (self.rows if s is None else self.rows * s.unsqueeze(1)) @ weight
+        elif last:  # diag(W^T D H D W) = (p s^2) W^2 - ((p s) W)^2, or (h s^2) W^2
+            ps = p if s is None else p * s
+            square = weight.square()
+            self.diagonal = (ps if s is None else ps * s) @ square
+            if self.categorical:
+                self.diagonal -= (ps @ weight).square()
+        elif self.categorical:  # rows of S^T D W, S^T = diag(sqrt p) - sqrt(p) p^T
+            ps = p if s is None else p * s
+            sw = weight if s is None else s.unsqueeze(-1) * weight
+            self.rows = p.sqrt().unsqueeze(-1) * (sw - (ps @ weight).unsqueeze(1))
+        else:  # S = diag(sqrt h)
+            root = p.sqrt() if s is None else p.sqrt() * s
+            self.rows = root.unsqueeze(-1) * weight
+        self.scale = None
+
+
+@torch.no_grad()
+def mlp_curvature(mlp: Plan, loss_module: nn.Module, x: torch.Tensor, y: torch.Tensor, source: str,
+                  check_output: Optional[Callable[[torch.Tensor], None]] = None):
+    """
+    ``(loss, grads, curvatures)`` of the summed loss at the weights the net holds (the
+    equations of the module docstring; ``curvatures`` ``None`` per parameter for
+    ``reparam`` / ``none``), or ``None`` when the loss or the input's form is not covered
+    (the caller then asks BackPACK).
+    """
+    h = x
+    saved = []  # per layer: its input (and an activation's output)
+    for kind, module in mlp.layers:
+        if kind == "flatten":
+            h = module(h)
+            saved.append(None)
+        elif kind == "linear":
+            if h.dim() != 2:
+                return None
+            saved.append(h)
+            h = F.linear(h, module.weight, module.bias)
+        else:
+            forward, _ = ACTIVATIONS[type(module)]
+            out = forward(module, h)
+            saved.append((h, out))
+            h = out
+    if check_output is not None:
+        check_output(h)
+    result = output_gradient_and_hessian(loss_module, h, y)
+    if result is None:
+        return None
+    loss, delta, hessian = result
+    grads, curvatures = {}, {}
+    linears = [k for k, (kind, _) in enumerate(mlp.layers) if kind == "linear"]
+    for k in range(len(mlp.layers) - 1, linears[0] - 1, -1):
+        kind, module = mlp.layers[k]
+        if kind == "activation":
+            derivative = ACTIVATIONS[type(module)][1]
+            if derivative is not None:
+                d = derivative(module, *saved[k])
+                delta = delta * d
+                if source == "ggn":
+                    hessian.activation(d)
+            continue
+        a = saved[k]
+        weight, bias = module.weight, module.bias
+        grads[id(weight)] = delta.t() @ a
+        if bias is not None:
+            grads[id(bias)] = delta.sum(0)
+        if source in ("ef", "ggn"):
+            column_square = delta.square() if source == "ef" else hessian.column_square()
+            curvatures[id(weight)] = column_square.t() @ a.square()
+            if bias is not None:
+                curvatures[id(bias)] = column_square.sum(0)
+        if k > linears[0]:
+            delta = delta @ weight
+            if source == "ggn":
+                hessian.linear(weight, last=k == linears[1])
+    return (loss, [grads[id(p)] for p in mlp.params],
+            [curvatures.get(id(p)) for p in mlp.params])
