@@ -135,18 +135,22 @@ def test_loss_options_outside_the_closed_form_are_left_to_backpack(loss_module):
     assert mlp.output_gradient_and_hessian(loss_module, f, y) is None
 
 
-@pytest.mark.parametrize("source", ["ggn", "ef", "reparam"])
-def test_the_recipe_takes_the_same_steps_on_both_paths(source):
+@pytest.mark.parametrize("likelihood, source", [("categorical", "ggn"), ("categorical", "ef"),
+                                                ("categorical", "reparam"), ("gaussian", "ggn"),
+                                                ("bernoulli", "ef")])
+def test_the_recipe_takes_the_same_steps_on_both_paths(likelihood, source):
     # BayesianNet's fast path over a plain MLP (closed form) and over the same MLP as a
-    # Sequential subclass (BackPACK): the same guide after a few NGVI steps
+    # Sequential subclass (BackPACK): the same guide after a few NGVI steps (the Gaussian
+    # likelihood's noise scale learned: a tensor per-example weight)
     x = torch.randn(40, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    y = {"categorical": (x[:, 0] > 0).long() + (x[:, 1] > 0).long(), "bernoulli": (x[:, 0] > 0).double(),
+         "gaussian": x[:, 0] - x[:, 1]}[likelihood]
     results = []
     for container in (nn.Sequential, BackpackOnly):
         pyro.clear_param_store()
         torch.manual_seed(0)
-        net = container(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
-        bnn = BayesianNet(net, likelihood="categorical", num_data=len(x))
+        net = container(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3 if likelihood == "categorical" else 1)).double()
+        bnn = BayesianNet(net, likelihood=likelihood, num_data=len(x))
         svi = SVI(bnn, bnn.guide(), NGVI(), loss=CurvatureELBO(source))
         torch.manual_seed(1)
         for step in range(5):
