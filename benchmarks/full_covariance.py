@@ -15,7 +15,9 @@ Gaussian, which an AutoMultivariateNormal can represent exactly.
   ``CONFIRM`` more steps. Methods on AutoMultivariateNormal: NGVI() defaults,
   NGVI with a decaying lr and beta (chosen on the test model, D = 3, N = 20, not
   on these), the Newton step above, Adam over a learning-rate grid and Pyro's
-  own autoguide-test setting ``ClippedAdam(lr 0.05, lrd 0.1 ** (1 / 500))``.
+  own autoguide-test setting ``ClippedAdam(lr 0.05, lrd 0.1 ** (1 / 500))``; with
+  ``--particles 1`` also NGVI() on a ``LowRankPrecisionNormal`` of rank D (with and without
+  the one draw's control variate).
 * **Pyro's autoguide-test models** (exact, batch, tree; D = 1, 3, 3): steps until
   the guide's moments are within Pyro's tolerance (mean 0.05 absolute, std 5 %
   relative; confirmed for ``CONFIRM`` steps), NGVI() against Pyro's ClippedAdam
@@ -45,7 +47,7 @@ import pyro.distributions as dist
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoMultivariateNormal, AutoNormal
 
-from pyro_ngvi import NGVI, CurvatureELBO
+from pyro_ngvi import NGVI, CurvatureELBO, LowRankPrecisionNormal
 
 import measure
 from measure import steps_until
@@ -94,6 +96,11 @@ def guide_gaussian(guide):
         if isinstance(guide, AutoMultivariateNormal):
             posterior = guide.get_posterior()
             return posterior.loc.detach(), posterior.scale_tril.detach()
+        if isinstance(guide, LowRankPrecisionNormal):  # S = L L^T: L^-T is a triangular square root of S^-1
+            posterior = guide.get_posterior()
+            lower = torch.linalg.cholesky(posterior.precision_matrix)
+            eye = torch.eye(lower.shape[-1], dtype=lower.dtype)
+            return posterior.loc.detach(), torch.linalg.solve_triangular(lower, eye, upper=False).T
         loc, scale = guide._get_loc_and_scale("w")
         return loc.detach(), torch.diag(scale.detach())
 
@@ -121,6 +128,12 @@ def convergence_methods(particles: int) -> Dict[str, tuple]:
         "NGVI Newton (ggn, deterministic, lr = beta = 1)": (
             AutoMultivariateNormal, lambda: NGVI(lr=1.0, beta=1.0), newton_elbo),
     }
+    if particles == 1:  # (LowRankPrecisionNormal's Price curvature needs the one draw it recorded)
+        full_rank = lambda model: LowRankPrecisionNormal(model, rank=model.__self__.dim)  # noqa: E731
+        found["NGVI() defaults, LowRankPrecisionNormal of rank D"] = (full_rank, lambda: NGVI(),
+                                                                      trace_elbo(particles))
+        found["the same without the control variate"] = (full_rank, lambda: NGVI(control_variate=False),
+                                                         trace_elbo(particles))
     for lr in (0.001, 0.01, 0.1):
         found[f"Adam lr={lr}"] = (AutoMultivariateNormal, lambda lr=lr: pyro.optim.Adam({"lr": lr}),
                                   trace_elbo(particles))

@@ -53,6 +53,7 @@ import torch
 __all__ = [
     "LowRankStep",
     "capacitance_cholesky",
+    "controlled_price_factors",
     "displacement",
     "log_det",
     "low_rank_step",
@@ -150,6 +151,27 @@ def price_factors(factor: torch.Tensor, diag: torch.Tensor, displacements: torch
     return ((a + grads) / (2 * count**0.5)).T, ((a - grads) / (2 * count**0.5)).T
 
 
+def controlled_price_factors(factor: torch.Tensor, diag: torch.Tensor, displacement: torch.Tensor,
+                             grad: torch.Tensor, level: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """
+    One draw's gradient and Price factors (:func:`price_factors`) with the control variate of
+    the quadratic whose Hessian is :math:`cS` (:math:`c` = ``level``, a number from before
+    the draw) at the same draw :math:`z`: its gradient :math:`c\\,a`, :math:`a = Sz`, and its
+    Price estimate :math:`c\\,aa^\\top` subtracted, their means (0 and :math:`cS`) added back,
+
+    .. math:: g' = g - c\\,a, \\qquad
+              \\hat H' = \\hat H - c\\,(aa^\\top - S) = \\tfrac12 (a g'^\\top + g' a^\\top) + cS,
+
+    unbiased for any :math:`c`, and exact on a quadratic target whose Hessian is :math:`cS`: the
+    low-rank form of :func:`~pyro_ngvi.full_covariance.controlled_price_statistics`. The
+    :math:`cS` goes to the step as its ``level`` (:func:`project`). Returns
+    ``(g', plus, minus)``, the factors of :math:`\\tfrac12 (a g'^\\top + g' a^\\top)`.
+    """
+    a = precision_matvec(factor, diag, displacement)
+    controlled = grad - level * a
+    return controlled, ((a + controlled) / 2).unsqueeze(-1), ((a - controlled) / 2).unsqueeze(-1)
+
+
 # --------------------------------------------------------------------------- #
 # The step
 # --------------------------------------------------------------------------- #
@@ -168,12 +190,15 @@ def project(factor: torch.Tensor, diag: torch.Tensor, beta: float,
             curvature_factor: Optional[torch.Tensor] = None,
             negative_factor: Optional[torch.Tensor] = None,
             curvature: Optional[torch.Tensor] = None,
-            prior_precision: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            prior_precision: Optional[torch.Tensor] = None,
+            level: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """
     The new precision :math:`S' = U'U'^\\top + \\mathrm{diag}(d')` of the step (module
     docstring), of the rank of ``factor``, from :math:`\\hat H = G_+G_+^\\top - G_-G_-^\\top`
     (``curvature_factor`` :math:`G_+` and ``negative_factor`` :math:`G_-`, ``(D, M)``) or a
-    dense symmetric ``curvature`` ``(D, D)``.
+    dense symmetric ``curvature`` ``(D, D)``, plus ``level`` :math:`c \\ge 0` times the current
+    precision (the mean a control variate adds back, :func:`controlled_price_factors`): the
+    current :math:`U` and :math:`d` then enter with weight :math:`1 - \\beta + \\beta c`.
 
     :returns: ``(factor, diag, clamped)``: where a discarded negative direction left the
         matched diagonal below :math:`(1-\\beta)d + \\beta\\,\\mathrm{diag}(S_0)` (its part that
@@ -183,15 +208,16 @@ def project(factor: torch.Tensor, diag: torch.Tensor, beta: float,
     u, d = factor.to(_WORK), diag.to(_WORK)
     rank = u.shape[1]
     prior = torch.zeros_like(d) if prior_precision is None else prior_precision.to(_WORK).expand_as(d)
+    kept = 1 - beta + beta * level
     if curvature is not None:
-        low_rank = (1 - beta) * u @ u.T + beta * curvature.to(_WORK)
+        low_rank = kept * u @ u.T + beta * curvature.to(_WORK)
         low_rank = 0.5 * (low_rank + low_rank.T)
         values, vectors = torch.linalg.eigh(low_rank)
         keep = values.argsort(descending=True)[:rank]
         values, vectors = values[keep], vectors[:, keep]
         diag_low_rank = low_rank.diagonal()
     else:
-        blocks, signs = [(1 - beta) ** 0.5 * u], [torch.ones(rank, dtype=_WORK, device=u.device)]
+        blocks, signs = [kept ** 0.5 * u], [torch.ones(rank, dtype=_WORK, device=u.device)]
         for block, sign in ((curvature_factor, 1.0), (negative_factor, -1.0)):
             if block is not None:
                 blocks.append(beta**0.5 * block.to(_WORK))
@@ -202,7 +228,7 @@ def project(factor: torch.Tensor, diag: torch.Tensor, beta: float,
     new_factor = vectors * values.clamp_min(0).sqrt()
     if new_factor.shape[1] < rank:  # fewer directions than the rank: pad with zeros
         new_factor = torch.cat([new_factor, new_factor.new_zeros(u.shape[0], rank - new_factor.shape[1])], 1)
-    positive = (1 - beta) * d + beta * prior
+    positive = kept * d + beta * prior
     new_diag = positive + diag_low_rank - new_factor.pow(2).sum(1)
     floor = torch.where(positive > 0, positive, d * torch.finfo(_WORK).eps)
     clamped = new_diag < floor
@@ -217,7 +243,7 @@ def low_rank_step(mean: torch.Tensor, factor: torch.Tensor, diag: torch.Tensor, 
                   curvature: Optional[torch.Tensor] = None,
                   prior_precision: Optional[torch.Tensor] = None,
                   prior_loc: Optional[torch.Tensor] = None,
-                  damping: float = 0.0) -> LowRankStep:
+                  damping: float = 0.0, level: float = 0.0) -> LowRankStep:
     """
     One natural-gradient step of :math:`q(u) = \\mathcal{N}(\\mu, (UU^\\top + \\mathrm{diag}(d))^{-1})`
     (module docstring): state in, state out, nothing written.
@@ -238,6 +264,8 @@ def low_rank_step(mean: torch.Tensor, factor: torch.Tensor, diag: torch.Tensor, 
         or ``None`` (the prior is inside ``grad`` and the curvature).
     :param prior_loc: its mean :math:`m_0` (default: zero).
     :param float damping: :math:`\\gamma \\ge 0`, added to the precision in the mean step only.
+    :param float level: :math:`c \\ge 0`, the share of the current precision the curvature
+        holds besides its factors (:func:`controlled_price_factors`; default 0).
     """
     if not 0 < beta <= 1:
         raise ValueError(f"beta must lie in (0, 1], got {beta!r}")
@@ -246,8 +274,10 @@ def low_rank_step(mean: torch.Tensor, factor: torch.Tensor, diag: torch.Tensor, 
     if (curvature is None) == (curvature_factor is None and negative_factor is None):
         raise ValueError("give the curvature either as factors (curvature_factor, negative_factor) or "
                          "dense (curvature), not both or neither")
+    if not level >= 0:
+        raise ValueError(f"level must be non-negative, got {level!r}")
     new_factor, new_diag, clamped = project(factor, diag, beta, curvature_factor, negative_factor, curvature,
-                                            prior_precision)
+                                            prior_precision, level)
     direction = grad.to(_WORK)
     if prior_precision is not None:
         centre = mean.to(_WORK) - (0.0 if prior_loc is None else prior_loc.to(_WORK))

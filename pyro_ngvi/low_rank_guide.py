@@ -8,6 +8,7 @@ a curvature is not diagonal plus low rank).
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch.distributions import transform_to
@@ -179,13 +180,17 @@ class LowRankCurvature:
     """
     The statistics of a :class:`LowRankSite` for one step: the gradient :math:`g` at the
     draw and the Price curvature :math:`\\hat H = G_+G_+^\\top - G_-G_-^\\top` as factors
-    (:func:`~pyro_ngvi.low_rank.price_factors`).
+    (:func:`~pyro_ngvi.low_rank.price_factors`), plus ``level`` :math:`c` times the current
+    precision once the control variate (:func:`~pyro_ngvi.variance.low_rank_control_variate`)
+    has used the ``displacement`` :math:`z` of the draw.
     """
 
     grad: torch.Tensor
     plus: torch.Tensor
     minus: torch.Tensor
     sampled: bool = True
+    displacement: Optional[torch.Tensor] = None
+    level: float = 0.0
 
     @property
     def tensors(self):
@@ -227,8 +232,9 @@ class LowRankSite:
         return self.raw_diag
 
     @torch.no_grad()
-    def statistics(self, one_draw: bool) -> LowRankCurvature:
-        """:math:`g` = ``loc.grad`` and the Price factors at the one draw the ELBO took.
+    def statistics(self, one_draw: bool, control_variate: bool = True) -> LowRankCurvature:
+        """:math:`g` = ``loc.grad`` and the Price factors at the one draw the ELBO took (and the
+        draw, for the control variate, with ``control_variate``).
 
         :raises ValueError: unless the gradients come from one draw (a one-particle
             ``Trace_ELBO``, ``TraceGraph_ELBO`` or ``TraceEnum_ELBO``), the only case where the draw they were taken at is known."""
@@ -241,7 +247,7 @@ class LowRankSite:
                 f"{'' if self.loc.grad is not None else ' and no gradient on its loc'}).")
         grad = self.loc.grad.detach()
         plus, minus = low_rank.price_factors(self.factor, self.diag, draws[0][None], grad[None])
-        return LowRankCurvature(grad, plus, minus)
+        return LowRankCurvature(grad, plus, minus, displacement=draws[0].detach() if control_variate else None)
 
     @property
     def tensors(self):

@@ -91,7 +91,7 @@ def site_statistics(site, live: bool = True, one_draw: bool = False, recover_dra
         through the guide, a Kronecker layer without its factors).
     """
     if isinstance(site, LowRankSite):
-        return site.statistics(one_draw)
+        return site.statistics(one_draw, recover_draws)
     stats = pop_curvature(site.loc)
     if stats is not None and live:
         return fit_to_site(stats, site) if isinstance(site, GaussianSite) and not stats.fitted else stats

@@ -28,7 +28,7 @@ from .update import full_covariance
 from .update import fused
 from .update.kronecker import kronecker_step
 from .update.mean_field import coupled_mean_step
-from .variance import dense_control_variate
+from .variance import dense_control_variate, low_rank_control_variate
 
 #: A large site's update runs in spans of this many elements (see :func:`mean_field_group`; 2^18
 #: measured 5-6 % faster than 2^16 and than whole sites at 0.5 and 3.8 million weights, 2-core CPU).
@@ -460,6 +460,8 @@ def dense_site(ctx: Context, site, stats, settings: Settings, tau: float, state,
     factor = site.factor if isinstance(site, FullCovarianceSite) else None
     if factor is not None and stats.eps_mean is not None:  # one draw: its control variate
         stats, level = dense_control_variate(factor, stats, state)
+    elif isinstance(site, LowRankSite) and stats.displacement is not None:
+        stats, level = low_rank_control_variate(site, stats, state)
     grad = stats.grad / tau if tau != 1 else stats.grad
     direction = grad
     if rho and state.momentum is not None:
@@ -473,11 +475,11 @@ def dense_site(ctx: Context, site, stats, settings: Settings, tau: float, state,
         if adaptive:  # (a rank-2 Price estimate is never taken whole: from n = 1 / beta)
             lr, beta, count = dense_rates(settings, state, start=1.0 / beta)
         step = low_rank_step(site.mean, site.factor, site.diag, direction, lr, beta, stats.plus / tau ** 0.5,
-                             stats.minus / tau ** 0.5, damping=damping)
-        kept = {}
+                             stats.minus / tau ** 0.5, damping=damping, level=stats.level / tau)
+        kept = dict(level)
         if adaptive:  # the drift test on the Newton step in the new guide's standard deviations
             newton = solve(step.factor, step.diag, direction) / marginal_variance(step.factor, step.diag).sqrt()
-            kept = dense_count(settings, state, count, newton)
+            kept.update(dense_count(settings, state, count, newton))
         return (step.mean, step.factor, step.diag), direction, kept
     count = None
     if adaptive:

@@ -26,7 +26,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional
 
 import torch
 
-from . import full_covariance
+from . import full_covariance, low_rank
 from .family import GaussianSite, SiteCurvature
 from .groups import flat
 
@@ -184,3 +184,21 @@ def dense_control_variate(factor: torch.Tensor, stats: SiteCurvature, state):
     kept = observed if state.level is None else torch.lerp(state.level.to(observed), observed, LEVEL_RATE)
     stats = replace(stats, grad=grad.to(stats.grad), curvature=curvature, eps_mean=None)
     return stats, {"level": kept.to(stats.grad.dtype)}
+
+
+def low_rank_control_variate(site, stats, state):
+    """
+    A low-rank-precision site's one-draw statistics (the draw's ``displacement`` :math:`z`)
+    with the control variate of :func:`~pyro_ngvi.low_rank.controlled_price_factors`, its
+    coefficient :math:`c` the level ``state`` kept (0 at the first step; at least 0), and the
+    level to keep: the running mean, at rate :data:`LEVEL_RATE`, of
+    :math:`\\mathrm{tr}(S^{-1}\\hat H)/D = z^\\top g / D`, as for the full covariance
+    (:func:`dense_control_variate`). Returns ``(stats, {"level": ...})``.
+    """
+    z, grad = stats.displacement, stats.grad
+    observed = (z.to(grad) @ grad) / grad.numel()
+    level = 0.0 if state.level is None else max(float(state.level), 0.0)
+    controlled, plus, minus = low_rank.controlled_price_factors(site.factor, site.diag, z.to(grad), grad, level)
+    kept = observed if state.level is None else torch.lerp(state.level.to(observed), observed, LEVEL_RATE)
+    return replace(stats, grad=controlled, plus=plus, minus=minus, displacement=None, level=level), {"level": kept}
+

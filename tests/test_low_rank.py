@@ -97,6 +97,40 @@ def test_price_factors_are_the_symmetrised_stein_estimate():
     assert torch.allclose(plus @ plus.T - minus @ minus.T, expected, atol=1e-12)
 
 
+def test_the_control_variate_subtracts_a_quadratic_of_mean_zero():
+    # g' = g - c S z and H' = sym(S z g'^T) + c S = H - c (S z z^T S - S), whose mean is H's (E zz^T = S^-1)
+    factor, diag, precision = random_state(5, 2, seed=7)
+    g = torch.Generator().manual_seed(8)
+    z, grad = torch.randn(5, generator=g, dtype=F64), torch.randn(5, generator=g, dtype=F64)
+    controlled, plus, minus = low_rank.controlled_price_factors(factor, diag, z, grad, 0.7)
+    a = precision @ z
+    assert torch.allclose(controlled, grad - 0.7 * a, atol=1e-12)
+    plain_plus, plain_minus = low_rank.price_factors(factor, diag, z[None], grad[None])
+    plain = plain_plus @ plain_plus.T - plain_minus @ plain_minus.T
+    assert torch.allclose(plus @ plus.T - minus @ minus.T + 0.7 * precision,
+                          plain - 0.7 * (torch.outer(a, a) - precision), atol=1e-12)
+
+
+@pytest.mark.parametrize("rank", [5, 2])
+def test_one_draw_with_the_control_variate_is_exact_at_the_posterior(rank):
+    # a quadratic target whose Hessian is the guide's precision, the guide at its optimum: with
+    # c = 1 every single draw leaves mean and precision where they are (without the control
+    # variate one draw's rank-2 estimate moves both)
+    factor, diag, precision = random_state(5, rank, seed=9)
+    mean = torch.randn(5, generator=torch.Generator().manual_seed(10), dtype=F64)
+    for seed in range(3):
+        z = torch.randn(5, generator=torch.Generator().manual_seed(seed), dtype=F64)
+        grad = precision @ z  # the target's gradient at the draw mean + z: its Hessian times z
+        for level, exact in ((1.0, True), (0.0, False)):
+            controlled, plus, minus = low_rank.controlled_price_factors(factor, diag, z, grad, level)
+            step = low_rank.low_rank_step(mean, factor, diag, controlled, 0.5, 0.5, plus, minus, level=level)
+            new = step.factor @ step.factor.T + torch.diag(step.diag)
+            assert torch.allclose(new, precision, atol=1e-10) == exact
+            assert torch.allclose(step.mean, mean, atol=1e-10) == exact
+    with pytest.raises(ValueError, match="level"):
+        low_rank.low_rank_step(mean, factor, diag, grad, 0.5, 0.5, plus, minus, level=-1.0)
+
+
 def regression(size=8, count=3, seed=4):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(count, size, generator=g, dtype=F64)
@@ -219,7 +253,11 @@ def test_ngvi_trains_the_low_rank_precision_to_the_exact_posterior(rank):
     """NGVI() with a one-particle Trace_ELBO takes natural-gradient steps on the family
     (Price factors of the draw the guide recorded, adaptive steps): with rank D the precision
     reaches the exact one, with rank 2 its diagonal (the projection keeps it exact); the mean
-    is the exact posterior mean either way."""
+    is the exact posterior mean either way. The one draw's control variate
+    (:func:`~pyro_ngvi.low_rank.controlled_price_factors`) is what makes it exact: without it,
+    the rank-2 estimates left it 0.07-0.22 off in precision (relative norm) and 0.06-0.27
+    posterior sd off in the mean after 400 steps (seeds 0-2), with it 0.015-0.07 and 0.008-0.05."""
+    pyro.set_rng_seed(0)
     model, data, mean, sd, precision = correlated_regression()
     guide = LowRankPrecisionNormal(model, rank=rank)
     optim = NGVI()
@@ -230,10 +268,10 @@ def test_ngvi_trains_the_low_rank_precision_to_the_exact_posterior(rank):
             svi.step(*data)
     site = LowRankSite.of(guide)
     fitted = site.factor @ site.factor.T + torch.diag(site.diag)
-    assert ((site.mean - mean) / sd).abs().max() < 0.25
-    assert ((fitted.diagonal() - precision.diagonal()) / precision.diagonal()).abs().max() < 0.3
-    if rank == 6:
-        assert (fitted - precision).norm() / precision.norm() < 0.15
+    assert ((site.mean - mean) / sd).abs().max() < (0.08 if rank == 6 else 0.1)
+    assert ((fitted.diagonal() - precision.diagonal()) / precision.diagonal()).abs().max() < (0.08 if rank == 6
+                                                                                              else 0.3)
+    assert (fitted - precision).norm() / precision.norm() < (0.05 if rank == 6 else 0.1)
     assert optim.num_skipped_steps == 0 and len(optim.get_state()["ngvi"]["sites"]) == 1
 
 
