@@ -82,7 +82,9 @@ class Regression:
         return self.x, self.y
 
     def kl(self, mean: torch.Tensor, factor: torch.Tensor) -> float:
-        """KL(N(mean, factor factor^T) || posterior)."""
+        """KL(N(mean, factor factor^T) || posterior) (``factor`` None: a singular precision, infinite)."""
+        if factor is None:
+            return math.inf
         offset = mean - self.mean
         trace = (self.precision * (factor @ factor.T)).sum()
         logdet_q = 2 * factor.diagonal().log().sum()
@@ -98,7 +100,9 @@ def guide_gaussian(guide):
             return posterior.loc.detach(), posterior.scale_tril.detach()
         if isinstance(guide, LowRankPrecisionNormal):  # S = L L^T: L^-T is a triangular square root of S^-1
             posterior = guide.get_posterior()
-            lower = torch.linalg.cholesky(posterior.precision_matrix)
+            lower, info = torch.linalg.cholesky_ex(posterior.precision_matrix)
+            if info:  # numerically singular: a direction of (practically) infinite variance
+                return posterior.loc.detach(), None
             eye = torch.eye(lower.shape[-1], dtype=lower.dtype)
             return posterior.loc.detach(), torch.linalg.solve_triangular(lower, eye, upper=False).T
         loc, scale = guide._get_loc_and_scale("w")

@@ -238,8 +238,9 @@ class NGVI(PyroOptim):
             step = dense_site(context, site, stats[site.key], settings, tau, state_of[site.key], adaptive)
             if step is None:
                 self.num_skipped_steps += 1
-                self._skip(f"the new precision of {site.name!r} is not numerically positive definite; the "
-                           "guide is unchanged", "Lower beta or add damping.", every=True)
+                self._skip(f"the new precision of {site.name!r} is not numerically positive definite (or "
+                           "its eigen-decomposition did not converge); the guide is unchanged",
+                           "Lower beta or add damping.", every=True)
                 return False
             dense_steps.append((step, settings.momentum))
         self._point_step(others, *args, **kwargs)  # before any guide write: it may still fail

@@ -474,8 +474,13 @@ def dense_site(ctx: Context, site, stats, settings: Settings, tau: float, state,
         count = None
         if adaptive:  # (a rank-2 Price estimate is never taken whole: from n = 1 / beta)
             lr, beta, count = dense_rates(settings, state, start=1.0 / beta)
-        step = low_rank_step(site.mean, site.factor, site.diag, direction, lr, beta, stats.plus / tau ** 0.5,
-                             stats.minus / tau ** 0.5, damping=damping, level=stats.level / tau)
+        try:
+            step = low_rank_step(site.mean, site.factor, site.diag, direction, lr, beta, stats.plus / tau ** 0.5,
+                                 stats.minus / tau ** 0.5, damping=damping, level=stats.level / tau)
+        except torch.linalg.LinAlgError:  # an eigen-decomposition that did not converge: skip the step
+            return None
+        if not all(bool(torch.isfinite(t).all()) for t in step[:3]):
+            return None
         kept = dict(level)
         if adaptive:  # the drift test on the Newton step in the new guide's standard deviations
             newton = solve(step.factor, step.diag, direction) / marginal_variance(step.factor, step.diag).sqrt()

@@ -291,3 +291,24 @@ def test_site_writes_back_what_it_reads():
     site.write(mean, factor, diag)
     assert torch.allclose(site.mean, mean) and torch.allclose(site.factor, factor)
     assert torch.allclose(site.diag, diag, rtol=1e-12)
+
+
+def test_a_step_whose_eigen_decomposition_fails_is_skipped_and_leaves_the_guide_unchanged():
+    # gradients of 1e200: the projection's eigen-decomposition cannot converge (before, a raw
+    # LinAlgError out of svi.step); the step is skipped with a warning, nothing written
+    def model(y):
+        w = pyro.sample("w", dist.Normal(torch.zeros(4, dtype=F64), 1.0).to_event(1))
+        pyro.sample("y", dist.Normal(w * 1e100, 1.0).to_event(1), obs=y)
+
+    pyro.set_rng_seed(0)
+    guide = LowRankPrecisionNormal(model, rank=2)
+    optim = NGVI()
+    svi = SVI(model, guide, optim, Trace_ELBO())
+    with pytest.warns(UserWarning, match="not numerically positive definite .*guide is unchanged"):
+        svi.step(torch.zeros(4, dtype=F64))
+    site = LowRankSite.of(guide)
+    before = [t.detach().clone() for t in site.tensors]
+    with pytest.warns(UserWarning, match="eigen-decomposition did not converge"):
+        svi.step(torch.full((4,), 1e160, dtype=F64))
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, site.tensors))
+    assert optim.num_skipped_steps == 2 and optim.num_steps == 0
