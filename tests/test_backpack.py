@@ -181,9 +181,10 @@ def sampled_ggn_variance(likelihood, f, jac):
     return (8 * a_sq**2).sum(0)
 
 
+@pytest.mark.parametrize("container", CONTAINERS)
 @pytest.mark.parametrize("likelihood", LIKELIHOODS)
-def test_ggn_mc_is_unbiased_for_ggn(likelihood):
-    plain, net, loss_module, x, y = make_problem(likelihood, seed=3)
+def test_ggn_mc_is_unbiased_for_ggn(likelihood, container):
+    plain, net, loss_module, x, y = make_problem(likelihood, seed=3, container=container)
     ggn, jac, _ = reference_ggn(plain, likelihood, x)
     f = plain(x).detach()
     mc_samples = 4000

@@ -207,7 +207,7 @@ def network_curvature(
     closed_form = mlp.plan(net) if source in mlp.SOURCES else None
     if closed_form is not None and (params is None or len(params) == len(closed_form.params)
                                     and all(p is q for p, q in zip(params, closed_form.params))):
-        result = mlp.mlp_curvature(closed_form, loss_module, x, y, source, check_output)
+        result = mlp.mlp_curvature(closed_form, loss_module, x, y, source, check_output, mc_samples)
         if result is not None:
             for p in closed_form.params:
                 p.grad = None

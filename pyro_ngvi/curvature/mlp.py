@@ -27,13 +27,14 @@ Hessian in the output (:math:`H_i = S_i S_i^\\top`) column by column,
 with, per loss (``reduction="sum"``): cross-entropy :math:`\\nabla_f \\ell = p - e_y`,
 :math:`S = \\mathrm{diag}(\\sqrt p) - p \\sqrt p^\\top` (so :math:`S S^\\top = \\mathrm{diag}(p) - p p^\\top`);
 Bernoulli logits :math:`\\sigma(f) - y`, :math:`S = \\mathrm{diag}\\sqrt{\\sigma(1 - \\sigma)}`;
-squared error :math:`2 (f - y)`, :math:`S = \\sqrt 2 I`. Where no layer further down needs the
+squared error :math:`2 (f - y)`, :math:`S = \\sqrt 2 I`; ``ggn_mc`` (BackPACK's ``DiagGGNMC``) takes
+for :math:`S` the loss gradients at targets drawn from the likelihood (:func:`sampled_rows`). Where no layer further down needs the
 rows of :math:`M`, only :math:`\\mathrm{diag}(W^\\top D H D W)` is formed (:class:`OutputHessian`). These are the same equations
 BackPACK's ``SumGradSquared`` and ``DiagGGNExact`` evaluate (Dangel et al. 2020), without
 the per-module hooks, which on a small network cost more than the arithmetic.
 
-:func:`plan` says whether a network is such an MLP (anything else, and the sampled
-``ggn_mc`` and Kronecker sources, stay with BackPACK); :func:`mlp_curvature` runs the passes.
+:func:`plan` says whether a network is such an MLP (anything else, and the Kronecker
+sources, stay with BackPACK); :func:`mlp_curvature` runs the passes.
 """
 
 from typing import Callable, List, NamedTuple, Optional, Tuple
@@ -45,7 +46,7 @@ from torch.nn import functional as F
 from backpack import hook_run_extensions, hook_store_io
 
 #: Sources computed here (the rest need BackPACK).
-SOURCES = ("ef", "ggn", "reparam", "none")
+SOURCES = ("ef", "ggn", "ggn_mc", "reparam", "none")
 
 #: Element-wise activations: module type -> (forward, derivative from the input ``z`` and
 #: the output ``a``), the module's own settings read at call time.
@@ -158,6 +159,30 @@ def output_gradient_and_hessian(loss_module: nn.Module, f: torch.Tensor, y: torc
     return None
 
 
+def sampled_rows(loss_module: nn.Module, f: torch.Tensor, mc_samples: int) -> torch.Tensor:
+    """
+    ``ggn_mc``'s rows :math:`M_L` (``(B, mc_samples, D)``): per example the loss gradients in
+    the output at targets drawn from the likelihood itself, :math:`r_m = \\nabla_f \\ell(f,
+    \\tilde y_m) / \\sqrt{M}`, whose :math:`\\sum_m r_m r_m^\\top` has mean :math:`H` (the Fisher
+    of the likelihood): :math:`p - e_{\\tilde y}`, :math:`\\tilde y \\sim \\mathrm{Cat}(p)`;
+    :math:`\\sigma(f) - \\tilde y`, :math:`\\tilde y \\sim \\mathrm{Bern}(\\sigma(f))`; and for the
+    squared error :math:`2 (f - \\tilde y) = \\sqrt 2\\,\\xi`, :math:`\\tilde y \\sim \\mathcal N(f, I/2)`.
+    """
+    kind = type(loss_module)
+    batch, size = f.shape
+    if kind is nn.CrossEntropyLoss:
+        p = torch.softmax(f, dim=-1)
+        drawn = torch.multinomial(p, mc_samples, replacement=True)  # (B, M)
+        rows = p.unsqueeze(1).expand(batch, mc_samples, size).clone()
+        rows.scatter_add_(2, drawn.unsqueeze(-1), rows.new_full((batch, mc_samples, 1), -1.0))
+    elif kind is nn.BCEWithLogitsLoss:
+        s = torch.sigmoid(f).unsqueeze(1)
+        rows = s - torch.bernoulli(s.expand(batch, mc_samples, size))
+    else:
+        rows = torch.randn(batch, mc_samples, size, dtype=f.dtype, device=f.device).mul_(2.0**0.5)
+    return rows / mc_samples**0.5
+
+
 class OutputHessian:
     """
     The loss Hessian in the network output per example, backpropagated through the layers
@@ -168,10 +193,10 @@ class OutputHessian:
     :math:`M = S^\\top D W` of a square root (:math:`S S^\\top = H`).
     """
 
-    def __init__(self, p: torch.Tensor, categorical: bool = False):
+    def __init__(self, p: torch.Tensor, categorical: bool = False, rows: Optional[torch.Tensor] = None):
         self.p, self.categorical = p, categorical
         self.diagonal = None  # diag(W^T D H D W), the last layer's input side
-        self.rows = None  # M (B, columns, units)
+        self.rows = rows  # M (B, columns, units); given: a sampled square root (ggn_mc)
         self.scale = None  # s (B, units), pending
 
     def activation(self, derivative: torch.Tensor) -> None:
@@ -211,10 +236,11 @@ class OutputHessian:
 
 @torch.no_grad()
 def mlp_curvature(mlp: Plan, loss_module: nn.Module, x: torch.Tensor, y: torch.Tensor, source: str,
-                  check_output: Optional[Callable[[torch.Tensor], None]] = None):
+                  check_output: Optional[Callable[[torch.Tensor], None]] = None, mc_samples: int = 1):
     """
     ``(loss, grads, curvatures)`` of the summed loss at the weights the net holds (the
-    equations of the module docstring; ``curvatures`` ``None`` per parameter for
+    equations of the module docstring; ``ggn_mc`` with the rows of :func:`sampled_rows`, its
+    ``mc_samples`` targets per example; ``curvatures`` ``None`` per parameter for
     ``reparam`` / ``none``), or ``None`` when the loss or the input's form is not covered
     (the caller then asks BackPACK).
     """
@@ -240,6 +266,9 @@ def mlp_curvature(mlp: Plan, loss_module: nn.Module, x: torch.Tensor, y: torch.T
     if result is None:
         return None
     loss, delta, hessian = result
+    if source == "ggn_mc":
+        hessian = OutputHessian(hessian.p, rows=sampled_rows(loss_module, h, mc_samples))
+        source = "ggn"  # (the same backward, from the sampled rows)
     grads, curvatures = {}, {}
     linears = [k for k, (kind, _) in enumerate(mlp.layers) if kind == "linear"]
     for k in range(len(mlp.layers) - 1, linears[0] - 1, -1):
