@@ -82,6 +82,35 @@ def test_closed_form_equals_backpack(source, likelihood, activation, net_kind):
     assert all(p.grad is None for p in plain.parameters())
 
 
+@pytest.mark.parametrize("net_kind", list(NETS))
+@pytest.mark.parametrize("likelihood", list(LOSSES))
+def test_kronecker_factors_equal_backpacks(likelihood, net_kind):
+    # kflr: [G, A] of each weight, [G] of each bias, as BackPACK's KFLR; kfac (sampled targets) has
+    # G's mean: over many targets it is KFLR's G
+    torch.manual_seed(0)
+    make_loss, out = LOSSES[likelihood]
+    plain, other = both_paths(NETS[net_kind](nn.Tanh(), out))
+    if net_kind.startswith("a bare"):
+        plain = plain[0]
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(B, 6, generator=generator, dtype=torch.float64)
+    if net_kind.startswith("flatten"):
+        x = x.reshape(B, 2, 3)
+    y = targets(likelihood, out, generator)
+    closed = network_curvature(plain, extend(make_loss()), x, y, "kflr", loss_scale=0.3)
+    reference = network_curvature(other, extend(make_loss()), x, y, "kflr", loss_scale=0.3)
+    assert reference.inputs is None and closed.inputs is not None
+    for factors, factors_ref in zip(closed.curvatures, reference.curvatures):
+        assert len(factors) == len(factors_ref)
+        for f, f_ref in zip(factors, factors_ref):
+            assert f.shape == f_ref.shape and torch.allclose(f, f_ref, rtol=1e-10, atol=1e-14)
+    sampled = network_curvature(plain, extend(make_loss()), x, y, "kfac", mc_samples=20000, loss_scale=0.3)
+    for factors, factors_ref in zip(sampled.curvatures, reference.curvatures):
+        scale = factors_ref[0].abs().max()
+        assert (factors[0] - factors_ref[0]).abs().max() < 0.05 * scale
+        assert len(factors) == 1 or torch.allclose(factors[1], factors_ref[1], rtol=1e-10, atol=1e-14)
+
+
 def _twice(layer):
     return nn.Sequential(layer, nn.Tanh(), layer)
 
@@ -181,5 +210,29 @@ def test_the_recipe_takes_the_same_steps_on_both_paths(likelihood, source):
         for name in results[0]:
             assert torch.allclose(results[0][name], results[1][name], rtol=0.05, atol=0.02), name
         return
+    for name in results[0]:
+        assert torch.allclose(results[0][name], results[1][name], rtol=1e-9, atol=1e-12), name
+
+
+def test_a_kronecker_guide_takes_the_same_steps_on_both_paths():
+    # KroneckerNormal's step reads its input factor from the inputs the closed form returns
+    # (BackPACK's pass fills them by a hook instead): the same guide after a few steps
+    from pyro_ngvi import KroneckerNormal
+
+    x = torch.randn(40, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    results = []
+    for container in (nn.Sequential, BackpackOnly):
+        pyro.clear_param_store()
+        torch.manual_seed(0)
+        net = container(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+        bnn = BayesianNet(net, likelihood="categorical", num_data=len(x))
+        guide = KroneckerNormal(bnn, init_scale=float(bnn.initial_scale()))
+        svi = SVI(bnn, guide, NGVI(), loss=CurvatureELBO("ggn"))
+        torch.manual_seed(1)
+        for step in range(5):
+            svi.step(x[8 * step: 8 * step + 8], y[8 * step: 8 * step + 8])
+        results.append({name: value.detach().clone() for name, value in pyro.get_param_store().items()})
+    assert results[0].keys() == results[1].keys() and len(results[0]) > 0
     for name in results[0]:
         assert torch.allclose(results[0][name], results[1][name], rtol=1e-9, atol=1e-12), name

@@ -125,11 +125,14 @@ class NetworkCurvature(NamedTuple):
         ``kfac`` the list of Kronecker factors ``[G, A]`` of a ``Linear`` weight,
         ``[G]`` of its bias, :math:`G` summed and :math:`A` averaged over the
         batch), ``None`` for every parameter under ``reparam`` and ``none``.
+    :param inputs: when the closed form (:mod:`.mlp`) computed it, each ``Linear``
+        weight's layer input (``None`` for a bias); ``None`` from BackPACK.
     """
 
     loss: torch.Tensor
     grads: List[torch.Tensor]
     curvatures: List[Optional[torch.Tensor]]
+    inputs: Optional[List[Optional[torch.Tensor]]] = None
 
 
 def _check_source(source: str) -> None:
@@ -211,7 +214,8 @@ def network_curvature(
         if result is not None:
             for p in closed_form.params:
                 p.grad = None
-            return _scaled(*result, source, loss_scale)
+            loss, grads, curvatures, inputs = result
+            return _scaled(loss, grads, curvatures, source, loss_scale)._replace(inputs=inputs)
     extension = _extension(source, mc_samples, batch_statistics=source in BATCH_STATISTICS_EXTENSIONS
                            and has_batch_statistics(net))
     if params is None:

@@ -33,8 +33,9 @@ rows of :math:`M`, only :math:`\\mathrm{diag}(W^\\top D H D W)` is formed (:clas
 BackPACK's ``SumGradSquared`` and ``DiagGGNExact`` evaluate (Dangel et al. 2020), without
 the per-module hooks, which on a small network cost more than the arithmetic.
 
-:func:`plan` says whether a network is such an MLP (anything else, and the Kronecker
-sources, stay with BackPACK); :func:`mlp_curvature` runs the passes.
+The Kronecker factors of ``KFLR`` / ``KFAC`` are :math:`G = \\sum_i M_i^\\top M_i` from the same rows
+and :math:`A = \\frac1B \\sum_i a_i a_i^\\top`. :func:`plan` says whether a network is such an MLP
+(anything else stays with BackPACK); :func:`mlp_curvature` runs the passes.
 """
 
 from typing import Callable, List, NamedTuple, Optional, Tuple
@@ -46,7 +47,7 @@ from torch.nn import functional as F
 from backpack import hook_run_extensions, hook_store_io
 
 #: Sources computed here (the rest need BackPACK).
-SOURCES = ("ef", "ggn", "ggn_mc", "reparam", "none")
+SOURCES = ("ef", "ggn", "ggn_mc", "kflr", "kfac", "reparam", "none")
 
 #: Element-wise activations: module type -> (forward, derivative from the input ``z`` and
 #: the output ``a``), the module's own settings read at call time.
@@ -73,8 +74,9 @@ _BACKPACK_HOOKS = (hook_store_io, hook_run_extensions)
 
 
 def _no_foreign_hooks(module: nn.Module) -> bool:
-    """No hooks but BackPACK's on ``module``."""
-    return all(hook in _BACKPACK_HOOKS
+    """No hooks but BackPACK's and input captures whose owner reads the inputs this module
+    returns instead (marked ``closed_form_reads_inputs``)."""
+    return all(hook in _BACKPACK_HOOKS or getattr(hook, "closed_form_reads_inputs", False)
                for hooks in (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
                              module._backward_pre_hooks)
                for hook in hooks.values())
@@ -203,6 +205,20 @@ class OutputHessian:
         """Through an element-wise activation: :math:`D \\leftarrow D\\,\\mathrm{diag}(\\phi'(z))`."""
         self.scale = derivative if self.scale is None else self.scale * derivative
 
+    def root_rows(self) -> None:
+        """Hold the rows :math:`S^\\top` of the output's square root from the start (the Kronecker
+        factors need :math:`\\sum_i M_i^\\top M_i` at every layer, not only its diagonal)."""
+        if self.rows is None:
+            root = self.p.sqrt()
+            self.rows = (torch.diag_embed(root) - root.unsqueeze(-1) * self.p.unsqueeze(-2) if self.categorical
+                         else torch.diag_embed(root))
+
+    def output_factor(self) -> torch.Tensor:
+        """:math:`G = \\sum_i M_i^\\top M_i` (``(units, units)``), with the pending :math:`D` applied."""
+        rows = self.rows if self.scale is None else self.rows * self.scale.unsqueeze(1)
+        flat = rows.reshape(-1, rows.shape[-1])
+        return flat.T @ flat
+
     def column_square(self) -> torch.Tensor:
         """:math:`\\mathrm{diag}(D H D)` per example, ``(B, units)``: the layer's output side."""
         if self.rows is not None:
@@ -238,11 +254,14 @@ class OutputHessian:
 def mlp_curvature(mlp: Plan, loss_module: nn.Module, x: torch.Tensor, y: torch.Tensor, source: str,
                   check_output: Optional[Callable[[torch.Tensor], None]] = None, mc_samples: int = 1):
     """
-    ``(loss, grads, curvatures)`` of the summed loss at the weights the net holds (the
-    equations of the module docstring; ``ggn_mc`` with the rows of :func:`sampled_rows`, its
-    ``mc_samples`` targets per example; ``curvatures`` ``None`` per parameter for
-    ``reparam`` / ``none``), or ``None`` when the loss or the input's form is not covered
-    (the caller then asks BackPACK).
+    ``(loss, grads, curvatures, inputs)`` of the summed loss at the weights the net holds
+    (the equations of the module docstring; ``ggn_mc`` with the rows of :func:`sampled_rows`,
+    its ``mc_samples`` targets per example; ``kflr`` / ``kfac`` the Kronecker factors
+    :math:`[G, A]`, :math:`G = \\sum_i M_i^\\top M_i` from the exact / sampled rows and
+    :math:`A = \\frac1B \\sum_i a_i a_i^\\top`, ``[G]`` for a bias, as BackPACK's ``KFLR`` / ``KFAC``;
+    ``curvatures`` ``None`` per parameter for ``reparam`` / ``none``; ``inputs`` each weight's
+    layer input :math:`a`, ``None`` for a bias), or ``None`` when the loss or the input's
+    form is not covered (the caller then asks BackPACK).
     """
     h = x
     saved = []  # per layer: its input (and an activation's output)
@@ -266,10 +285,13 @@ def mlp_curvature(mlp: Plan, loss_module: nn.Module, x: torch.Tensor, y: torch.T
     if result is None:
         return None
     loss, delta, hessian = result
-    if source == "ggn_mc":
+    if source in ("ggn_mc", "kfac"):  # (the same backward as ggn / kflr, from sampled rows)
         hessian = OutputHessian(hessian.p, rows=sampled_rows(loss_module, h, mc_samples))
-        source = "ggn"  # (the same backward, from the sampled rows)
-    grads, curvatures = {}, {}
+        source = "ggn" if source == "ggn_mc" else "kflr"
+    elif source == "kflr":
+        hessian.root_rows()
+    second_order = source in ("ggn", "kflr")
+    grads, curvatures, inputs = {}, {}, {}
     linears = [k for k, (kind, _) in enumerate(mlp.layers) if kind == "linear"]
     for k in range(len(mlp.layers) - 1, linears[0] - 1, -1):
         kind, module = mlp.layers[k]
@@ -278,22 +300,28 @@ def mlp_curvature(mlp: Plan, loss_module: nn.Module, x: torch.Tensor, y: torch.T
             if derivative is not None:
                 d = derivative(module, *saved[k])
                 delta = delta * d
-                if source == "ggn":
+                if second_order:
                     hessian.activation(d)
             continue
         a = saved[k]
         weight, bias = module.weight, module.bias
+        inputs[id(weight)] = a
         grads[id(weight)] = delta.t() @ a
         if bias is not None:
             grads[id(bias)] = delta.sum(0)
-        if source in ("ef", "ggn"):
+        if source == "kflr":  # [G, A]: G summed, A averaged over the batch ([G] for the bias)
+            output_factor = hessian.output_factor()
+            curvatures[id(weight)] = [output_factor, a.T @ a / len(a)]
+            if bias is not None:
+                curvatures[id(bias)] = [output_factor]
+        elif source in ("ef", "ggn"):
             column_square = delta.square() if source == "ef" else hessian.column_square()
             curvatures[id(weight)] = column_square.t() @ a.square()
             if bias is not None:
                 curvatures[id(bias)] = column_square.sum(0)
         if k > linears[0]:
             delta = delta @ weight
-            if source == "ggn":
-                hessian.linear(weight, last=k == linears[1])
+            if second_order:
+                hessian.linear(weight, last=source == "ggn" and k == linears[1])
     return (loss, [grads[id(p)] for p in mlp.params],
-            [curvatures.get(id(p)) for p in mlp.params])
+            [curvatures.get(id(p)) for p in mlp.params], [inputs.get(id(p)) for p in mlp.params])

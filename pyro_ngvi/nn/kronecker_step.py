@@ -7,7 +7,8 @@ The fast path of a :class:`~pyro_ngvi.BayesianNet` with a
           \\hat A = \\tfrac1B \\sum_i \\bar a_i \\bar a_i^\\top,
 
 :math:`\\bar W = [W, b]` written into the net, one backward pass under BackPACK's
-``KFLR`` (``curvature="ggn"``) or ``KFAC`` (``"ggn_mc"``) giving
+``KFLR`` (``curvature="ggn"``) or ``KFAC`` (``"ggn_mc"``) (on a plain MLP the same factors in closed
+form, :mod:`pyro_ngvi.curvature.mlp`) giving
 :math:`\\nabla_{\\bar W}\\ell` and the output factor :math:`G`, the input factor from
 the layer's inputs (a column of ones for the bias); averaged over particles and
 attached to each layer's ``loc`` as a
@@ -74,7 +75,8 @@ class KroneckerStep:
             particle = []
             for layer, (weight, bias, inputs, _) in layers:
                 grad = result.grads[weight.index]
-                activations = inputs[0]
+                # (the closed form of a plain MLP returns the inputs; BackPACK's pass fires the hook)
+                activations = inputs[0] if result.inputs is None else result.inputs[weight.index]
                 if bias is not None:
                     grad = torch.cat([grad, result.grads[bias.index].unsqueeze(-1)], -1)
                     activations = torch.cat([activations, torch.ones_like(activations[:, :1])], -1)
@@ -169,7 +171,10 @@ class KroneckerStep:
 
 
 def _keep_input(inputs: list):
-    """A forward pre-hook that keeps the layer's (detached) input in ``inputs[0]``."""
+    """A forward pre-hook that keeps the layer's (detached) input in ``inputs[0]`` (the closed
+    form of a plain MLP, which runs no module, may skip it: the step then reads the inputs it
+    returns, :attr:`~pyro_ngvi.curvature.backpack.NetworkCurvature.inputs`)."""
     def hook(module, args):
         inputs[:] = [args[0].detach()]
+    hook.closed_form_reads_inputs = True
     return hook
