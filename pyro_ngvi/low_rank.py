@@ -151,8 +151,8 @@ def price_factors(factor: torch.Tensor, diag: torch.Tensor, displacements: torch
     return ((a + grads) / (2 * count**0.5)).T, ((a - grads) / (2 * count**0.5)).T
 
 
-def controlled_price_factors(factor: torch.Tensor, diag: torch.Tensor, displacement: torch.Tensor,
-                             grad: torch.Tensor, level: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def controlled_price_factors(precision_displacement: torch.Tensor, grad: torch.Tensor,
+                             level: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """
     One draw's gradient and Price factors (:func:`price_factors`) with the control variate of
     the quadratic whose Hessian is :math:`cS` (:math:`c` = ``level``, a number from before
@@ -164,10 +164,12 @@ def controlled_price_factors(factor: torch.Tensor, diag: torch.Tensor, displacem
 
     unbiased for any :math:`c`, and exact on a quadratic target whose Hessian is :math:`cS`: the
     low-rank form of :func:`~pyro_ngvi.full_covariance.controlled_price_statistics`. The
-    :math:`cS` goes to the step as its ``level`` (:func:`project`). Returns
-    ``(g', plus, minus)``, the factors of :math:`\\tfrac12 (a g'^\\top + g' a^\\top)`.
+    :math:`cS` goes to the step as its ``level`` (:func:`project`). Takes
+    ``precision_displacement`` :math:`a` (the sum of :func:`price_factors`' two columns, or
+    :func:`precision_matvec`); returns ``(g', plus, minus)``, the factors of
+    :math:`\\tfrac12 (a g'^\\top + g' a^\\top)`.
     """
-    a = precision_matvec(factor, diag, displacement)
+    a = precision_displacement
     controlled = grad - level * a
     return controlled, ((a + controlled) / 2).unsqueeze(-1), ((a - controlled) / 2).unsqueeze(-1)
 

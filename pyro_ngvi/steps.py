@@ -461,7 +461,7 @@ def dense_site(ctx: Context, site, stats, settings: Settings, tau: float, state,
     if factor is not None and stats.eps_mean is not None:  # one draw: its control variate
         stats, level = dense_control_variate(factor, stats, state)
     elif isinstance(site, LowRankSite) and stats.displacement is not None:
-        stats, level = low_rank_control_variate(site, stats, state)
+        stats, level = low_rank_control_variate(stats, state)
     grad = stats.grad / tau if tau != 1 else stats.grad
     direction = grad
     if rho and state.momentum is not None:

@@ -186,7 +186,7 @@ def dense_control_variate(factor: torch.Tensor, stats: SiteCurvature, state):
     return stats, {"level": kept.to(stats.grad.dtype)}
 
 
-def low_rank_control_variate(site, stats, state):
+def low_rank_control_variate(stats, state):
     """
     A low-rank-precision site's one-draw statistics (the draw's ``displacement`` :math:`z`)
     with the control variate of :func:`~pyro_ngvi.low_rank.controlled_price_factors`, its
@@ -198,7 +198,8 @@ def low_rank_control_variate(site, stats, state):
     z, grad = stats.displacement, stats.grad
     observed = (z.to(grad) @ grad) / grad.numel()
     level = 0.0 if state.level is None else max(float(state.level), 0.0)
-    controlled, plus, minus = low_rank.controlled_price_factors(site.factor, site.diag, z.to(grad), grad, level)
+    a = (stats.plus + stats.minus).squeeze(-1)  # (G+ + G- = S z: the one draw's factors hold it)
+    controlled, plus, minus = low_rank.controlled_price_factors(a, grad, level)
     kept = observed if state.level is None else torch.lerp(state.level.to(observed), observed, LEVEL_RATE)
     return replace(stats, grad=controlled, plus=plus, minus=minus, displacement=None, level=level), {"level": kept}
 

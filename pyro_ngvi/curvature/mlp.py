@@ -130,10 +130,11 @@ def plan(net: nn.Module) -> Optional[Plan]:
     return Plan(layers, params)
 
 
-def output_gradient_and_hessian(loss_module: nn.Module, f: torch.Tensor, y: torch.Tensor
-                                ) -> Optional[Tuple[torch.Tensor, torch.Tensor, "OutputHessian"]]:
+def output_gradient_and_hessian(loss_module: nn.Module, f: torch.Tensor, y: torch.Tensor, need_hessian: bool = True
+                                ) -> Optional[Tuple[torch.Tensor, torch.Tensor, Optional["OutputHessian"]]]:
     """
-    The summed loss, :math:`\\nabla_f \\ell` per example and the :class:`OutputHessian`;
+    The summed loss, :math:`\\nabla_f \\ell` per example and the :class:`OutputHessian` (``None``
+    unless ``need_hessian``);
     ``None`` for a loss or target form not covered here (class weights, label smoothing,
     soft targets).
     """
@@ -145,19 +146,19 @@ def output_gradient_and_hessian(loss_module: nn.Module, f: torch.Tensor, y: torc
         loss = F.cross_entropy(f, y, reduction="sum", ignore_index=loss_module.ignore_index)
         p = torch.softmax(f, dim=-1)
         grad = p.scatter_add(1, y.unsqueeze(1), p.new_full((len(y), 1), -1.0))
-        return loss, grad, OutputHessian(p, categorical=True)
+        return loss, grad, OutputHessian(p, categorical=True) if need_hessian else None
     if kind is nn.BCEWithLogitsLoss:
         if loss_module.weight is not None or loss_module.pos_weight is not None or f.shape != y.shape \
                 or f.dim() != 2:
             return None
         loss = F.binary_cross_entropy_with_logits(f, y, reduction="sum")
         s = torch.sigmoid(f)
-        return loss, s - y, OutputHessian(s * (1 - s))
+        return loss, s - y, OutputHessian(s * (1 - s)) if need_hessian else None
     if kind is nn.MSELoss:
         if f.shape != y.shape or f.dim() != 2:
             return None
         diff = f - y
-        return diff.square().sum(), 2 * diff, OutputHessian(torch.full_like(f, 2.0))
+        return diff.square().sum(), 2 * diff, OutputHessian(torch.full_like(f, 2.0)) if need_hessian else None
     return None
 
 
@@ -281,12 +282,12 @@ def mlp_curvature(mlp: Plan, loss_module: nn.Module, x: torch.Tensor, y: torch.T
             h = out
     if check_output is not None:
         check_output(h)
-    result = output_gradient_and_hessian(loss_module, h, y)
+    result = output_gradient_and_hessian(loss_module, h, y, need_hessian=source in ("ggn", "kflr"))
     if result is None:
         return None
     loss, delta, hessian = result
     if source in ("ggn_mc", "kfac"):  # (the same backward as ggn / kflr, from sampled rows)
-        hessian = OutputHessian(hessian.p, rows=sampled_rows(loss_module, h, mc_samples))
+        hessian = OutputHessian(None, rows=sampled_rows(loss_module, h, mc_samples))
         source = "ggn" if source == "ggn_mc" else "kflr"
     elif source == "kflr":
         hessian.root_rows()
