@@ -15,14 +15,14 @@ from .scales import known_scale, remember_scale
 #: The per-element buffers of :class:`SiteState` (saved by ``NGVI.get_state``).
 BUFFERS = ("momentum", "count", "drift", "hdrift")
 #: Per-site (not per-element) tensors of :class:`SiteState`, saved too.
-SITE_TENSORS = ("steps", "noise", "cross", "level")
+SITE_TENSORS = ("steps", "noise", "cross", "level", "prior")
 
 
 class SiteState:
     """What NGVI keeps for one site between steps, keyed by its ``loc`` tensor."""
 
     __slots__ = ("loc", "raw", "started", "momentum", "far_steps", "count", "drift", "hdrift", "steps", "noise",
-                 "cross", "level")
+                 "cross", "level", "prior")
 
     def __init__(self, loc: weakref.ref, raw: Optional[weakref.ref] = None):
         self.loc = loc  # a weak reference: a cleared param store frees the site
@@ -43,6 +43,8 @@ class SiteState:
         # a full-covariance site's running level tr(C^T H C) / D of its one-draw curvature (the
         # control variate's coefficient, pyro_ngvi.full_covariance.controlled_price_statistics)
         self.level: Optional[torch.Tensor] = None
+        # a Kronecker layer's prior precision per column, as folded into its factors by the last step
+        self.prior: Optional[torch.Tensor] = None
 
     def saved(self, store) -> Dict:
         """The entry :meth:`~pyro_ngvi.NGVI.get_state` saves (copies), with the sigma NGVI wrote into

@@ -468,8 +468,8 @@ def dense_site(ctx: Context, site, stats, settings: Settings, tau: float, state,
         direction = torch.lerp(grad, state.momentum, rho)
     if isinstance(site, KroneckerSite):
         step = kronecker_step(site.mean, site.row_factor, site.col_factor, direction, stats, lr, beta,
-                              tau, damping, first=not state.started)
-        return None if step is None else (tuple(step), direction, {})
+                              tau, damping, first=not state.started, folded_with=state.prior)
+        return None if step is None else (tuple(step), direction, {"prior": stats.prior_precision})
     if isinstance(site, LowRankSite):
         count = None
         if adaptive:  # (a rank-2 Price estimate is never taken whole: from n = 1 / beta)

@@ -303,3 +303,27 @@ def test_unsupported_uses_of_the_kronecker_guide_are_refused():
                                   "2.weight": 1.0, "2.bias": 1.0})
     with pytest.raises(NotImplementedError, match="one prior scale"):
         SVI(per_element, KroneckerNormal(per_element), NGVI(), CurvatureELBO("ggn")).step(x, y)
+
+
+def test_a_prior_changed_between_steps_reaches_the_kronecker_step_and_the_factors_keep_their_data_part():
+    # set_prior between steps (an evidence update, a continual task): the next step folds the
+    # new prior in, and recovers the running factors A', G' from the guide with the prior they
+    # were folded with, so that only their data part is averaged
+    bnn = tiny_bnn(num_data=40)
+    x, y = data(40)
+    guide = KroneckerNormal(bnn, init_scale=0.05)
+    beta = 0.25
+    svi = SVI(bnn, guide, NGVI(lr=0.1, beta=beta), CurvatureELBO("ggn", deterministic=True))
+    for _ in range(3):
+        svi.step(x, y)
+    old_eta = torch.ones(5, dtype=F64)  # prior scale 1 on [W, b] of the second layer (4 inputs + bias)
+    site = [s for s in gaussian_sites(guide) if s.name.endswith("2")][0]
+    before = unfold_prior(precision(site.col_factor), precision(site.row_factor), old_eta)
+    bnn.set_prior(0.5)
+    handed = handed_factors(bnn, guide, x, y)[site.name]
+    torch.testing.assert_close(handed.prior_precision, torch.full((5,), 4.0, dtype=F64))
+    svi.step(x, y)
+    site = [s for s in gaussian_sites(guide) if s.name.endswith("2")][0]
+    after = unfold_prior(precision(site.col_factor), precision(site.row_factor), handed.prior_precision)
+    torch.testing.assert_close(after[0], torch.lerp(before[0], handed.input_factor, beta), rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(after[1], torch.lerp(before[1], handed.output_factor, beta), rtol=1e-8, atol=1e-10)

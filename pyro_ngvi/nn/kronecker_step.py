@@ -138,7 +138,7 @@ class KroneckerStep:
             with guide._pyro_context:  # (re-)registers the guide's own tensors
                 for layer in guide.layers:
                     guide.get_layer(layer.name)
-        key = (id(model), id(guide))
+        key = (id(model), id(guide), model._prior_version)  # (a new prior: set_prior, .to(), ...)
         if self._cache is not None and self._cache[0] == key:
             return self._cache[1]
         by_site = {w.site: (j, w) for j, w in enumerate(model._latents)}

@@ -23,6 +23,7 @@ the network switches off. :class:`WeightPrior` is the view one step of the fast
 path uses.
 """
 
+import itertools
 from typing import List, NamedTuple, Optional, Tuple, Union
 
 import torch
@@ -35,6 +36,7 @@ from ..priors import _weight_prior_loc_scale
 from .weights import Weight
 
 PriorSpec = Union[float, torch.Tensor, Tuple, torch.distributions.Distribution]
+_PRIOR_VERSIONS = itertools.count()
 
 
 class WeightPrior(NamedTuple):
@@ -123,13 +125,17 @@ class WeightPriors:
     def set_prior(self, prior) -> None:
         """Replace the prior on the weights (``prior`` as in the constructor: a scale, or a dict
         per site); the model's next run and the fast path's next step use it (e.g. a prior set
-        by an evidence estimate between steps, ``benchmarks/smalldata_probe.py``)."""
+        by an evidence estimate between steps, ``benchmarks/smalldata_probe.py``). A
+        :class:`~pyro_ngvi.KroneckerNormal`'s next step folds the new prior into its factors
+        whole and keeps their data part (unfolded with the prior they were folded with)."""
         self._set_priors(prior)
         self._forget_priors()
 
     def _forget_priors(self) -> None:
-        """Drop the cached views of the buffers (``.to()``, ``.double()``, ... replace them)."""
+        """Drop the cached views of the buffers (``.to()``, ``.double()``, ... replace them) and
+        give the prior a new :attr:`_prior_version` (a Kronecker step keys its priors by it)."""
         self._prior_cache = self._flat_prior_cache = self._prior_index_cache = None
+        self._prior_version = next(_PRIOR_VERSIONS)
 
     def _prior_buffers(self, index: int):
         """``(loc, scale, precision, sum of log scale)`` of the ``index``-th latent site

@@ -33,6 +33,7 @@ def kronecker_step(
     tau: float = 1.0,
     damping: float = 0.0,
     first: bool = False,
+    folded_with: Optional[torch.Tensor] = None,
 ) -> Optional[KroneckerStep]:
     """
     The noisy K-FAC step of the module docstring for one layer; ``None`` when a
@@ -55,7 +56,8 @@ def kronecker_step(
     if first:
         input_factor, output_factor = input_hat, output_hat
     else:
-        current = unfold_prior(precision(col_factor.to(work)), precision(row_factor.to(work)), eta)
+        old_eta = eta if folded_with is None else folded_with.to(work)
+        current = unfold_prior(precision(col_factor.to(work)), precision(row_factor.to(work)), old_eta)
         input_factor = torch.lerp(current[0], input_hat, beta)
         output_factor = torch.lerp(current[1], output_hat, beta)
     damped_input, damped_output = fold_prior(_sym(input_factor), _sym(output_factor), eta)
