@@ -28,6 +28,7 @@ Usage::
 """
 
 import argparse
+import functools
 import math
 import os
 import sys
@@ -43,7 +44,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 
 import harness  # noqa: E402
 import smalldata as sd  # noqa: E402
-from smalldata_probe import _bisect_precision, fan_in_prior, recipe  # noqa: E402
+from smalldata_probe import _bisect_precision, method_of  # noqa: E402
 
 
 def last_linear(net):
@@ -277,33 +278,23 @@ def main():
     args = parser.parse_args()
     start = time.time()
     with harness.probe(args.task, args.seed) as task:
-        method = eval(args.method, {"harness": harness, "task": task, "recipe": recipe, "fan_in_prior": fan_in_prior})
+        method = method_of(args.method, task)
         split = task.split
         if args.ll_prior is not None:
-            per_epoch, taken, step = math.ceil(task.num_data / task.batch_size), [0], method.step
+            def set_prior(steps_taken):
+                with method.active():
+                    la = LastLayerLaplace(method.net, method.posterior(), split.x_train, split.y_train,
+                                          task.likelihood, method.noise_scale, task.num_data,
+                                          ggn_draws=args.ll_prior_draws, seed=steps_taken)
+                prior = {site: method.bnn.prior(site) for site in method.bnn.latent_sites}
+                prior[f"{la.last_name}.weight"] = prior[f"{la.last_name}.bias"] = la.alpha ** -0.5
+                method.bnn.set_prior(prior)
+                method.ll_alpha = la.alpha
 
-            def step_and_set_prior(x, y):
-                step(x, y)
-                taken[0] += 1
-                if taken[0] % per_epoch == 0 and taken[0] // per_epoch >= args.ll_prior:
-                    with method.active():
-                        la = LastLayerLaplace(method.net, method.posterior(), split.x_train, split.y_train,
-                                              task.likelihood, method.noise_scale, task.num_data,
-                                              ggn_draws=args.ll_prior_draws, seed=taken[0])
-                    prior = {site: method.bnn.prior(site) for site in method.bnn.latent_sites}
-                    prior[f"{la.last_name}.weight"] = prior[f"{la.last_name}.bias"] = la.alpha ** -0.5
-                    method.bnn.set_prior(prior)
-                    method.ll_alpha = la.alpha
+            harness.after_epochs(method, task, args.ll_prior, set_prior)
 
-            method.step = step_and_set_prior
-
-        def gen():
-            return torch.Generator().manual_seed(task.seed)
-
-        def metrics(outputs):
-            s = harness.predictive_metrics(task.likelihood, outputs, split.y_test, method.noise_scale)
-            extra = f"ece {s['ece']:.4f}" if "ece" in s else f"cov90 {s['coverage90']:.2f}"
-            return f"{sd.nll_of(task, s):.4f} {extra}"
+        gen = functools.partial(sd.generator, task)
+        metrics = functools.partial(sd.test_scores, task, method)
 
         def evaluate(m, epoch):
             with m.active():

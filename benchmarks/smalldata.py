@@ -92,6 +92,18 @@ def nll_of(task: harness.Task, scores: Dict[str, float]) -> float:
     return -scores["loglik"] if task.likelihood == "gaussian" else scores["nll"]
 
 
+def generator(task: harness.Task) -> torch.Generator:
+    """The task's seeded generator (a probe's predictive draws, the same at every checkpoint)."""
+    return torch.Generator().manual_seed(task.seed)
+
+
+def test_scores(task: harness.Task, method: harness.Method, outputs) -> str:
+    """``nll X ece Y`` (regression: ``cov90``) of predictive ``outputs`` on the test split (a probe's line)."""
+    scores = harness.predictive_metrics(task.likelihood, outputs, task.split.y_test, method.noise_scale)
+    return f"nll {nll_of(task, scores):.4f} {'ece' if 'ece' in scores else 'cov90'} " \
+           f"{scores.get('ece', scores.get('coverage90')):.4f}"
+
+
 def bounds(method: harness.Method) -> Dict[str, float]:
     """The share of the guide's weights whose sigma is at the noise limit's cap (within 1 %), and
     the median of sigma / cap over the weights that have a cap."""

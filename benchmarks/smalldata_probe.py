@@ -32,6 +32,7 @@ Usage::
 """
 
 import argparse
+import functools
 import math
 import os
 import sys
@@ -212,6 +213,12 @@ def method_means(method):
 
 
 # ------------------------------------------------------------------ the probe
+def method_of(expression: str, task) -> harness.Method:
+    """The method a probe's command line names (a Python expression over ``harness``, ``task``,
+    :func:`recipe` and :func:`fan_in_prior`)."""
+    return eval(expression, {"harness": harness, "task": task, "recipe": recipe, "fan_in_prior": fan_in_prior})
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("task")
@@ -228,30 +235,20 @@ def main():
     args = parser.parse_args()
     start = time.time()
     with harness.probe(args.task, args.seed) as task:
-        method = eval(args.method, {"harness": harness, "task": task, "recipe": recipe, "fan_in_prior": fan_in_prior})
+        method = method_of(args.method, task)
         split = task.split
         if args.evidence_prior is not None:
-            per_epoch, taken, step = math.ceil(task.num_data / task.batch_size), [0], method.step
+            def set_prior(steps_taken):
+                laplace = KFACLaplace(method.net, method_means(method), split.x_train, split.y_train,
+                                      task.likelihood, method.noise_scale, task.num_data, pooled=args.pooled)
+                method.bnn.set_prior({f"{n}.{p}": a ** -0.5 for n, a in zip(laplace.names, laplace.alphas)
+                                      for p in ("weight", "bias")})
+                method.alphas = laplace.alphas
 
-            def step_and_set_prior(x, y):
-                step(x, y)
-                taken[0] += 1
-                if taken[0] % per_epoch == 0 and taken[0] // per_epoch >= args.evidence_prior:
-                    laplace = KFACLaplace(method.net, method_means(method), split.x_train, split.y_train,
-                                          task.likelihood, method.noise_scale, task.num_data, pooled=args.pooled)
-                    method.bnn.set_prior({f"{n}.{p}": a ** -0.5 for n, a in zip(laplace.names, laplace.alphas)
-                                          for p in ("weight", "bias")})
-                    method.alphas = laplace.alphas
+            harness.after_epochs(method, task, args.evidence_prior, set_prior)
 
-            method.step = step_and_set_prior
-
-        def generator():
-            return torch.Generator().manual_seed(task.seed)
-
-        def metrics(outputs):
-            scores = harness.predictive_metrics(task.likelihood, outputs, split.y_test, method.noise_scale)
-            return f"nll {sd.nll_of(task, scores):.4f} {'ece' if 'ece' in scores else 'cov90'} " \
-                   f"{scores.get('ece', scores.get('coverage90')):.4f}"
+        generator = functools.partial(sd.generator, task)
+        metrics = functools.partial(sd.test_scores, task, method)
 
         def evaluate(m, epoch):
             scores, bounds = sd.score(task, m), sd.bounds(m)

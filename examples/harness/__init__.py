@@ -27,7 +27,7 @@ from .tasks import (
     small_tasks, SMALL_TUNING,
 )
 from .train import (
-    MAP_WEIGHT_DECAYS, History, compare, elbo, evaluator, fit, fit_every, gaussian_kl, log_spaced, precise_elbo,
+    MAP_WEIGHT_DECAYS, History, after_epochs, compare, elbo, evaluator, fit, fit_every, gaussian_kl, log_spaced, precise_elbo,
     run_full_batch, steps_to_within, trace_elbo, train, tuned_map, validated_ngvi, validation_loss,
 )
 
@@ -41,7 +41,7 @@ __all__ = [
     "IVON", "HandVOGN", "sample_outputs",
     "ivon_installed", "annealed", "decaying",
     # train.py
-    "History", "train", "fit", "fit_every", "compare", "evaluator", "elbo", "gaussian_kl", "trace_elbo", "tuned_map",
+    "History", "train", "fit", "fit_every", "after_epochs", "compare", "evaluator", "elbo", "gaussian_kl", "trace_elbo", "tuned_map",
     "validated_ngvi",
     "validation_loss", "MAP_WEIGHT_DECAYS",
     "run_full_batch", "precise_elbo", "log_spaced", "steps_to_within",

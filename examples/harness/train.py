@@ -117,6 +117,20 @@ def fit_every(method: Method, epochs: int, every: int, report: Callable[[Method,
     return fit(method, epochs, evaluate, marks)
 
 
+def after_epochs(method: Method, task, burn: int, action: Callable[[int], None]) -> None:
+    """Make ``method.step`` call ``action(steps_taken)`` at the end of every epoch from epoch
+    ``burn`` on (a probe that rewrites the prior during training)."""
+    per_epoch, taken, step = math.ceil(task.num_data / task.batch_size), [0], method.step
+
+    def step_and_act(x, y):
+        step(x, y)
+        taken[0] += 1
+        if taken[0] % per_epoch == 0 and taken[0] // per_epoch >= burn:
+            action(taken[0])
+
+    method.step = step_and_act
+
+
 def compare(factories: Dict[str, Callable[[], Method]], epochs: int,
             evaluate: Callable[[Method], Dict[str, float]]) -> Dict[str, Tuple[Method, History]]:
     """Build and :func:`fit` each method in turn; ``{name: (method, history)}``."""
