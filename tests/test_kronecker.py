@@ -327,3 +327,34 @@ def test_a_prior_changed_between_steps_reaches_the_kronecker_step_and_the_factor
     after = unfold_prior(precision(site.col_factor), precision(site.row_factor), handed.prior_precision)
     torch.testing.assert_close(after[0], torch.lerp(before[0], handed.input_factor, beta), rtol=1e-8, atol=1e-10)
     torch.testing.assert_close(after[1], torch.lerp(before[1], handed.output_factor, beta), rtol=1e-8, atol=1e-10)
+
+
+def test_a_run_resumed_after_a_prior_change_takes_the_same_steps():
+    # the prior the factors were folded with is part of NGVI's state: a run resumed from
+    # get_state after set_prior unfolds them as the straight run does
+    x, y = data(40)
+
+    def run(resume: bool):
+        pyro.clear_param_store()
+        bnn = tiny_bnn(num_data=40)
+        guide = KroneckerNormal(bnn, init_scale=0.05)
+        optim = NGVI(lr=0.1, beta=0.25)
+        elbo = CurvatureELBO("ggn", deterministic=True)
+        svi = SVI(bnn, guide, optim, elbo)
+        for _ in range(3):
+            svi.step(x, y)
+        bnn.set_prior(0.5)
+        if resume:
+            state = optim.get_state()
+            assert all(entry["prior"] is not None for entry in state["ngvi"]["sites"].values())
+            optim = NGVI(lr=0.1, beta=0.25)
+            optim.set_state(state)
+            svi = SVI(bnn, guide, optim, elbo)
+        for _ in range(2):
+            svi.step(x, y)
+        return {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+
+    straight, resumed = run(False), run(True)
+    assert straight.keys() == resumed.keys()
+    for name in straight:
+        assert torch.equal(straight[name], resumed[name]), name
