@@ -5,7 +5,7 @@ when the weights have variance 1 / n; here the signal is the layer's (or unit's)
 now, sigma^2 <= (v / L) mean(mu^2), rewritten into the model's floor after every step.
 
     TQDM_DISABLE=1 python benchmarks/relcap_probe.py TASK EPOCHS SEED MODE [--every 50]
-MODE: recipe | layer | unit
+MODE: recipe | layer | unit | weight (a weight's own mu^2; its bias per unit)
 """
 import argparse
 import os
@@ -32,7 +32,9 @@ def relative_floors(method, mode, v=1.0):
     for w in bnn._latents:
         weight_site = w.site[: -len(w.param_name)] + "weight"
         mu = locs[weight_site]
-        if mode == "layer":
+        if mode == "weight" and w.param.shape == mu.shape:  # per weight: multiplicative noise, sigma^2 <= (v / L) mu^2
+            floor = layers / (v * mu.square().clamp_min(1e-8))
+        elif mode == "layer":
             ms = mu.square().mean()
             floor = (layers / (v * ms)).expand(w.param.shape)
         else:  # per output unit (row of the weight)
