@@ -59,6 +59,9 @@ METHODS: Dict[str, Callable] = {
     "NGVI ggn": lambda task: ngvi_method(task, "ggn"),
     "NGVI ef": lambda task: ngvi_method(task, "ef"),
     "ivon-opt": lambda task: harness.IVON(task, lr=0.1, hess_init=1.0, name="ivon-opt"),
+    # the noise limit relative to each weight's own mean (BayesianNet(noise_limit_mode="mean"))
+    "NGVI ggn, mean noise": lambda task: harness.ngvi_recipe(task, "ggn", name="NGVI ggn, mean noise",
+                                                             noise_limit_mode="mean", **dict(NGVI_OVERRIDES)),
 }
 
 

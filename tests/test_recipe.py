@@ -197,6 +197,38 @@ def test_training_keeps_every_scale_below_the_limit_and_without_it_they_pass_it(
     assert float(scales[None]["2.weight"].median()) > 3 * bnn.max_scale("2.weight")
 
 
+def test_noise_limit_relative_to_the_means_keeps_each_weights_noise_below_its_own_mean():
+    """noise_limit_mode="mean": sigma_ij^2 <= (v / L) max(mu_ij^2, 1 / n) at the means the step
+    read (a bias: its unit's mean square weight), binding where the data leave the precision low;
+    the weights larger than 1 / sqrt(n) get more noise than the fixed limit allows."""
+    x, y = classification(n=64)
+    bnn = BayesianNet(mlp(10, 64, 4), "categorical", num_data=64, noise_limit=0.8, noise_limit_mode="mean")
+    guide = bnn.guide()
+    svi = SVI(bnn, guide, NGVI(beta=0.2), CurvatureELBO("ggn"))
+    train(svi, x, y, 30, batch=64)
+    means = {site: pyro.param(f"AutoNormal.locs.{site}").detach().clone() for site in bnn.latent_sites}
+    svi.step(x, y)  # its floor is the one of the means before it
+    alpha, above_fixed = 0.8 / 2, 0
+    for site in bnn.latent_sites:
+        scale = pyro.param(f"AutoNormal.scales.{site}").detach()
+        weight = means[site.replace("bias", "weight")]
+        square = weight.square() if site.endswith("weight") else weight.square().mean(1)
+        fan_in = weight.shape[1]
+        bound = (alpha * square.clamp(min=1.0 / fan_in)).sqrt()
+        assert bool((scale <= bound * (1 + 1e-5)).all()), site
+        assert float((scale >= 0.99 * bound).double().mean()) > 0.5, site  # the limit binds for most
+        above_fixed += int((scale > 1.01 * bnn.max_scale(site)).sum())
+    assert above_fixed > 0
+    with pytest.raises(ValueError, match="noise_limit_mode"):
+        BayesianNet(mlp(10, 4), "categorical", num_data=100, noise_limit_mode="relative")
+    with pytest.raises(NotImplementedError, match="fast path"):
+        bnn.statistics_hints("0.weight")
+    assert bnn.statistics_hints("0.weight", deterministic=True)["min_precision"] is None
+    assert bnn.with_priors({}).noise_limit_mode == "mean"
+    bnn.noise_limit_mode = "fan_in"
+    assert float(bnn.statistics_hints("2.weight")["min_precision"].max()) == pytest.approx(2 * 64 / 0.8)
+
+
 # ------------------------------------------------------------------ deep nets: every source, no damping by hand
 DEEP = (10, 32, 32, 32, 32, 4)
 

@@ -224,7 +224,7 @@ def ngvi_recipe(task: Task, curvature: str = "ggn", name: Optional[str] = None, 
     ``bnn.guide()``, ``NGVI()`` and ``CurvatureELBO(curvature)``, nothing else set
     (``overrides``: NGVI's arguments, for development only).
     """
-    model_args = {key: overrides.pop(key) for key in ("learn_prior", "noise_limit") if key in overrides}
+    model_args = {key: overrides.pop(key) for key in ("learn_prior", "noise_limit", "noise_limit_mode") if key in overrides}
     method = PyroSVI(task, NGVI(**overrides), CurvatureELBO(curvature), None, name or f"NGVI {curvature}")
     for key, value in model_args.items():
         setattr(method.bnn, key, value)

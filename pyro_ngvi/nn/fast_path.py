@@ -122,6 +122,9 @@ class BackpackStep(BackpackTwin):
         """Attach :math:`g, h` (and the draws' moments, the prior, the model's
         statistics hints) to each site's unconstrained ``loc``."""
         eps_means, eps_sq_means = draws if draws is not None else ([None] * len(locs), [None] * len(locs))
+        floors = None
+        if model.noise_limit_mode == "mean" and not deterministic:  # (a family that moves with its means:
+            floors, loss = model._mean_floor(locs), None  # its loss is not one family's, the ELBO watch is not fed)
         for j, (loc, grad, curv, stddev) in enumerate(zip(locs, grads, curvatures, stddevs)):
             stats = SiteCurvature(
                 grad=grad,
@@ -136,7 +139,7 @@ class BackpackStep(BackpackTwin):
                 eps_sq_mean=eps_sq_means[j],
                 loss=loss,
                 fitted=True,  # (the net's own tensors: the loc's shape, dtype and device)
-                **model._site_hints(j, deterministic),
+                **model._site_hints(j, deterministic, floors),
             )
             attach_curvature(loc, stats)
 

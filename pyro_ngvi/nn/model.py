@@ -114,6 +114,11 @@ class BayesianNet(WeightPriors, NoiseLimit, GuideFactory, InputChecks, FastPath,
         with fan-in :math:`n` is at most :math:`\\sqrt{v / (L n)}`
         (:class:`~pyro_ngvi.NGVI` keeps the precision at least :math:`L n / v`);
         ``None`` lifts the limit (default: 1.0).
+    :param str noise_limit_mode: what the limit is relative to: ``"fan_in"`` (above: weights
+        of variance :math:`1/n`) or ``"mean"``, each weight's own mean where it is larger,
+        :math:`\\sigma_{ij}^2 \\le (v/L)\\max(\\mu_{ij}^2, 1/n)` (a bias: its unit's mean square
+        weight), kept as the means move (the fast path only; see
+        :mod:`pyro_ngvi.nn.noise_limit`) (default: ``"fan_in"``).
     """
 
     def __init__(
@@ -128,6 +133,7 @@ class BayesianNet(WeightPriors, NoiseLimit, GuideFactory, InputChecks, FastPath,
         learn_prior: bool = False,
         augmentation_factor: float = 1.0,
         noise_limit: Optional[float] = 1.0,
+        noise_limit_mode: str = "fan_in",
     ):
         super().__init__()
         if not isinstance(net, nn.Module):
@@ -145,6 +151,7 @@ class BayesianNet(WeightPriors, NoiseLimit, GuideFactory, InputChecks, FastPath,
         self.net = net
         self.likelihood = likelihood
         self.noise_limit = noise_limit
+        self.noise_limit_mode = noise_limit_mode
         self.num_data = num_data
         self.augmentation_factor = augmentation_factor
         self.learn_prior = learn_prior
@@ -268,7 +275,7 @@ class BayesianNet(WeightPriors, NoiseLimit, GuideFactory, InputChecks, FastPath,
 
         Sites not named in ``priors`` keep their prior (a learned one at its
         current value: the new model's priors are fixed, ``learn_prior=False``);
-        ``num_data``, ``augmentation_factor``, ``noise_limit``, the likelihood, the
+        ``num_data``, ``augmentation_factor``, ``noise_limit`` (and its mode), the likelihood, the
         noise scale and the name are kept (``num_data`` is a plain attribute: set it when
         the next task has another size).
 
@@ -295,6 +302,7 @@ class BayesianNet(WeightPriors, NoiseLimit, GuideFactory, InputChecks, FastPath,
             name=self.prefix[:-1],
             augmentation_factor=self.augmentation_factor,
             noise_limit=self.noise_limit,
+            noise_limit_mode=self.noise_limit_mode,
         )
         new.training = self.training  # not .train(): that would also set the shared net
         return new

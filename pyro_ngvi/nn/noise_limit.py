@@ -12,6 +12,21 @@ mean-field Gaussian whose scales sit at a wide prior's swamps every unit with
 noise and predicts little better than chance. The floor reaches NGVI through
 :meth:`NoiseLimit.statistics_hints`, with the data size :math:`N` the minibatch
 statistics stand for (NGVI's minibatch defaults follow from it).
+
+With ``noise_limit_mode="mean"`` the signal of a weight is its own mean where that is
+larger than a weight of variance :math:`1/n`:
+
+.. math:: \\sigma_{ij}^2 \\le \\frac{v}{L}\\,\\max\\big(\\mu_{ij}^2, 1/n\\big), \\qquad
+          \\lambda_{ij} \\ge \\frac{L}{v \\max(\\mu_{ij}^2, 1/n)}
+
+(a bias: :math:`\\mu_{ij}^2` replaced by the mean square weight of its unit :math:`i`), taken
+from the guide's means as the fast path reads them, so the floor follows the means step by
+step: a large weight's noise is multiplicative (Gaussian dropout of rate :math:`v/L`), a small
+one keeps the fixed limit. A network cannot make its noise negligible by growing its weights,
+as it can under the fixed limit, which is how the recipe over-fits small data with training
+(``benchmarks/results/smalldata_noise_mode.md``).
+The family then moves with its mean: the objective is not exactly the ELBO of one family,
+so NGVI's ELBO watch is not fed on that path.
 """
 
 import math
@@ -21,6 +36,10 @@ import torch
 
 from .checks import positive_finite
 from .weights import fan_in
+
+
+#: What :attr:`NoiseLimit.noise_limit` may be relative to.
+NOISE_LIMIT_MODES = ("fan_in", "mean")
 
 
 class NoiseLimit:
@@ -37,6 +56,18 @@ class NoiseLimit:
     @noise_limit.setter
     def noise_limit(self, value) -> None:
         self._noise_limit = None if value is None else positive_finite("noise_limit", value)
+        self._forget_noise_floor()
+
+    @property
+    def noise_limit_mode(self) -> str:
+        """What :attr:`noise_limit` is relative to: ``"fan_in"`` or ``"mean"`` (may be set)."""
+        return self._noise_limit_mode
+
+    @noise_limit_mode.setter
+    def noise_limit_mode(self, value) -> None:
+        if value not in NOISE_LIMIT_MODES:
+            raise ValueError(f"noise_limit_mode must be one of {', '.join(map(repr, NOISE_LIMIT_MODES))}, got {value!r}")
+        self._noise_limit_mode = value
         self._forget_noise_floor()
 
     def _forget_noise_floor(self) -> None:
@@ -75,9 +106,39 @@ class NoiseLimit:
             self._noise_floor_cache = floors
         return self._noise_floor_cache
 
-    def _site_hints(self, index: int, deterministic: bool) -> Dict[str, object]:
-        """:meth:`statistics_hints` of the ``index``-th latent site."""
-        floors = None if deterministic else self._noise_floor()
+    def _mean_floor(self, means: List[torch.Tensor]) -> Optional[List[torch.Tensor]]:
+        """Per site, :math:`L / (v \\max(\\mu^2, 1/n))` from the guide's ``means`` (one per latent
+        site, in order; a bias: its unit's mean square weight), ``noise_limit_mode="mean"``; 0
+        where the layer has no fan-in; ``None`` without a limit."""
+        if self.noise_limit is None:
+            return None
+        layers = len({id(w.module) for w in self._latents if fan_in(w.module) is not None})
+        weight_of = {id(w.module): mean for w, mean in zip(self._latents, means)
+                     if w.param_name == "weight" and fan_in(w.module) is not None}
+        floors = []
+        with torch.no_grad():
+            for w, mean in zip(self._latents, means):
+                weight = weight_of.get(id(w.module))
+                if weight is None:
+                    floors.append(torch.zeros((), dtype=mean.dtype, device=mean.device).expand(mean.shape))
+                    continue
+                square = mean.square() if weight is mean else \
+                    weight.square().reshape(len(weight), -1).mean(1).reshape(mean.shape)
+                floors.append(square.clamp_(min=1.0 / fan_in(w.module)).reciprocal_().mul_(layers / self.noise_limit))
+        return floors
+
+    def _site_hints(self, index: int, deterministic: bool, floors=None) -> Dict[str, object]:
+        """:meth:`statistics_hints` of the ``index``-th latent site (``floors``: the fast path's
+        :meth:`_mean_floor`)."""
+        if self.noise_limit_mode == "mean" and not deterministic and floors is None and self.noise_limit is not None:
+            raise NotImplementedError(
+                "BayesianNet(noise_limit_mode='mean') takes its noise floor from the guide's means, "
+                "which only the net's fast path reads (CurvatureELBO with the BayesianNet as SVI's model); "
+                "use noise_limit_mode='fan_in' on this path"
+            )
+        if floors is None and not deterministic:
+            floors = self._noise_floor()
+        floors = None if deterministic else floors
         return {"num_data": self.effective_num_data, "min_precision": None if floors is None else floors[index]}
 
     def statistics_hints(self, site: str, deterministic: bool = False) -> Dict[str, object]:
