@@ -88,8 +88,11 @@ class NoiseLimit:
         layer_fan_in = fan_in(weight.module)
         if self.noise_limit is None or layer_fan_in is None:
             return None
-        layers = len({id(w.module) for w in self._latents if fan_in(w.module) is not None})
-        return math.sqrt(self.noise_limit / (layers * layer_fan_in))
+        return math.sqrt(self.noise_limit / (self._layers_with_fan_in() * layer_fan_in))
+
+    def _layers_with_fan_in(self) -> int:
+        """:math:`L`, the number of layers with a fan-in."""
+        return len({id(w.module) for w in self._latents if fan_in(w.module) is not None})
 
     def _noise_floor(self) -> Optional[List[torch.Tensor]]:
         """Per site, the least precision :math:`L n / v` the guide may have (a tensor of the
@@ -107,38 +110,41 @@ class NoiseLimit:
         return self._noise_floor_cache
 
     def _mean_floor(self, means: List[torch.Tensor]) -> Optional[List[torch.Tensor]]:
-        """Per site, :math:`L / (v \\max(\\mu^2, 1/n))` from the guide's ``means`` (one per latent
-        site, in order; a bias: its unit's mean square weight), ``noise_limit_mode="mean"``; 0
-        where the layer has no fan-in; ``None`` without a limit."""
-        if self.noise_limit is None:
+        """Per site, :math:`\\min(L n / v,\\ L / (v \\mu^2))` (the :meth:`_noise_floor`, lowered
+        where the mean is larger than :math:`1/\\sqrt n`) from the guide's ``means`` (one per latent
+        site, in order; a bias: its unit's mean square weight), ``noise_limit_mode="mean"``;
+        ``None`` without a limit."""
+        fixed = self._noise_floor()
+        if fixed is None:
             return None
-        layers = len({id(w.module) for w in self._latents if fan_in(w.module) is not None})
-        weight_of = {id(w.module): mean for w, mean in zip(self._latents, means)
-                     if w.param_name == "weight" and fan_in(w.module) is not None}
+        ratio = self._layers_with_fan_in() / self.noise_limit
+        weight_of = {id(w.module): mean for w, mean in zip(self._latents, means) if w.param_name == "weight"}
         floors = []
         with torch.no_grad():
-            for w, mean in zip(self._latents, means):
+            for w, mean, floor in zip(self._latents, means, fixed):
                 weight = weight_of.get(id(w.module))
-                if weight is None:
-                    floors.append(torch.zeros((), dtype=mean.dtype, device=mean.device).expand(mean.shape))
+                if weight is None:  # (no weight to measure against: the fixed floor)
+                    floors.append(floor)
                     continue
                 square = mean.square() if weight is mean else \
                     weight.square().reshape(len(weight), -1).mean(1).reshape(mean.shape)
-                floors.append(square.clamp_(min=1.0 / fan_in(w.module)).reciprocal_().mul_(layers / self.noise_limit))
+                # (a mean at 0: an infinite bound, the fixed floor; no fan-in: the fixed 0)
+                floors.append(torch.minimum(floor, square.reciprocal_().mul_(ratio)))
         return floors
 
     def _site_hints(self, index: int, deterministic: bool, floors=None) -> Dict[str, object]:
         """:meth:`statistics_hints` of the ``index``-th latent site (``floors``: the fast path's
         :meth:`_mean_floor`)."""
-        if self.noise_limit_mode == "mean" and not deterministic and floors is None and self.noise_limit is not None:
-            raise NotImplementedError(
-                "BayesianNet(noise_limit_mode='mean') takes its noise floor from the guide's means, "
-                "which only the net's fast path reads (CurvatureELBO with the BayesianNet as SVI's model); "
-                "use noise_limit_mode='fan_in' on this path"
-            )
-        if floors is None and not deterministic:
+        if deterministic:
+            floors = None
+        elif floors is None:
+            if self.noise_limit_mode == "mean" and self.noise_limit is not None:
+                raise NotImplementedError(
+                    "BayesianNet(noise_limit_mode='mean') takes its noise floor from the guide's means, "
+                    "which only the net's fast path reads (CurvatureELBO with the BayesianNet as SVI's model); "
+                    "use noise_limit_mode='fan_in' on this path"
+                )
             floors = self._noise_floor()
-        floors = None if deterministic else floors
         return {"num_data": self.effective_num_data, "min_precision": None if floors is None else floors[index]}
 
     def statistics_hints(self, site: str, deterministic: bool = False) -> Dict[str, object]:
