@@ -71,3 +71,13 @@ def test_finite_tells_an_overflowing_sum_from_a_non_finite_value():
     assert not bool(finite(torch.tensor([1.0, float("nan")]), exact=True))
     mask = torch.tensor([True, False])
     assert bool(finite(torch.tensor([1.0, float("inf")]), mask=mask))  # untouched rows do not count
+
+
+def test_finite_reads_only_the_masked_rows():
+    t = torch.tensor([[1.0, 2.0], [float("nan"), float("inf")], [3.0, -4.0]])
+    rows = torch.tensor([[True, True], [False, False], [True, True]])
+    assert bool(finite(t, mask=rows)) and not bool(finite(t))
+    rows[1, 0] = True
+    assert not bool(finite(t, mask=rows)) and not bool(finite(t, t.abs(), mask=rows, exact=True))
+    big = torch.full((2,), 3e38)  # finite values whose float32 sum overflows: exact tells them apart
+    assert not bool(finite(big, mask=torch.tensor([True, True]))) and bool(finite(big, mask=torch.tensor([True, True]), exact=True))
