@@ -342,3 +342,22 @@ def test_a_kronecker_guide_refuses_a_learned_prior():
     guide = KroneckerNormal(bnn, init_scale=0.1)
     with pytest.raises(NotImplementedError, match="learn_prior"):
         CurvatureELBO("ggn").loss_and_grads(bnn, guide, x, y)
+
+
+def test_a_net_converted_to_float64_mid_training_keeps_learning_its_prior():
+    # bnn.double() after some steps: the guide's params and the learned prior scales stay
+    # float32 in the param store; the value of the sampled step mixes the two (it raised a
+    # bare dtype error in the norms' dot product)
+    torch.manual_seed(0)
+    x = torch.randn(64, 10)
+    y = x[:, 0] - x[:, 1]
+    bnn = BayesianNet(nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 1)), "gaussian", num_data=64,
+                      learn_prior=True)
+    svi = SVI(bnn, bnn.guide(), NGVI(), CurvatureELBO("ggn"))
+    for _ in range(5):
+        svi.step(x, y)
+    bnn.double()
+    before = pyro.param("0.weight.prior_scale").detach().clone()
+    losses = [svi.step(x.double(), y.double()) for _ in range(5)]
+    assert all(math.isfinite(loss) for loss in losses)
+    assert not torch.equal(pyro.param("0.weight.prior_scale").detach(), before)  # still learned, in closed form

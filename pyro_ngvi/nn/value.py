@@ -50,7 +50,8 @@ def log_ratio(prior, weights, noises) -> torch.Tensor:
     :math:`\\sum [\\log s_0 - \\log\\sigma]`, does not depend on the sample.
     """
     if prior.norm_weights is not None:  # m_0 = 0, one lambda_0 per site: norms, one kernel each
-        return prior.norm_weights.dot(torch.stack(torch._foreach_norm(list(weights) + noises)).square_())
+        norms = torch.stack(torch._foreach_norm(list(weights) + noises)).square_()
+        return prior.norm_weights.to(norms.dtype).dot(norms)  # (a learned prior's params may keep another dtype)
     noise_square = torch.stack(torch._foreach_norm(noises)).square_().sum()
     total = sum(_quadratic(w, loc, precision) for w, (loc, precision) in zip(weights, prior.compact))
     return 0.5 * (total - noise_square)
