@@ -250,7 +250,7 @@ def mean_field_pass(b: Branches, t: Inputs, n: Numbers, transform, w: Scratch = 
     # sigma' = lambda'^-1/2, and as a raw scale (the guide's own parameter: what Predictive, the
     # param store and Adam see; its bijection gives sigma' back to an ulp or two). NGVI remembers
     # sigma' itself for the next reader (the next step, the fast path; saved with its state)
-    new_scale = torch.rsqrt(new_precision, out=w.scale if b.masked else t.out_scale)
+    new_scale = torch.rsqrt(new_precision, out=w.scale if b.masked else None if b.branch_free else t.out_scale)
     new_raw = _inverse(b, transform, new_scale, _out(b, t.out_raw_scale, t.raw_scale, w.raw), lowest,
                        scratch=(w.a, w.b, w.c))
     if b.masked:
@@ -268,6 +268,8 @@ def mean_field_pass(b: Branches, t: Inputs, n: Numbers, transform, w: Scratch = 
             read = t.out_scale.copy_(read)
     if b.masked:
         direction, clamped, signs, far, steps = _unchanged(b, t, direction, clamped, signs, far, steps)
+    if b.branch_free:  # (compiled: the state written into its buffers by the same loop, not copied after)
+        direction, steps = _write_state(b, t, direction, steps)
     return Outputs(new_mean, new_raw, read, None if b.momentum == "none" else direction, clamped, signs, far,
                    dot, predicted, steps)
 
@@ -346,6 +348,17 @@ def noise_pass(b: Branches, t: Inputs, n: Numbers, transform, w: Scratch = NO_SC
     sigma = torch.rsqrt(precision, out=w.scale)
     _, squares = innovations(target, precision, grad, drift, t.hdrift, sigma, (w.c, w.ab))
     return noise_sums(squares, seen_elements(t.fresh, t.mask, w.flag), t.noise.lengths)
+
+
+def _write_state(b: Branches, t: Inputs, direction, steps):
+    """The new momentum and adaptive counts written into the group's buffers they were read from
+    (what :func:`~pyro_ngvi.steps.span_step` would copy there after the pass)."""
+    if b.momentum in ("average", "mixed") and direction is not t.momentum:
+        direction = t.momentum.copy_(direction)
+    if steps is not None:
+        steps = steps._replace(count=t.count.copy_(steps.count), hdrift=t.hdrift.copy_(steps.hdrift),
+                               drift=None if steps.drift is None else t.drift.copy_(steps.drift))
+    return direction, steps
 
 
 def _unchanged(b: Branches, t: Inputs, direction, clamped, signs, far, steps):

@@ -163,7 +163,7 @@ def span_step(ctx: Context, group: Group, stats: List[SiteCurvature], grad: torc
     scale = _scales(group, stats) if run is None else run.scale  # (a run's spans write the raw scale)
     known = scale is not None
     own_scale = group.owned("scale")
-    if eager and mask is None and not masked_write:
+    if mask is None and not masked_write:
         out_scale = cut(own_scale)  # (in place: each element's sigma is read before it is written)
     else:
         out_scale = None

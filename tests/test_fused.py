@@ -7,6 +7,7 @@ whose masked write leaves the guide untouched; and, where a CUDA device is prese
 on the GPU without a host synchronisation inside the optimizer's step.
 """
 
+import copy
 import itertools
 import shutil
 import warnings
@@ -335,3 +336,68 @@ def test_cuda_step_has_no_host_synchronisation(compile):
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert optim.num_steps == 6 and all(torch.isfinite(v).all() for v in pyro.get_param_store().values())
+
+
+@COMPILER
+@pytest.mark.parametrize("args, kept", [(dict(), "count"), (dict(lr=0.1, beta=0.05, momentum=0.9), "momentum")],
+                         ids=["adaptive", "constant-with-momentum"])
+def test_compiled_traced_site_steps_as_eager(monkeypatch, args, kept):
+    """A traced AutoNormal site updated by the compiled pass (the momentum and the adaptive counts
+    written into their buffers by the pass's own loop) takes the eager step from the same guide and
+    optimizer state, to a few ulps, at the first steps and later ones. (Each step starts both from
+    the compiled run's state: over several steps the Price estimate's cancellation would grow the
+    ulps of one step into the next draws.)"""
+    from pyro_ngvi import steps
+
+    monkeypatch.setattr(steps, "COMPILE_MIN", 64)
+    data = torch.randn(300, generator=torch.Generator().manual_seed(2))
+
+    def model():
+        z = pyro.sample("z", dist.Normal(torch.zeros(300), 1.0).to_event(1))
+        pyro.sample("x", dist.Normal(z, 0.5).to_event(1), obs=data)
+
+    params = optim_state = None
+    for step in range(4):
+        runs = []
+        for compile in (False, True):
+            pyro.clear_param_store()
+            if params is not None:  # (Pyro's set_state keeps the tensors it is given: the step writes them)
+                pyro.get_param_store().set_state(copy.deepcopy(params))
+            optim = NGVI(compile=compile, **args)
+            if optim_state is not None:
+                optim.set_state(optim_state)
+            svi = SVI(model, AutoNormal(model), optim, Trace_ELBO())
+            pyro.set_rng_seed(step)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", fused.CompileWarning)  # (a fallback to eager would prove nothing)
+                svi.step()
+            runs.append((pyro.get_param_store().get_state(), optim.get_state()))
+        (eager_params, eager_state), (params, optim_state) = runs
+        for name, value in eager_params["params"].items():
+            torch.testing.assert_close(params["params"][name], value, rtol=1e-5, atol=1e-6)
+        (site, eager_site), = eager_state["ngvi"]["sites"].items()
+        compiled_site = optim_state["ngvi"]["sites"][site]
+        assert eager_site[kept] is not None
+        for key, value in eager_site.items():
+            if torch.is_tensor(value):
+                torch.testing.assert_close(compiled_site[key], value, rtol=1e-5, atol=1e-6)
+
+
+def _scaled(configuration, x):
+    return x * int(configuration)
+
+
+@COMPILER
+def test_more_configurations_than_dynamo_keeps_per_code_object_all_compile():
+    """Each configuration compiles into a function of its own: dynamo keeps at most 8 graphs per
+    code object, and a process that meets a ninth configuration (other branches, other sites)
+    must not fall back to eager."""
+    import torch._dynamo
+
+    x = torch.arange(4.0)
+    limit = torch._dynamo.config.recompile_limit
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fused.CompileWarning)
+        for configuration in range(1, limit + 3):
+            assert torch.equal(fused.run(_scaled, str(configuration), True, x), x * configuration)
+    assert all((_scaled, str(c)) in fused.compile_seconds for c in range(1, limit + 3))

@@ -79,4 +79,7 @@ def _compile(kernel: Callable, configuration) -> Callable:
             return kernel(configuration, *args)
 
     bound.__name__ = bound.__qualname__ = f"{kernel.__name__}_fused"
+    # a code object of its own: dynamo keeps its compiled graphs on the code object, at most
+    # ``recompile_limit`` (8) per code; sharing one, the ninth configuration of a process would fail
+    bound.__code__ = bound.__code__.replace()
     return torch.compile(bound, fullgraph=True, dynamic=None)
