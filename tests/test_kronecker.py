@@ -294,6 +294,10 @@ def test_unsupported_uses_of_the_kronecker_guide_are_refused():
     conv = BayesianNet(nn.Sequential(nn.Conv1d(1, 2, 2), nn.Flatten(), nn.Linear(4, 2)), "categorical", 10)
     with pytest.raises(NotImplementedError, match="Linear"):
         KroneckerNormal(conv)
+    frozen = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    frozen[0].weight.requires_grad_(False)
+    with pytest.raises(NotImplementedError, match="'0.bias' is latent while its layer's weight is frozen"):
+        KroneckerNormal(BayesianNet(frozen, "categorical", 10))
     with pytest.raises(NotImplementedError, match="kronecker_layers"):
         KroneckerNormal(lambda: pyro.sample("z", dist.Normal(0.0, 1.0)))
     for bad in (0.0, -1.0, math.inf, math.nan, 1):
@@ -358,3 +362,29 @@ def test_a_run_resumed_after_a_prior_change_takes_the_same_steps():
     assert straight.keys() == resumed.keys()
     for name in straight:
         assert torch.equal(straight[name], resumed[name]), name
+
+
+def test_a_checkpoint_restored_in_place_on_the_live_guide_retakes_the_same_steps():
+    # the param store rolled back under a live KroneckerNormal (plain tensors from get_state) and
+    # NGVI's state with it: the steps read the restored factors, not the guide module's old ones
+    x, y = data(40)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    bnn = tiny_bnn(num_data=40)
+    guide = KroneckerNormal(bnn, init_scale=0.05)
+    optim = NGVI()
+    svi = SVI(bnn, guide, optim, CurvatureELBO("ggn"))
+    for _ in range(3):
+        svi.step(x, y)
+    params = {k: v.detach().clone() for k, v in pyro.get_param_store().get_state()["params"].items()}
+    constraints = dict(pyro.get_param_store().get_state()["constraints"])
+    state, rng = optim.get_state(), pyro.util.get_rng_state()
+    first = [svi.step(x, y) for _ in range(3)]
+    first_params = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+    pyro.get_param_store().set_state({"params": params, "constraints": constraints})
+    optim.set_state(state)
+    pyro.util.set_rng_state(rng)
+    again = [svi.step(x, y) for _ in range(3)]
+    assert again == first
+    for name, value in pyro.get_param_store().items():
+        assert torch.equal(value.detach(), first_params[name]), name

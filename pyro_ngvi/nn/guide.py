@@ -101,6 +101,12 @@ class GuideFactory:
                 continue
             seen.add(id(module))
             sites = {w.param_name: w.site for w in self._latents if w.module is module}
+            if "weight" not in sites:
+                raise NotImplementedError(
+                    f"KroneckerNormal puts a matrix normal on a Linear layer's weight (with its bias); "
+                    f"site '{sites['bias']}' is latent while its layer's weight is frozen "
+                    "(requires_grad=False). Freeze the bias too, or use AutoNormal."
+                )
             name = sites["weight"][: -len(".weight")]
             layers.append(KroneckerLayer(name, sites["weight"], sites.get("bias"),
                                          module.out_features, module.in_features))

@@ -60,12 +60,14 @@ class KroneckerStep:
         model._check_batch(x, y)
         twin = self.twin
         layers = self._layers(model, guide, x, y)
+        # the param store's tensors (a store restored in place too: the guide takes them up, wrapping
+        # plain tensors as Parameters, before the locs are read)
+        with torch.no_grad(), guide._pyro_context:
+            posteriors = [guide.get_layer(layer.name) for layer, _ in layers]
         locs = [pyro.param(f"{guide._pyro_name}.locs.{layer.name}") for layer, _ in layers]
         points, noise_scale, loss_scale = twin.begin(model)
         target = twin.loss_target(model, y)
         source = KRONECKER_SOURCES[curvature]
-        with torch.no_grad():
-            posteriors = [guide.get_layer(layer.name) for layer, _ in layers]
         sums = None
         nll, log_ratio = 0.0, 0.0
         for _ in range(num_particles):
