@@ -180,7 +180,9 @@ class NewtonGuard:
     :math:`\\nu` on each rejection (:math:`\\nu` doubling while rejections follow
     one another) and relaxed after accepted steps by Nielsen's rule [1],
     :math:`f \\leftarrow \\max(1, f \\max(1/3, 1 - (2\\rho - 1)^3))` with :math:`\\rho`
-    the actual over the predicted decrease of :math:`F`. An undamped step
+    the actual over the predicted decrease of :math:`F` (taken as 1 where the predicted
+    decrease is below :math:`F`'s round-off: there the change of :math:`F` is round-off
+    too, and a ratio of it would damp a converging run to a halt). An undamped step
     (:math:`f = 1`) that decreases :math:`F` passes untouched, so ``lr = beta = 1``
     with exact curvature is still one Newton step where that step is good.
 
@@ -209,7 +211,9 @@ class NewtonGuard:
         rounding = max((16 * torch.finfo(site.loc.dtype).eps for site in sites), default=0.0)
         slack = max(1e-9, rounding) * max(1.0, abs(self.reference))
         if objective <= self.reference + slack:  # accepted: relax the damping
-            rho = (self.reference - objective) / self.predicted if self.predicted > 0 else 1.0
+            # (rho measures the step only where the predicted decrease exceeds F's round-off; below
+            # it, F's change is round-off too: a step as good as predicted)
+            rho = max(self.reference - objective, 0.0) / self.predicted if self.predicted > slack else 1.0
             self.factor = max(1.0, self.factor * max(1.0 / 3.0, 1.0 - (2.0 * rho - 1.0) ** 3))
             self.nu = 2.0
             return False
