@@ -97,6 +97,7 @@ from .elbo import CurvatureELBO
 from .family import FullCovarianceSite, GaussianSite, _full_covariance_site, _is_automultivariatenormal
 from .family import pop_curvature
 from .optim import NGVI
+from .policies import check_schedule
 
 __all__ = ["LaplaceResult", "LaplaceWarning", "PriorPrecisionSearch", "laplace", "optimize_prior_precision"]
 
@@ -249,6 +250,11 @@ def laplace(
         raise ValueError(f"num_steps must be a non-negative integer, got {num_steps!r}")
     if not (lr > 0 and math.isfinite(lr)):
         raise ValueError(f"lr must be positive, got {lr!r}")
+    if callable(momentum):
+        raise ValueError("momentum must be a number in [0, 1), got a callable")
+    check_schedule("momentum", momentum, 0.0, 1.0, low_open=False, high_open=True)  # (before the guide is made)
+    if not isinstance(line_search, bool):
+        raise ValueError(f"line_search must be True or False, got {line_search!r}")
     if not tol > 0:
         raise ValueError(f"tol must be positive, got {tol!r}")
     if covariance not in ("diagonal", "full"):
@@ -268,6 +274,9 @@ def laplace(
     step_size = {"lr": float(lr)}
     optim = NGVI(lr=lambda _: step_size["lr"], beta=1.0, momentum=momentum, damping=0.0, max_step=None,
                  warm_start=False)
+    # the line search judges the steps by F; the deterministic ELBO's loss (F plus a KL that rises
+    # as the precision grows) would set off NGVI's watch on a worsening ELBO, with advice for NGVI's lr
+    optim.watch_elbo = False
     svi = SVI(model, guide, optim, elbo)
     window = _WINDOW if momentum else 1
     recent = [negative_log_joint(model, guide, *args, **kwargs)] if line_search and num_steps else []

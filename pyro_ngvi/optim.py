@@ -117,9 +117,8 @@ class NGVI(PyroOptim):
         # None: the defaults, resolved per site from its statistics (policies.defaults)
         self.lr = None if lr is None else check_schedule("lr", lr, 0.0, math.inf)
         self.beta = None if beta is None else check_schedule("beta", beta, 0.0, 1.0)
-        self.momentum = None if momentum is None else _number("momentum", momentum, 0.0, 1.0, "[0, 1)")
-        if self.momentum == 1.0:
-            raise ValueError(f"momentum must lie in [0, 1), got {momentum!r}")
+        self.momentum = None if momentum is None else _number("momentum", momentum, 0.0, 1.0, "in [0, 1)",
+                                                              high_open=True)
         self.damping = None if damping is None else _number("damping", damping, 0.0, math.inf, "a number")
         self.tau = check_schedule("tau", tau, 0.0, math.inf)
         self.max_step = None if max_step is None else _number("max_step", max_step, 0.0, math.inf,
@@ -136,9 +135,14 @@ class NGVI(PyroOptim):
         #: the host reads the finiteness and safeguard flags every this many steps (pyro_ngvi.checks;
         #: None: 16 on CUDA, 1 elsewhere)
         self.sync_every: Optional[int] = None
+        #: whether NGVI watches the training ELBO for runs that get worse (pyro_ngvi.monitor; False
+        #: where the caller judges the steps itself, as laplace's line search does)
+        self.watch_elbo = True
         super().__init__(point_optim, check_point_optim(point_optim, point_optim_args))
         self._point_decay = point_optim is torch.optim.Adam and point_optim_args is None
         self._guide_parts = WeakIdKeyDictionary()  # params of guide parts that are not Gaussians
+        if guide is not None and not callable(guide):
+            raise ValueError(f"guide must be the guide (a callable) NGVI steps, or None (SVI's), got {guide!r}")
         self.guide = guide
         self.num_steps = 0
         self.num_skipped_steps = 0
@@ -325,7 +329,7 @@ class NGVI(PyroOptim):
         """Feed the ELBO watch (:mod:`pyro_ngvi.monitor`) the loss this step's ELBO handed over;
         at another temperature than 1 that loss is not the objective: start again."""
         loss = next((s.loss for s in stats.values() if getattr(s, "loss", None) is not None), None)
-        if loss is None:
+        if loss is None or not self.watch_elbo:
             return
         if tau != 1:
             plan.elbo_watch.reset()
@@ -405,7 +409,8 @@ class NGVI(PyroOptim):
             sites.setdefault(name, pending)
         return {
             "ngvi": {"num_steps": self.num_steps, "num_skipped_steps": self.num_skipped_steps, "sites": sites},
-            "point": copy.deepcopy(super().get_state()),  # torch's state_dict aliases live tensors
+            # (torch's state_dict aliases live tensors; restored entries not loaded yet are kept)
+            "point": copy.deepcopy({**self._state_waiting_to_be_consumed, **super().get_state()}),
         }
 
     def set_state(self, state_dict: Dict) -> None:
@@ -471,11 +476,12 @@ class _Plan:
         return groups
 
 
-def _number(name: str, value, low: float, high: float, what: str, low_open: bool = False) -> float:
+def _number(name: str, value, low: float, high: float, what: str, low_open: bool = False,
+            high_open: bool = False) -> float:
     """A number hyperparameter (no schedule) in its interval. :raises ValueError: naming it."""
     if callable(value):
         raise ValueError(f"{name} must be {what}, got a callable")
-    return check_schedule(name, value, low, high, low_open=low_open)
+    return check_schedule(name, value, low, high, low_open=low_open, high_open=high_open)
 
 
 def _still_stored(site, store) -> bool:

@@ -20,6 +20,7 @@ on 5 of 10 seeds; ``benchmarks/pyro_suite/misses.py tree``). Arguments given (``
 run as given, for every parameter.
 """
 
+import math
 from typing import Dict, List
 
 import torch
@@ -55,6 +56,10 @@ def check_point_optim(point_optim, point_optim_args) -> Dict:
     if not isinstance(point_optim_args, dict):
         raise ValueError(f"point_optim_args must be a dict of {point_optim.__name__}'s arguments, "
                          f"got {point_optim_args!r}")
+    for key, value in point_optim_args.items():  # (a step with an infinite lr writes inf or nan)
+        numbers = value if isinstance(value, (tuple, list)) else (value,)
+        if any(isinstance(v, float) and not math.isfinite(v) for v in numbers):
+            raise ValueError(f"point_optim_args[{key!r}] must be finite, got {value!r}")
     probe = torch.zeros(1, requires_grad=True)
     try:
         optimizer = point_optim([probe], **point_optim_args)
@@ -65,6 +70,9 @@ def check_point_optim(point_optim, point_optim_args) -> Dict:
             f"point_optim_args {point_optim_args!r} are not arguments {point_optim.__name__} "
             f"can run with (SVI calls its step() without a closure): {error}"
         ) from error
+    if not torch.isfinite(probe).all():
+        raise ValueError(f"point_optim_args {point_optim_args!r}: a step of {point_optim.__name__} with a zero "
+                         "gradient wrote a non-finite value")
     return dict(point_optim_args)
 
 

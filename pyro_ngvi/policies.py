@@ -95,7 +95,7 @@ def resolve(given: Settings, stats, dense: bool = False, sampled: bool = False) 
     return Settings(*(d if g is None else g for g, d in zip(given, default)))
 
 
-def check_schedule(name: str, value, low: float, high: float, low_open: bool = True):
+def check_schedule(name: str, value, low: float, high: float, low_open: bool = True, high_open: bool = False):
     """Validate a finite number in the interval (or leave a callable for step-time checks).
 
     :raises ValueError: naming ``name``, for anything else."""
@@ -105,9 +105,10 @@ def check_schedule(name: str, value, low: float, high: float, low_open: bool = T
         raise ValueError(f"{name} must be a number or a callable of the step, got {value!r}")
     value = float(value)
     below = value <= low if low_open else value < low
-    if not math.isfinite(value) or below or value > high:
+    above = value >= high if high_open else value > high
+    if not math.isfinite(value) or below or above:
         bracket = "(" if low_open else "["
-        closing = "]" if math.isfinite(high) else ")"
+        closing = "]" if math.isfinite(high) and not high_open else ")"
         raise ValueError(f"{name} must be a finite number in {bracket}{low}, {high}{closing}, got {value}")
     return value
 

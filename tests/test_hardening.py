@@ -136,6 +136,9 @@ def test_param_store_loads_safely(tmp_path):
         ({"warm_start": 1}, "warm_start"),
         ({"point_optim_args": {"lr": -1.0}}, "point_optim_args"),
         ({"point_optim_args": {"lrr": 0.1}}, "point_optim_args"),
+        ({"point_optim_args": {"lr": INF}}, "point_optim_args\\['lr'\\] must be finite"),  # (wrote inf into the model)
+        ({"point_optim_args": {"lr": math.nan}}, "point_optim_args"),
+        ({"point_optim_args": {"lr": 0.01, "betas": (0.9, math.nan)}}, "point_optim_args\\['betas'\\]"),
         ({"point_optim_args": [("lr", 0.1)]}, "point_optim_args"),
         ({"point_optim": torch.optim.LBFGS, "point_optim_args": {}}, "point_optim_args"),  # needs a closure
     ],
@@ -292,6 +295,24 @@ def test_set_state_on_a_used_optimizer_restores_its_point_optimizers_too():
         svi.step(Y)
     for name, value in snapshot().items():
         torch.testing.assert_close(value, expected[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_a_restored_state_saved_again_before_any_step_keeps_the_point_optimizers(tmp_path):
+    """load, then save before stepping (re-saving a checkpoint): the point optimizers' entries,
+    waiting for their parameters' next step, are in the new file too (they were dropped)."""
+    optim = NGVI(point_optim_args={"lr": 0.05})
+    train(two_sites, optim, 3)
+    saved = optim.get_state()
+    assert saved["point"]
+    again = NGVI(point_optim_args={"lr": 0.05})
+    again.set_state(saved)
+    resaved = again.get_state()
+    assert resaved["point"].keys() == saved["point"].keys()
+    for name, entry in saved["point"].items():
+        for key, value in entry["state"].items():
+            for field, tensor in value.items():
+                assert torch.equal(torch.as_tensor(resaved["point"][name]["state"][key][field]),
+                                   torch.as_tensor(tensor))
 
 
 # ---------------------------------------------------------------------- bad data on the fast path

@@ -456,6 +456,10 @@ def test_error_cases():
         laplace(regression, x, y, curvature="kfac")
     with pytest.raises(NotImplementedError, match="AutoNormal"):
         laplace(regression, x, y, guide=AutoDiagonalNormal(regression))
+    with pytest.raises(ValueError, match="line_search"):
+        laplace(regression, x, y, line_search="yes")
+    with pytest.raises(ValueError, match=r"momentum must be a finite number in \[0.0, 1.0\)"):
+        laplace(regression, x, y, momentum=1.0)
 
     def local(x, idx):
         with pyro.plate("rows", len(x), subsample=idx):
@@ -480,3 +484,24 @@ def test_per_site_search_rejects_bad_site_lists(sites):
     x, y = orthogonal_design()
     with pytest.raises(ValueError, match="sites"):
         optimize_prior_precision(lambda a: regression, [1.0], x, y, sites=sites)
+
+
+def test_laplace_on_a_network_raises_no_warning_of_ngvi_s_elbo_watch():
+    """laplace's line search judges its steps by F; the deterministic ELBO's loss (F plus a KL that
+    grows with the precision) rose over the run and set off NGVI's warning to lower an lr the user
+    never chose."""
+    import warnings
+
+    from pyro_ngvi import NGVIWarning
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(60, 5, generator=generator, dtype=torch.float64)
+    y = x[:, 0] * 0.7 - x[:, 1] + 0.3 * torch.randn(60, generator=generator, dtype=torch.float64)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+    bnn = BayesianNet(net, "gaussian", num_data=60, prior=0.8, noise_scale=0.7)
+    pyro.clear_param_store()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        laplace(bnn, x, y, curvature="ggn", num_steps=1000)
+    assert not [w for w in caught if issubclass(w.category, NGVIWarning) and "ELBO" in str(w.message)]
