@@ -379,6 +379,37 @@ def running_stats(net):
     return {k: v.clone() for k, v in net.state_dict().items() if "running" in k or "tracked" in k}
 
 
+
+@pytest.mark.parametrize("likelihood, outputs", [("categorical", 3), ("bernoulli", 1), ("gaussian", 1)])
+@pytest.mark.parametrize("net, guide", [("mlp", "normal"), ("elu", "normal"), ("mlp", "kronecker")],
+                         ids=["closed-form", "backpack", "kronecker"])
+def test_a_non_finite_minibatch_skips_the_sampled_ggn_step(likelihood, outputs, net, guide):
+    """ggn_mc draws targets from the network's likelihood: from a NaN output it raised torch's
+    sampler error (or a distribution's) instead of skipping the step as the other sources do."""
+    from pyro_ngvi import KroneckerNormal
+
+    torch.manual_seed(0)
+    pyro.clear_param_store()
+    activation = nn.ELU() if net == "elu" else nn.Tanh()
+    bnn = BayesianNet(nn.Sequential(nn.Linear(3, 4), activation, nn.Linear(4, outputs)), likelihood, num_data=20,
+                      noise_scale=1.0 if likelihood == "gaussian" else None)
+    x = torch.randn(8, 3)
+    y = {"categorical": torch.randint(0, 3, (8,)), "bernoulli": torch.randint(0, 2, (8,)).float(),
+         "gaussian": torch.randn(8)}[likelihood]
+    optim = NGVI()
+    svi = SVI(bnn, bnn.guide() if guide == "normal" else KroneckerNormal(bnn), optim, CurvatureELBO("ggn_mc"))
+    svi.step(x, y)
+    before = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+    bad = x.clone()
+    bad[2, 1] = NAN
+    with pytest.warns(NGVIWarning, match="non-finite"):
+        svi.step(bad, y)
+    assert optim.num_skipped_steps == 1
+    for name, value in pyro.get_param_store().items():
+        assert torch.equal(value.detach(), before[name]), name
+    svi.step(x, y)
+    assert optim.num_skipped_steps == 1
+
 @pytest.mark.parametrize("loss", ["ef", "hessian", "trace"])
 def test_a_skipped_step_leaves_batch_norm_statistics_untouched(loss):
     net = batch_norm_net()

@@ -102,6 +102,11 @@ BATCH_STATISTICS_EXTENSIONS: Dict[str, Callable[[int], BackpropExtension]] = {
     "ef": lambda mc_samples: EmpiricalFisherBackprop(),
 }
 
+#: The sampled sources' exact counterparts: a network whose outputs are not finite (a
+#: non-finite minibatch or weight) has no likelihood to draw targets from; the counterpart's
+#: statistics are as non-finite as the sampled ones would be, and the step is skipped.
+_EXACT_COUNTERPART = {"ggn_mc": "ggn", "kfac": "kflr"}
+
 #: Per-source power of the per-example weight ``loss_scale`` in the curvature
 #: (of the output factor G for Kronecker factors).
 _LOSS_SCALE_POWER = {"ef": 2, "ggn": 1, "ggn_mc": 1, "kflr": 1, "kfac": 1}
@@ -236,7 +241,17 @@ def network_curvature(
             extend(loss_module)
             with backpack(extension):
                 loss = loss_module(_checked(net(x), check_output), y)
-                loss.backward()
+                try:
+                    loss.backward()
+                except (RuntimeError, ValueError):  # (torch's sampler, or a distribution's validation)
+                    if source not in _EXACT_COUNTERPART or torch.isfinite(loss.detach()).all():
+                        raise
+                    failed = True  # (drawing targets from non-finite probabilities)
+                else:
+                    failed = False
+            if failed:  # the exact counterpart draws nothing: its non-finite curvature skips the step
+                return network_curvature(net, loss_module, x, y, _EXACT_COUNTERPART[source], mc_samples,
+                                         loss_scale, params, check_output)
             curvatures = [_pop_curvature(net, p, extension.savefield) for p in params]
 
     grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]

@@ -173,14 +173,16 @@ def sampled_rows(loss_module: nn.Module, f: torch.Tensor, mc_samples: int) -> to
     """
     kind = type(loss_module)
     batch, size = f.shape
+    # (targets drawn from finite probabilities: a non-finite output's rows stay non-finite and
+    # skip the step, where the draw itself would raise)
     if kind is nn.CrossEntropyLoss:
         p = torch.softmax(f, dim=-1)
-        drawn = torch.multinomial(p, mc_samples, replacement=True)  # (B, M)
+        drawn = torch.multinomial(p.nan_to_num(nan=1.0, posinf=1.0, neginf=0.0), mc_samples, replacement=True)
         rows = p.unsqueeze(1).expand(batch, mc_samples, size).clone()
         rows.scatter_add_(2, drawn.unsqueeze(-1), rows.new_full((batch, mc_samples, 1), -1.0))
     elif kind is nn.BCEWithLogitsLoss:
         s = torch.sigmoid(f).unsqueeze(1)
-        rows = s - torch.bernoulli(s.expand(batch, mc_samples, size))
+        rows = s - torch.bernoulli(s.nan_to_num(nan=0.5).expand(batch, mc_samples, size))
     else:
         rows = torch.randn(batch, mc_samples, size, dtype=f.dtype, device=f.device).mul_(2.0**0.5)
     return rows / mc_samples**0.5
