@@ -350,6 +350,24 @@ def test_fast_path_refuses_the_targets_the_model_refuses(case, curvature):
         svi.step(x, y)
     assert_same(snapshot(), before)
 
+@pytest.mark.parametrize("curvature, guide", [("ggn", "normal"), ("ggn_mc", "normal"), ("ggn", "kronecker")])
+def test_a_module_backpack_cannot_take_is_a_clear_error_naming_what_can(curvature, guide):
+    """BackPACK's own NotImplementedError ('Extension saving to diag_ggn_exact does not have an
+    extension for Module GELU') said neither what NGVI supports nor what to use instead."""
+    from pyro_ngvi import KroneckerNormal
+
+    pyro.clear_param_store()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.GELU() if guide == "normal" else nn.ELU(), nn.Linear(4, 2))
+    bnn = BayesianNet(net, "categorical", num_data=20)
+    svi = SVI(bnn, bnn.guide() if guide == "normal" else KroneckerNormal(bnn), NGVI(), CurvatureELBO(curvature))
+    x, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+    with pytest.raises(NotImplementedError, match=r"BackPACK has none here .*(GELU|ELU).*'reparam'"):
+        svi.step(x, y)
+    pyro.clear_param_store()
+    assert math.isfinite(SVI(bnn, bnn.guide(), NGVI(), CurvatureELBO("reparam")).step(x, y))
+
+
 
 @pytest.mark.parametrize("curvature", ["ef", "ggn", "trace"])
 def test_an_empty_batch_is_a_clear_error(curvature):

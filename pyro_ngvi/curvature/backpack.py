@@ -243,6 +243,17 @@ def network_curvature(
                 loss = loss_module(_checked(net(x), check_output), y)
                 try:
                     loss.backward()
+                except NotImplementedError as error:  # (a module or loss BackPACK has no extension for)
+                    instead = ("CurvatureELBO('reparam') (curvature from the ordinary gradients at one draw: no "
+                               "extension) or Pyro's Trace_ELBO")
+                    if source in ("kflr", "kfac"):  # (Kronecker factors: a KroneckerNormal guide's step)
+                        instead = f"a KroneckerNormal guide needs them: train an AutoNormal guide with {instead}"
+                    else:
+                        instead = f"use {instead}"
+                    raise NotImplementedError(
+                        f"the {source!r} curvature needs BackPACK's {type(extension).__name__} for every "
+                        f"module of this network and its loss, and BackPACK has none here ({error}); {instead}."
+                    ) from error
                 except (RuntimeError, ValueError):  # (torch's sampler, or a distribution's validation)
                     if source not in _EXACT_COUNTERPART or torch.isfinite(loss.detach()).all():
                         raise

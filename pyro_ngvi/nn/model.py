@@ -89,9 +89,10 @@ class BayesianNet(WeightPriors, NoiseLimit, GuideFactory, InputChecks, FastPath,
     :class:`~pyro_ngvi.NGVIWarning` once when NGVI would lose them).
 
     :param torch.nn.Module net: the plain network; its output for a batch ``x``
-        is ``(B, ...)``. BackPACK curvature needs supported layers (``Linear``,
-        ``Conv*``, activations, ``Flatten``, pooling, ``Dropout``, ...) and, for
-        ``ggn``/``ggn_mc``, a 2-d output.
+        is ``(B, ...)``. BackPACK curvature needs layers it has an extension for
+        (``Linear``, ``Conv*``, ``ReLU`` / ``Tanh`` / ``Sigmoid`` / ``ELU`` / ...,
+        ``Flatten``, pooling, ``Dropout``; not ``GELU`` or ``Softplus`` for ``ggn`` /
+        ``ggn_mc``) and, for ``ggn``/``ggn_mc``, a 2-d output; ``reparam`` needs none.
     :param str likelihood: ``"categorical"``, ``"bernoulli"`` or ``"gaussian"``.
     :param int num_data: size of the training set (before augmentation).
     :param prior: the prior on the weights: a positive scale :math:`s_0` for all
