@@ -176,7 +176,8 @@ def test_default_candidates_are_the_given_prior_and_maps_weight_decays_per_datum
 
 
 @pytest.mark.parametrize("name, value", [("epochs", 0), ("checkpoints", 0), ("batch_size", -1), ("epochs", 2.5),
-                                         ("prior_scales", (1.0, -1.0)), ("prior_scales", ())])
+                                         ("prior_scales", (1.0, -1.0)), ("prior_scales", ()),
+                                         ("prior", -1.0), ("prior", float("nan")), ("prior", True)])
 def test_bad_arguments_are_refused_with_their_name(name, value):
     x, y = classification(40)
     kwargs = dict(epochs=1)
@@ -189,6 +190,9 @@ def test_a_validation_split_without_matching_targets_is_refused():
     x, y = classification(40)
     with pytest.raises(ValueError, match="x_valid"):
         select_by_validation(nn.Linear(4, 3), "categorical", x[:20], y[:20], x[20:], y[21:], epochs=1)
+    for short, long in ((x[:20], y[:19]), (x[:20], y[:21])):  # (a bare IndexError, or a silent truncation)
+        with pytest.raises(ValueError, match="x and y must be non-empty and of one length"):
+            select_by_validation(nn.Linear(4, 3), "categorical", short, long, x[20:], y[20:], epochs=1)
     bnn = BayesianNet(nn.Linear(4, 3), "categorical", num_data=20)
     with pytest.raises(ValueError, match="num_samples"):
         validation_nll(bnn, bnn.guide(), x, y, num_samples=0)

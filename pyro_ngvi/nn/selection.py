@@ -203,6 +203,11 @@ def select_by_validation(
     if len(x_valid) != len(y_valid) or len(x_valid) == 0:
         raise ValueError(f"x_valid and y_valid must be non-empty and of one length, got {len(x_valid)} "
                          f"and {len(y_valid)}")
+    if len(x) != len(y) or len(x) == 0:
+        raise ValueError(f"x and y must be non-empty and of one length, got {len(x)} and {len(y)}")
+    if prior_scales is None and (isinstance(prior, bool) or not isinstance(prior, (int, float))
+                                 or not 0 < prior < math.inf):
+        raise ValueError(f"prior must be a positive finite number, got {prior!r}")
     num_data = len(x)
     scales = _default_scales(prior, num_data) if prior_scales is None else [float(s) for s in prior_scales]
     if not scales or not all(0 < s < math.inf for s in scales):
