@@ -89,9 +89,16 @@ class CrossTerms(NamedTuple):
 
 
 def _takes_cross_terms(stats: SiteCurvature) -> bool:
-    """Sampled statistics with known draws, no mask, not a BayesianNet's minibatch statistics."""
-    known = (stats.eps_mean is not None and stats.eps_sq_mean is not None) or (stats.gradients and stats.draws)
+    """Sampled statistics with known draws (of any curvature source), no mask, not a
+    BayesianNet's minibatch statistics."""
+    known = stats.eps_mean is not None or (stats.gradients and stats.draws)
     return stats.sampled and known and stats.mask is None and stats.num_data is None
+
+
+def _price(stats: SiteCurvature) -> bool:
+    """Whether the curvature is the Price estimate (:math:`\\hat h = \\epsilon \\hat g / \\sigma`,
+    linear in the gradient: the gradient's cross terms enter it too), not one computed at the draw."""
+    return stats.eps_sq_mean is not None or stats.gradients
 
 
 def cross_terms(sites: List[GaussianSite], stats: Dict[str, SiteCurvature],
@@ -153,7 +160,7 @@ def cross_terms(sites: List[GaussianSite], stats: Dict[str, SiteCurvature],
                      curvature_correction.split([s.grad.numel() for s in picked]))
         for (site, _), s, (dg, dh) in zip(chosen, picked, pieces):
             stats[site.key] = replace(s, grad=s.grad - dg.view_as(s.grad),
-                                      curvature=s.curvature - dh.view_as(s.curvature))
+                                      curvature=s.curvature - dh.view_as(s.curvature) if _price(s) else s.curvature)
         # the regression takes this step's point after its use
         n = n + 1
         weight = n.reciprocal().clamp(min=CROSS_RATE)
