@@ -75,21 +75,26 @@ def clip_(step: torch.Tensor, radius: torch.Tensor) -> torch.Tensor:
 
 def clamp_precision_(precision: torch.Tensor, floor: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """
-    Keep ``precision`` in ``[tiny, max / 4]`` of its dtype, in place: then
-    :math:`\\sigma = \\lambda^{-1/2}` and :math:`\\sigma^{-2}` are finite and
-    positive. (The update from finite statistics is a convex combination plus a
-    non-negative correction: never NaN, below ``tiny`` only by underflow, above
-    the top by overflow of the correction.) With a ``floor`` (the family's
+    Keep ``precision`` in ``[eps^2, max / 4]`` of its dtype, in place: then
+    :math:`\\sigma = \\lambda^{-1/2} \\le 1/\\epsilon` (8.4e6 in float32, 4.5e15 in float64) and
+    :math:`\\sigma^{-2}` are finite and positive, and a draw :math:`\\mu + \\sigma\\epsilon`
+    squared is finite too. (The update from finite statistics is a convex combination plus a
+    non-negative correction: never NaN, above the top only by overflow of the correction.
+    An element the model does not depend on, such as an observed entry of an ``obs_mask``
+    site's ``_unobserved`` latent, has no curvature and no prior: its precision falls
+    towards 0, the posterior being flat there, and a draw of a larger :math:`\\sigma`
+    overflowed the model's masked log density to NaN.) With a ``floor`` (the family's
     :math:`\\lambda_{\\min}`, broadcast to ``precision``), also
     :math:`\\lambda \\ge \\lambda_{\\min}`. Returns whether the top was passed, as a
     0-d bool tensor (no device sync), and a lower bound on the smallest precision
-    (0-d, at least ``tiny``).
+    (0-d, at least ``eps^2``).
     """
     info = torch.finfo(precision.dtype)
     high = info.max / 4
+    low = max(info.tiny, info.eps**2)
     lowest, highest = torch.aminmax(precision)
-    lowest = lowest.clamp(min=info.tiny)
-    precision.clamp_(info.tiny, high)
+    lowest = lowest.clamp(min=low)
+    precision.clamp_(low, high)
     if floor is not None:  # (two passes: torch's CPU clamp with tensor bounds is ~7x slower than both)
         torch.maximum(precision, floor, out=precision)
     return highest > high, lowest

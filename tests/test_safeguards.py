@@ -117,7 +117,7 @@ def test_clamp_keeps_precision_finite_and_reports_overflow():
     clamped, lowest = clamp_precision_(precision, floor)
     assert bool(clamped)  # the top was passed
     assert torch.all(precision >= 2.0) and torch.all(torch.isfinite(precision.rsqrt()))
-    assert float(lowest) == torch.finfo(torch.float32).tiny
+    assert float(lowest) == torch.finfo(torch.float32).eps ** 2  # (sigma <= 1 / eps: its draws squared are finite)
 
 
 def test_finite_tells_an_overflowing_sum_from_a_non_finite_value():

@@ -160,3 +160,37 @@ def test_hierarchical_subsampled_ngvi_reaches_the_exact_means():
     store = pyro.get_param_store()
     found = torch.cat([store["AutoNormal.locs.mu"].detach().reshape(1), store["AutoNormal.locs.theta"].detach()])
     assert ((found - mean) / sd).abs().max() < 0.1
+
+
+def test_a_model_with_obs_mask_trains_and_its_flat_entries_stay_finite():
+    """Pyro's obs_mask: the guide's ``y_unobserved`` latent holds an entry for every row, and the
+    model depends only on the missing ones. The others have no curvature and no prior, so their
+    precision falls towards 0; at sigma ~ 1e19 a draw overflowed the masked log density to NaN,
+    every step was skipped and the run stopped with an error after 220 steps. The precision stays
+    >= eps^2 now: no step is skipped, the shared mean is the exact posterior mean and the missing
+    entries' scale the predictive sd."""
+    n = 300
+    generator = torch.Generator().manual_seed(0)
+    data = 2.0 + torch.randn(n, generator=generator)
+    mask = torch.ones(n, dtype=torch.bool)
+    mask[:3] = False
+
+    def model(data, mask):
+        mu = pyro.sample("mu", dist.Normal(0.0, 2.0))
+        with pyro.plate("rows", n):
+            pyro.sample("y", dist.Normal(mu, 1.0), obs=data, obs_mask=mask)
+
+    precision = 0.25 + int(mask.sum())
+    exact = float(data[mask].sum()) / precision
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoNormal(model)
+    optim = NGVI()
+    svi = SVI(model, guide, optim, Trace_ELBO())
+    for _ in range(400):
+        svi.step(data, mask)
+    assert optim.num_skipped_steps == 0
+    assert abs(float(guide.locs.mu.detach()) - exact) < 0.2 * precision ** -0.5
+    scales = guide.scales.y_unobserved.detach()
+    assert torch.allclose(scales[:3], torch.full((3,), (1 + 1 / precision) ** 0.5), rtol=0.1)
+    assert torch.isfinite(scales).all() and scales.max() <= 1.001 / torch.finfo(scales.dtype).eps
