@@ -250,9 +250,8 @@ def laplace(
         raise ValueError(f"num_steps must be a non-negative integer, got {num_steps!r}")
     if not (lr > 0 and math.isfinite(lr)):
         raise ValueError(f"lr must be positive, got {lr!r}")
-    if callable(momentum):
-        raise ValueError("momentum must be a number in [0, 1), got a callable")
-    check_schedule("momentum", momentum, 0.0, 1.0, low_open=False, high_open=True)  # (before the guide is made)
+    if not callable(momentum):  # (a callable is refused by NGVI; checked before a guide is made)
+        check_schedule("momentum", momentum, 0.0, 1.0, low_open=False, high_open=True)
     if not isinstance(line_search, bool):
         raise ValueError(f"line_search must be True or False, got {line_search!r}")
     if not tol > 0:
@@ -274,9 +273,7 @@ def laplace(
     step_size = {"lr": float(lr)}
     optim = NGVI(lr=lambda _: step_size["lr"], beta=1.0, momentum=momentum, damping=0.0, max_step=None,
                  warm_start=False)
-    # the line search judges the steps by F; the deterministic ELBO's loss (F plus a KL that rises
-    # as the precision grows) would set off NGVI's watch on a worsening ELBO, with advice for NGVI's lr
-    optim.watch_elbo = False
+    optim.watch_elbo = False  # (the line search judges the steps by F; the ELBO's KL rises with the precision)
     svi = SVI(model, guide, optim, elbo)
     window = _WINDOW if momentum else 1
     recent = [negative_log_joint(model, guide, *args, **kwargs)] if line_search and num_steps else []
@@ -540,9 +537,9 @@ def optimize_prior_precision(
     """
     candidates = [float(c) for c in candidates]
     if not candidates:
-        raise ValueError("optimize_prior_precision needs at least one candidate")
+        raise ValueError("candidates must hold at least one prior precision")
     if any(not (c > 0 and math.isfinite(c)) for c in candidates):
-        raise ValueError(f"prior precisions must be positive and finite, got {candidates}")
+        raise ValueError(f"candidates (prior precisions) must be positive and finite, got {candidates}")
     if sites is not None:
         sites = list(sites)
         if not sites or len(set(sites)) != len(sites) or not all(isinstance(n, str) for n in sites):

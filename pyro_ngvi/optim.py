@@ -135,15 +135,11 @@ class NGVI(PyroOptim):
         #: the host reads the finiteness and safeguard flags every this many steps (pyro_ngvi.checks;
         #: None: 16 on CUDA, 1 elsewhere)
         self.sync_every: Optional[int] = None
-        #: whether NGVI watches the training ELBO for runs that get worse (pyro_ngvi.monitor; False
-        #: where the caller judges the steps itself, as laplace's line search does)
-        self.watch_elbo = True
+        self.watch_elbo = True  #: the ELBO watch (pyro_ngvi.monitor) on; laplace's line search turns it off
         super().__init__(point_optim, check_point_optim(point_optim, point_optim_args))
         self._point_decay = point_optim is torch.optim.Adam and point_optim_args is None
         self._guide_parts = WeakIdKeyDictionary()  # params of guide parts that are not Gaussians
-        if guide is not None and not callable(guide):
-            raise ValueError(f"guide must be the guide (a callable) NGVI steps, or None (SVI's), got {guide!r}")
-        self.guide = guide
+        self.guide = _checked_guide(guide)
         self.num_steps = 0
         self.num_skipped_steps = 0
         self.num_rejected_steps = 0
@@ -482,6 +478,13 @@ def _number(name: str, value, low: float, high: float, what: str, low_open: bool
     if callable(value):
         raise ValueError(f"{name} must be {what}, got a callable")
     return check_schedule(name, value, low, high, low_open=low_open, high_open=high_open)
+
+
+def _checked_guide(guide):
+    """:raises ValueError: unless ``guide`` is None (SVI's) or a callable."""
+    if guide is not None and not callable(guide):
+        raise ValueError(f"guide must be the guide (a callable) NGVI steps, or None (SVI's), got {guide!r}")
+    return guide
 
 
 def _still_stored(site, store) -> bool:

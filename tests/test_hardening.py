@@ -136,6 +136,8 @@ def test_param_store_loads_safely(tmp_path):
         ({"warm_start": 1}, "warm_start"),
         ({"point_optim_args": {"lr": -1.0}}, "point_optim_args"),
         ({"point_optim_args": {"lrr": 0.1}}, "point_optim_args"),
+        ({"guide": 3}, "guide"),
+        ({"momentum": 1.0}, r"momentum must be a finite number in \[0.0, 1.0\)"),
         ({"point_optim_args": {"lr": INF}}, "point_optim_args\\['lr'\\] must be finite"),  # (wrote inf into the model)
         ({"point_optim_args": {"lr": math.nan}}, "point_optim_args"),
         ({"point_optim_args": {"lr": 0.01, "betas": (0.9, math.nan)}}, "point_optim_args\\['betas'\\]"),
@@ -186,6 +188,8 @@ def test_curvature_elbo_refuses_bad_arguments(kwargs, name):
         ({"prior": (NAN, 1.0)}, "[Pp]rior"),
         ({"prior": (0.0, INF)}, "[Pp]rior"),
         ({"prior": (0.0, 0.0)}, "[Pp]rior"),
+        ({"prior": True}, "[Pp]rior"),  # (was a scale of 1)
+        ({"prior": "a"}, "[Pp]rior"),
         ({"noise_scale": INF}, "noise_scale"),
         ({"noise_scale": 0.0}, "noise_scale"),
         ({"init_noise_scale": NAN}, "init_noise_scale"),

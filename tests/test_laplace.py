@@ -456,6 +456,9 @@ def test_error_cases():
         laplace(regression, x, y, curvature="kfac")
     with pytest.raises(NotImplementedError, match="AutoNormal"):
         laplace(regression, x, y, guide=AutoDiagonalNormal(regression))
+    for candidates in ([], [1.0, -2.0], [math.nan]):
+        with pytest.raises(ValueError, match="candidates"):
+            optimize_prior_precision(lambda alpha: regression, candidates, x, y)
     with pytest.raises(ValueError, match="line_search"):
         laplace(regression, x, y, line_search="yes")
     with pytest.raises(ValueError, match=r"momentum must be a finite number in \[0.0, 1.0\)"):

@@ -83,7 +83,7 @@ class WeightPriors:
         """Every latent site's prior spec now, with those of ``priors``
         (``{site: distribution}``) replacing theirs (see :meth:`BayesianNet.with_priors`)."""
         if not isinstance(priors, dict):
-            raise TypeError(f"priors must be a dict of distributions, got {type(priors).__name__}")
+            raise PriorTypeError(f"priors must be a dict of distributions, got {type(priors).__name__}")
         sites = self.latent_sites
         specs = {site: self.prior(site) for site in sites}
         for name, prior in priors.items():
@@ -224,6 +224,11 @@ class WeightPriors:
         return tensors
 
 
+class PriorTypeError(TypeError, ValueError):
+    """A prior given as something that is not one: a ``TypeError`` (its type) that is also the
+    ``ValueError`` every bad argument of the package raises."""
+
+
 def _norm_weights(compact) -> Optional[torch.Tensor]:
     """:attr:`WeightPrior.norm_weights` of the per-site ``(m_0, lambda_0)``."""
     if not all(loc is None and precision.numel() == 1 for loc, precision in compact):
@@ -240,10 +245,10 @@ def _as_loc_scale(spec, weight: Weight) -> Tuple[torch.Tensor, torch.Tensor]:
         loc, scale = spec.loc, spec.scale
     elif isinstance(spec, (tuple, list)) and len(spec) == 2:
         loc, scale = spec
-    elif isinstance(spec, (int, float, torch.Tensor)):
+    elif isinstance(spec, (int, float, torch.Tensor)) and not isinstance(spec, bool):
         loc, scale = 0.0, spec
     else:
-        raise TypeError(
+        raise PriorTypeError(
             f"Prior of site {weight.site!r}: expected a scale, a (loc, scale) pair "
             f"or a Normal distribution, got {type(spec).__name__}"
         )
