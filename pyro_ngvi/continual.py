@@ -200,9 +200,9 @@ def start_task(guide, priors, *args, carry: bool, **kwargs):
     starts at yesterday's posterior, mean *and* precision, and may even reuse
     a tensor of another shape for a site that only shares a name (a new task's
     head). This helper first removes every ``locs.*`` / ``scales.*`` entry under
-    the guide's name, sets the guide up on ``args`` (one minibatch is enough;
-    nothing is drawn from the global RNG unless the guide's ``init_loc_fn``
-    does), and then
+    the guide's name, sets the guide up on ``args`` (one minibatch is enough; the
+    guide's run draws from :math:`q` and so advances the global RNG, as any run
+    of it does), and then
 
     - ``carry=True``: starts each site named in ``priors`` at that prior, which
       must be Normal in the site's unconstrained coordinates (what

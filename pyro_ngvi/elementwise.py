@@ -89,6 +89,7 @@ class Inputs(NamedTuple):
     count: Optional[torch.Tensor] = None  # the adaptive steps' count, running mean, pooled noise
     drift: Optional[torch.Tensor] = None
     hdrift: Optional[torch.Tensor] = None
+    excess: Optional[torch.Tensor] = None  # the part of earlier curvature targets clipped off, carried over
     noise: Optional[NoiseState] = None
     levels: Optional[tuple] = None  # the adaptive steps' pooled noise, pooled over all spans (prepared)
     ok: Optional[torch.Tensor] = None  # masked: whether to write at all
@@ -309,8 +310,19 @@ def _prepare(b: Branches, t: Inputs, n: Numbers, transform, w: Scratch):
         control_variate(grad, curvature, t.eps_mean, eps_sq_minus_one, precision, prior_precision, known,
                         baseline, scratch=(w.a, w.b, w.c))
     target = precision_target(curvature, prior_precision)
-    if adaptive:
-        target = clip_target(target, precision, scratch=(w.a, w.b))
+    if adaptive:  # an outlier clipped, the clipped part carried to the next steps (state: excess)
+        excess = t.excess
+        in_place = excess is not None and not (b.branch_free or b.masked or t.mask is not None)
+        target, new_excess = clip_target(target, precision, excess, out=excess if in_place else None,
+                                         scratch=(w.a, w.b))
+        if new_excess is not None:  # carried only while averaging (n > 1/beta): a transient's is dropped
+            new_excess.mul_(_flag(torch.gt, t.count, 1.0 / n.beta, w.flag3))
+        if new_excess is not None and not in_place:  # (rows not touched, or a step not taken: kept)
+            if t.mask is not None:
+                new_excess = torch.where(t.mask, new_excess, excess)
+            if b.masked:
+                new_excess = torch.where(t.ok, new_excess, excess)
+            excess.copy_(new_excess)
     return precision, grad, target
 
 

@@ -191,7 +191,7 @@ class KroneckerNormal(AutoGuide):
                 f"KroneckerNormal needs a model that offers kronecker_layers() (a BayesianNet of "
                 f"Linear layers), got {type(model).__name__}"
             )
-        if not (isinstance(init_scale, float) and 0 < init_scale < math.inf):
+        if not (isinstance(init_scale, float) and 0 < init_scale < math.inf):  # (a float, as Pyro's AutoNormal)
             raise ValueError(f"init_scale must be a positive float, got {init_scale!r}")
         self.layers: List[KroneckerLayer] = list(layers())
         self.init_loc_fn = init_loc_fn or getattr(model, "init_loc_fn", init_to_feasible)

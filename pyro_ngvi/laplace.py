@@ -248,14 +248,14 @@ def laplace(
         )
     if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
         raise ValueError(f"num_steps must be a non-negative integer, got {num_steps!r}")
-    if not (lr > 0 and math.isfinite(lr)):
-        raise ValueError(f"lr must be positive, got {lr!r}")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < math.inf:
+        raise ValueError(f"lr must be a positive finite number, got {lr!r}")
     if not callable(momentum):  # (a callable is refused by NGVI; checked before a guide is made)
         check_schedule("momentum", momentum, 0.0, 1.0, low_open=False, high_open=True)
     if not isinstance(line_search, bool):
         raise ValueError(f"line_search must be True or False, got {line_search!r}")
-    if not tol > 0:
-        raise ValueError(f"tol must be positive, got {tol!r}")
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < math.inf:
+        raise ValueError(f"tol must be a positive finite number, got {tol!r}")
     if covariance not in ("diagonal", "full"):
         raise ValueError(f"covariance must be 'diagonal' or 'full', got {covariance!r}")
     if guide is None:
@@ -535,13 +535,13 @@ def optimize_prior_precision(
         with that prior. The param store (and the result's guide) holds the best
         approximation.
     """
-    candidates = [float(c) for c in candidates]
+    candidates = [float(c) for c in ([candidates] if isinstance(candidates, (int, float)) else candidates)]
     if not candidates:
         raise ValueError("candidates must hold at least one prior precision")
     if any(not (c > 0 and math.isfinite(c)) for c in candidates):
         raise ValueError(f"candidates (prior precisions) must be positive and finite, got {candidates}")
     if sites is not None:
-        sites = list(sites)
+        sites = [sites] if isinstance(sites, str) else list(sites)  # (one name, as posterior_as_prior takes)
         if not sites or len(set(sites)) != len(sites) or not all(isinstance(n, str) for n in sites):
             raise ValueError(f"sites must be a non-empty list of distinct site names, got {sites!r}")
     results: Dict = {}

@@ -133,9 +133,9 @@ class LowRankPrecisionNormal(AutoContinuous):
     diag_constraint = constraints.softplus_positive
 
     def __init__(self, model, init_loc_fn=init_to_median, init_scale: float = 0.1, rank=None):
-        if not (isinstance(init_scale, float) and 0 < init_scale < math.inf):
+        if not (isinstance(init_scale, float) and 0 < init_scale < math.inf):  # (a float, as Pyro's AutoNormal)
             raise ValueError(f"init_scale must be a positive float, got {init_scale!r}")
-        if rank is not None and not (isinstance(rank, int) and rank > 0):
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
             raise ValueError(f"rank must be a positive int, got {rank!r}")
         self._init_scale, self._rank = init_scale, rank
         super().__init__(model, init_loc_fn=init_loc_fn)
@@ -157,18 +157,16 @@ class LowRankPrecisionNormal(AutoContinuous):
                                                   record=self._record_draw)
 
     def _record_draw(self, displacement: torch.Tensor) -> None:
-        """Keep the draws made since NGVI's last step (under the live hand-over): its Price
-        curvature needs the draw the ELBO's gradients were taken at."""
-        handover = live_handover()
-        kept = getattr(self, "_draws", None)
-        if kept is None or kept[0] != handover:
-            kept = self._draws = (handover, [])
-        kept[1].append(displacement)
+        """Keep the latest draw made since NGVI's last step (under the live hand-over): its Price
+        curvature needs the draw the ELBO's gradients were taken at, the last one before the step
+        (a run of the guide between steps, ``Predictive`` or ``evaluate_loss``, comes before it)."""
+        self._draws = (live_handover(), displacement)
 
     def draws(self) -> list:
-        """The displacements :math:`z = u - \\mu` drawn since NGVI's last step."""
+        """The latest displacement :math:`z = u - \\mu` drawn since NGVI's last step (a list of
+        one; empty when none was)."""
         kept = getattr(self, "_draws", None)
-        return [] if kept is None or kept[0] != live_handover() else list(kept[1])
+        return [] if kept is None or kept[0] != live_handover() else [kept[1]]
 
     def _loc_scale(self, *args, **kwargs):
         variance = low_rank.marginal_variance(self.precision_factor, self.precision_diag)

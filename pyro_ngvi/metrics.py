@@ -32,6 +32,7 @@ training loop); a bad input raises :class:`ValueError` naming the argument.
 """
 
 import math
+import numbers
 from typing import Callable, Dict, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -105,7 +106,7 @@ def _check_classification(probs, y):
 
 
 def _check_num_bins(num_bins: int) -> int:
-    if isinstance(num_bins, bool) or int(num_bins) != num_bins or num_bins < 1:
+    if isinstance(num_bins, bool) or not isinstance(num_bins, numbers.Real) or int(num_bins) != num_bins or num_bins < 1:
         raise ValueError(f"num_bins must be a positive integer, got {num_bins}")
     return int(num_bins)
 
@@ -430,8 +431,6 @@ def metrics_by_num_samples(
     :rtype: dict
     """
     logits = _sample_stack(logits, "logits")
-    if bool(torch.any(torch.isnan(logits) | (logits == math.inf))):
-        raise ValueError("logits must not be NaN or +inf (-inf is a probability of 0)")
     total = logits.shape[0]
     sizes = list(num_samples) if isinstance(num_samples, (list, tuple, range, torch.Tensor)) else None
     if not sizes or any(isinstance(s, bool) or int(s) != s or not 1 <= s <= total for s in sizes):
@@ -573,4 +572,6 @@ def _sample_stack(value, name: str) -> torch.Tensor:
         raise ValueError(f"{name} must have shape (S, N, K) or (S, N), got {tuple(value.shape)}")
     if value.shape[0] == 0:
         raise ValueError(f"{name} must hold at least one sample")
+    if bool(torch.any(torch.isnan(value) | (value == math.inf))):
+        raise ValueError(f"{name} must not be NaN or +inf (-inf is a probability of 0)")
     return value

@@ -143,6 +143,7 @@ class NGVI(PyroOptim):
         self.num_steps = 0
         self.num_skipped_steps = 0
         self.num_rejected_steps = 0
+        self._pending_newton: List[Dict] = []  # Newton guards restored by set_state, not yet taken up
         self._states: Dict[int, SiteState] = {}  # id(loc) -> that site's state
         self._pending_states: Dict[str, Dict] = {}  # from set_state, by param name
         self._plans: Dict[tuple, _Plan] = {}  # per guide structure
@@ -185,6 +186,7 @@ class NGVI(PyroOptim):
     def _step(self, params, svi, *args, **kwargs) -> bool:
         plan = self._plan(params, svi)
         sites, others = plan.sites, plan.others
+        _check_pending(self._pending_states, sites)  # every saved entry checked before any is taken
         states = [self._state(site) for site in sites]  # may refuse: before any write
         check_point_states(self._state_waiting_to_be_consumed, self.optim_objs, others, self.pt_optim_constructor,
                            self.pt_optim_args)
@@ -338,7 +340,7 @@ class NGVI(PyroOptim):
     def _plan(self, params, svi=None) -> "_Plan":
         """The guide's sites and other parameters (:func:`~pyro_ngvi.family.split_params`), with
         what NGVI keeps per guide structure, remembered while the param store holds its tensors."""
-        guide = self._guide(svi)
+        guide = _guide_of(self.guide, svi)
         key = (id(guide), frozenset(map(id, params)))
         plan = self._plans.get(key)
         store = pyro.get_param_store()._params
@@ -349,19 +351,8 @@ class NGVI(PyroOptim):
         # plans whose tensors left the param store (pyro.clear_param_store()) leave no trace
         self._plans = {k: p for k, p in self._plans.items() if all(_still_stored(s, store) for s in p.sites)}
         plan = self._plans[key] = _Plan(sites, others)
+        plan.take_newton(self._pending_newton)
         return plan
-
-    def _guide(self, svi=None):
-        """The guide given at construction, else the one of the ``SVI`` running this step."""
-        if self.guide is not None:
-            return self.guide
-        if svi is None:
-            raise RuntimeError(
-                "NGVI reads which tensors form Gaussian sites off the guide, and found none: "
-                "call it through pyro.infer.SVI(model, guide, NGVI(...), loss), or pass the "
-                "guide, NGVI(..., guide=guide), when calling it yourself."
-            )
-        return svi.guide
 
     def _state(self, site) -> SiteState:
         """The state of ``site`` (keyed by its ``loc`` tensor; new for a new tensor),
@@ -369,12 +360,13 @@ class NGVI(PyroOptim):
         state = self._states.get(id(site.loc))
         if state is not None and state.loc() is site.loc:
             return state
-        pending = self._pending_states.pop(site.key, None)
+        pending = self._pending_states.get(site.key)
         raw, transform = (site.raw_scale, site._scale_transform) if isinstance(site, GaussianSite) else (None, None)
         if pending is None:
             state = SiteState(weakref.ref(site.loc), None if raw is None else weakref.ref(raw))
-        else:
+        else:  # (a refused entry stays pending: every retry is refused alike)
             state = SiteState.restored(site.loc, site.key, pending, raw, transform)
+            del self._pending_states[site.key]
         self._states[id(site.loc)] = state
         return state
 
@@ -403,8 +395,11 @@ class NGVI(PyroOptim):
                 sites[name] = state.saved(store)
         for name, pending in self._pending_states.items():  # restored, not seen since
             sites.setdefault(name, pending)
+        newton = [entry for entry in (plan.newton.saved_state() for plan in self._plans.values()) if entry]
         return {
-            "ngvi": {"num_steps": self.num_steps, "num_skipped_steps": self.num_skipped_steps, "sites": sites},
+            "ngvi": {"num_steps": self.num_steps, "num_skipped_steps": self.num_skipped_steps,
+                     "num_rejected_steps": self.num_rejected_steps, "sites": sites,
+                     "newton": newton + copy.deepcopy(self._pending_newton)},
             # (torch's state_dict aliases live tensors; restored entries not loaded yet are kept)
             "point": copy.deepcopy({**self._state_waiting_to_be_consumed, **super().get_state()}),
         }
@@ -423,6 +418,8 @@ class NGVI(PyroOptim):
         ngvi, point = state_dict["ngvi"], state_dict["point"]
         self.num_steps = ngvi["num_steps"]
         self.num_skipped_steps = ngvi["num_skipped_steps"]
+        self.num_rejected_steps = ngvi.get("num_rejected_steps", 0)
+        self._pending_newton = copy.deepcopy(ngvi.get("newton", []))  # taken up by the plan of its sites
         self._states = {}
         self._plans = {}
         self._pending_states = {name: dict(entry) for name, entry in ngvi["sites"].items()}
@@ -463,6 +460,14 @@ class _Plan:
         self.skips_in_a_row = 0
         self.deferred = DeferredChecks()  # steps whose checks the host has not read yet
 
+    def take_newton(self, pending: List[Dict]) -> None:
+        """Take the first of the ``pending`` Newton guards (restored by :meth:`NGVI.set_state`) that is
+        of these sites, off the list."""
+        for entry in pending:
+            if self.newton.restore(entry, self.mean_field):
+                pending.remove(entry)
+                return
+
     def groups_for(self, sites: List[GaussianSite], stats: Dict[str, SiteCurvature]) -> List[Group]:
         """:func:`~pyro_ngvi.groups.group_sites` for these sites and kinds of statistics, remembered."""
         key = tuple(statistics_kind(stats[site.key]) for site in sites)
@@ -478,6 +483,34 @@ def _number(name: str, value, low: float, high: float, what: str, low_open: bool
     if callable(value):
         raise ValueError(f"{name} must be {what}, got a callable")
     return check_schedule(name, value, low, high, low_open=low_open, high_open=high_open)
+
+
+def _guide_of(given, svi=None):
+    """The guide NGVI was ``given`` at construction, else the one of the ``SVI`` running this step.
+
+    :raises ValueError: when both are given and differ (the SVI would train its own guide
+        while NGVI looks for sites in the other)."""
+    if given is not None:
+        if svi is not None and svi.guide is not given:
+            raise ValueError(
+                f"NGVI was given guide={type(given).__name__} at construction, but the SVI "
+                f"running this step trains another guide ({type(svi.guide).__name__}): pass the "
+                "SVI's guide, or none (under SVI, NGVI reads the guide off the SVI)")
+        return given
+    if svi is None:
+        raise RuntimeError(
+            "NGVI reads which tensors form Gaussian sites off the guide, and found none: "
+            "call it through pyro.infer.SVI(model, guide, NGVI(...), loss), or pass the "
+            "guide, NGVI(..., guide=guide), when calling it yourself."
+        )
+    return svi.guide
+
+
+def _check_pending(pending: Dict, sites) -> None:
+    """Refuse the :meth:`NGVI.set_state` entries of ``sites`` that do not fit them (none is taken)."""
+    for site in sites:
+        if site.key in pending:
+            SiteState.check(site.loc, site.key, pending[site.key])
 
 
 def _checked_guide(guide):

@@ -14,7 +14,8 @@ stalls: each element keeps a count :math:`n` and steps with
 
 so that past :math:`n = 1/\\beta` the natural parameters are running means of the
 noisy targets; :math:`n` grows only while the running means of the innovations are
-indistinguishable from noise (why and how they were picked: :doc:`/guide/update`).
+indistinguishable from noise, and halves where they drift (why and how they were picked:
+:doc:`/guide/update`).
 """
 
 import math
@@ -29,13 +30,15 @@ from .groups import select
 Schedule = Union[float, Callable[[int], float]]
 
 #: An element's count grows past 1/beta while z^2 = (running mean of g)^2 / (its variance)
-#: is below STALL_Z2, and falls back to 1/beta above DRIFT_Z2 (z^2 is about chi-square(1)
+#: is below STALL_Z2, and halves (down to 1/beta) above DRIFT_Z2 (z^2 is about chi-square(1)
 #: when g is pure noise).
 STALL_Z2 = 2.0
 DRIFT_Z2 = 12.0
 #: The pooled noise variances are running means over a site's steps, then forget at these
 #: rates (a short and a long memory; the stall test uses the lower, the drift test the higher).
 NOISE_RATES = (0.2, 0.02)
+#: A drifting element's count is multiplied by FALLBACK (and kept at least 1/beta).
+FALLBACK = 0.5
 NOISE_FLOOR = 1e-12
 #: Adaptive steps of a full-covariance site: the floor of its beta and lr (the longest
 #: memory, 1 / DENSE_FLOOR steps, so a nonlinear model still tracks), and the rate of the
@@ -212,8 +215,9 @@ def adaptive_rates(grad, direction, drift, pull, target, precision, count, hdrif
     .. math:: z^2 = \\frac{\\bar g^2}{r\\,V_g} + \\frac{\\bar e^2}{r\\,V_e} < z^2_{\\rm stall}
 
     (:math:`r = 1/n` their averaging rate, :math:`V` the variances pooled over the site
-    in standard-deviation units, :func:`pooled_noise`), and falls back to :math:`1/\\beta`
-    where :math:`z^2 > z^2_{\\rm drift}`. ``hdrift`` and ``drift`` are the running means so
+    in standard-deviation units, :func:`pooled_noise`), and halves (down to :math:`1/\\beta`)
+    where :math:`z^2 > z^2_{\\rm drift}`: a lasting drift is back at the constant steps in a few
+    steps, one heavy-tailed draw only shortens the memory. ``hdrift`` and ``drift`` are the running means so
     far (``drift`` the momentum buffer with ``momentum``), ``fresh`` the elements without them
     yet (``None``: none). Returns :math:`(\\beta_t, \\alpha_t)` per element and the new count,
     running means and pooled noise (:class:`AdaptiveSteps`), written into the buffers of ``w``
@@ -256,7 +260,10 @@ def adaptive_rates(grad, direction, drift, pull, target, precision, count, hdrif
     grown = torch.add(count, 1.0, out=w.grown)
     held = torch.clamp(count, min=base, out=w.held)
     new_count = select(stalled, grown, torch.minimum(grown, held, out=held), w.weight, out=held)
-    new_count = select(drifting, new_count.new_tensor(base), new_count, w.weight, out=held)
+    # a drifting element halves its count (not below 1/beta): a drift that lasts falls back to
+    # 1/beta within a few steps, one heavy-tailed draw only shortens the memory
+    halved = torch.mul(count, FALLBACK, out=grown).clamp_(min=base)  # (grown is read: its buffer is free)
+    new_count = select(drifting, halved, new_count, w.weight, out=held)
     # a first target that is not positive tells nothing of the precision: wait for one
     if w.flag is None:
         known = (count > 0) | (target > 0)

@@ -10,7 +10,7 @@ one device sync: nothing here synchronises inside a step.
 """
 
 import warnings
-from typing import List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -47,12 +47,28 @@ def finite(*tensors: torch.Tensor, mask=None, exact: bool = False) -> torch.Tens
     return torch.isfinite(total)
 
 
-def clip_target(target: torch.Tensor, precision: torch.Tensor, scratch=(None, None)) -> torch.Tensor:
-    """A sampled curvature target beyond :math:`(1 \\pm` :data:`INNOVATION_MAX` :math:`)\\lambda`
-    is an outlier: clip it there (in place; ``scratch``: two buffers for the bounds)."""
+def clip_target(target: torch.Tensor, precision: torch.Tensor, excess: Optional[torch.Tensor] = None,
+                out: Optional[torch.Tensor] = None, scratch=(None, None)):
+    """
+    A sampled curvature target beyond :math:`(1 \\pm` :data:`INNOVATION_MAX` :math:`)\\lambda`
+    is an outlier: clip it there (in place; ``scratch``: two buffers for the bounds).
+
+    With ``excess`` :math:`r`, the part clipped off the earlier targets, the clipped value is
+    carried over (error feedback): :math:`t \\leftarrow \\mathrm{clip}(\\hat\\lambda + r)`,
+    :math:`r' = \\hat\\lambda + r - t`. The targets taken then sum to the targets given, less
+    :math:`r'`, so a running average of them stays unbiased where clipping alone would bias it
+    (a heavy-tailed curvature, such as the scale of a hierarchical model's, clipped on one side
+    more often than on the other). Returns the target and :math:`r'` (into ``out``; default: a new
+    tensor), or ``None`` without ``excess``.
+    """
     low = torch.mul(precision, 1.0 - INNOVATION_MAX, out=scratch[0])
     high = torch.mul(precision, 1.0 + INNOVATION_MAX, out=scratch[1])
-    return torch.clamp(target, min=low, max=high, out=target)
+    if excess is None:
+        return torch.clamp(target, min=low, max=high, out=target), None
+    raw = target.add_(excess)
+    clipped = torch.clamp(raw, min=low, max=high, out=low)
+    new_excess = torch.sub(raw, clipped, out=out)
+    return target.copy_(clipped), new_excess
 
 
 def precision_trust_region(new_precision: torch.Tensor, precision: torch.Tensor,
@@ -242,6 +258,29 @@ class NewtonGuard:
             NGVIWarning,
             stacklevel=4,
         )
+        return True
+
+    def saved_state(self) -> Optional[Dict]:
+        """What a checkpoint keeps of the guard (``None`` while it is as new): its damping, the
+        counts and, per site (by the param-store name of its ``loc``), the point it would undo to."""
+        if self.reference is None and self.rejected == 0 and self.factor == 1.0 and self.nu == 2.0:
+            return None
+        return {"factor": float(self.factor), "nu": float(self.nu), "reference": self.reference,
+                "predicted": float(self.predicted), "rejected": int(self.rejected),
+                "saved": {site.key: [loc.clone(), raw_scale.clone()] for site, loc, raw_scale in self.saved}}
+
+    def restore(self, entry: Dict, sites) -> bool:
+        """Take a :meth:`saved_state` ``entry`` if its point is of these ``sites`` (by name, in
+        order, of the same shapes); returns whether it was taken."""
+        saved = entry["saved"]
+        if list(saved) != [site.key for site in sites] or any(
+                loc.shape != site.loc.shape or raw.shape != site.raw_scale.shape
+                for site, (loc, raw) in zip(sites, saved.values())):
+            return False
+        self.factor, self.nu, self.reference = entry["factor"], entry["nu"], entry["reference"]
+        self.predicted, self.rejected = entry["predicted"], entry["rejected"]
+        self.saved = [(site, loc.to(site.loc).clone(), raw.to(site.raw_scale).clone())
+                      for site, (loc, raw) in zip(sites, saved.values())]
         return True
 
     def keep(self, sites, objective: float) -> None:

@@ -13,7 +13,7 @@ from .family import scale_transform
 from .scales import known_scale, remember_scale
 
 #: The per-element buffers of :class:`SiteState` (saved by ``NGVI.get_state``).
-BUFFERS = ("momentum", "count", "drift", "hdrift")
+BUFFERS = ("momentum", "count", "drift", "hdrift", "excess")
 #: Per-site (not per-element) tensors of :class:`SiteState`, saved too.
 SITE_TENSORS = ("steps", "noise", "cross", "level", "prior")
 
@@ -21,8 +21,8 @@ SITE_TENSORS = ("steps", "noise", "cross", "level", "prior")
 class SiteState:
     """What NGVI keeps for one site between steps, keyed by its ``loc`` tensor."""
 
-    __slots__ = ("loc", "raw", "started", "momentum", "far_steps", "count", "drift", "hdrift", "steps", "noise",
-                 "cross", "level", "prior")
+    __slots__ = ("loc", "raw", "started", "momentum", "far_steps", "count", "drift", "hdrift", "excess", "steps",
+                 "noise", "cross", "level", "prior")
 
     def __init__(self, loc: weakref.ref, raw: Optional[weakref.ref] = None):
         self.loc = loc  # a weak reference: a cleared param store frees the site
@@ -35,6 +35,7 @@ class SiteState:
         self.count: Optional[torch.Tensor] = None
         self.drift: Optional[torch.Tensor] = None
         self.hdrift: Optional[torch.Tensor] = None
+        self.excess: Optional[torch.Tensor] = None  # the curvature clipped off its targets, carried over
         self.steps: Optional[torch.Tensor] = None  # steps that fed the site's pooled noise
         self.noise: Optional[torch.Tensor] = None  # the two pooled variances (short, long memory)
         # the regression of the cross terms of the control variate, of the small sites this site
@@ -59,13 +60,11 @@ class SiteState:
                 "scale": None if scale is None else scale.clone(),
                 "scale_name": None if scale is None else store.param_name(raw)}
 
-    @classmethod
-    def restored(cls, loc: torch.Tensor, key: str, entry: Dict, raw: Optional[torch.Tensor] = None,
-                 transform=None) -> "SiteState":
-        """A state from a saved ``entry`` for the site whose ``loc`` (and raw scale, with its
-        bijection ``transform``) is given.
+    @staticmethod
+    def check(loc: torch.Tensor, key: str, entry: Dict) -> None:
+        """Refuse a saved ``entry`` whose buffers do not fit the site of ``loc``.
 
-        :raises ValueError: when a buffer does not fit the site (a checkpoint of another model)."""
+        :raises ValueError: naming the site and the checkpoint's shape."""
         for name in BUFFERS:
             buffer = entry.get(name)
             if buffer is not None and buffer.shape != loc.shape:
@@ -73,6 +72,15 @@ class SiteState:
                     f"NGVI state for '{key}' holds a {name} of shape {tuple(buffer.shape)}, the "
                     f"site has {tuple(loc.shape)}: the checkpoint belongs to another model"
                 )
+
+    @classmethod
+    def restored(cls, loc: torch.Tensor, key: str, entry: Dict, raw: Optional[torch.Tensor] = None,
+                 transform=None) -> "SiteState":
+        """A state from a saved ``entry`` for the site whose ``loc`` (and raw scale, with its
+        bijection ``transform``) is given.
+
+        :raises ValueError: when a buffer does not fit the site (a checkpoint of another model)."""
+        cls.check(loc, key, entry)
         state = cls(weakref.ref(loc), None if raw is None else weakref.ref(raw))
         state.started = entry["started"]
         for name in BUFFERS + SITE_TENSORS:
@@ -116,11 +124,14 @@ def check_state(state_dict) -> None:
     if not isinstance(state_dict, dict) or set(state_dict) != {"ngvi", "point"}:
         fail("the keys must be 'ngvi' and 'point'")
     ngvi, point = state_dict["ngvi"], state_dict["point"]
-    if not isinstance(ngvi, dict) or set(ngvi) != {"num_steps", "num_skipped_steps", "sites"}:
-        fail("state['ngvi'] must have the keys 'num_steps', 'num_skipped_steps' and 'sites'")
-    for key in ("num_steps", "num_skipped_steps"):
-        if not count(ngvi[key]):
+    required = {"num_steps", "num_skipped_steps", "sites"}
+    if not isinstance(ngvi, dict) or not required <= set(ngvi) <= required | {"num_rejected_steps", "newton"}:
+        fail("state['ngvi'] must have the keys 'num_steps', 'num_skipped_steps' and 'sites' (and from this "
+             "version on 'num_rejected_steps' and 'newton')")
+    for key in ("num_steps", "num_skipped_steps", "num_rejected_steps"):
+        if key in ngvi and not count(ngvi[key]):
             fail(f"state['ngvi'][{key!r}] must be a non-negative integer, got {ngvi[key]!r}")
+    _check_newton(ngvi.get("newton", []), fail)
     if not isinstance(ngvi["sites"], dict):
         fail("state['ngvi']['sites'] must be a dict")
     keys = {"started", "scale", "scale_name", *BUFFERS, *SITE_TENSORS}
@@ -143,3 +154,21 @@ def check_state(state_dict) -> None:
                 and isinstance(entry.get("param_groups"), list)
                 and all(isinstance(v, dict) for v in entry["state"].values())):
             fail(f"point entry {name!r} must be a torch optimizer's state_dict")
+
+
+def _check_newton(entries, fail) -> None:
+    """The Newton guards of a state (:meth:`~pyro_ngvi.safeguards.NewtonGuard.saved_state`)."""
+    def number(value):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    if not isinstance(entries, list):
+        fail("state['ngvi']['newton'] must be a list")
+    for entry in entries:
+        if not (isinstance(entry, dict) and set(entry) == {"factor", "nu", "reference", "predicted", "rejected",
+                                                            "saved"}
+                and all(number(entry[k]) for k in ("factor", "nu", "predicted", "rejected"))
+                and (entry["reference"] is None or number(entry["reference"]))
+                and isinstance(entry["saved"], dict)
+                and all(isinstance(k, str) and isinstance(v, list) and len(v) == 2 and all(map(torch.is_tensor, v))
+                        for k, v in entry["saved"].items())):
+            fail("each entry of state['ngvi']['newton'] must be a Newton guard's saved state")

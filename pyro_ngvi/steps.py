@@ -309,7 +309,8 @@ def _adaptive_inputs(group: Group, states, beta: float, rho: float, warm_start: 
     fresh = group.fresh(states, "hdrift")
     return dict(count=group.state(states, "count", first_count(beta, warm_start)),
                 drift=group.state(states, "momentum" if rho else "drift", 0.0),
-                hdrift=group.state(states, "hdrift", 0.0), fresh=fresh, noise=noise)
+                hdrift=group.state(states, "hdrift", 0.0), excess=group.state(states, "excess", 0.0), fresh=fresh,
+                noise=noise)
 
 
 def _momentum_inputs(group: Group, states, rho: float, run, inputs: dict, cut, fresh: List[bool]) -> str:

@@ -669,3 +669,132 @@ def test_well_scaled_problems_trigger_no_safeguard(problem):
         warnings.simplefilter("error", NGVIWarning)
         for batch in batches:
             svi.step(*batch)
+
+
+# ---------------------------------------------------------------------- found by probing (2026-11-27)
+@pytest.mark.parametrize("dtype", [torch.long, torch.bool])
+@pytest.mark.parametrize("curvature", ["ef", "ggn"])
+def test_fast_path_refuses_integer_bernoulli_targets_as_the_model_does(dtype, curvature):
+    svi = fast_path_svi("bernoulli", 1, curvature)
+    x, y = torch.randn(4, 3), torch.tensor([0.0, 1.0, 1.0, 0.0])
+    svi.step(x, y)
+    with pytest.raises(RuntimeError):  # the model's own log_prob
+        Trace_ELBO().loss(svi.model, svi.guide, x, y.to(dtype))
+    before = snapshot()
+    with pytest.raises(ValueError, match="floating-point"):
+        svi.step(x, y.to(dtype))
+    assert_same(snapshot(), before)
+
+
+def test_a_training_batch_larger_than_num_data_is_refused_and_prediction_is_not():
+    svi = fast_path_svi("gaussian", 1, "ggn")  # num_data = 20
+    x, y = torch.randn(30, 3), torch.randn(30)
+    svi.step(x[:20], y[:20])
+    before = snapshot()
+    with pytest.raises(ValueError, match="num_data=20"):
+        svi.step(x, y)
+    assert_same(snapshot(), before)
+    assert pyro.infer.Predictive(svi.model, guide=svi.guide, num_samples=2)(x)["obs"].shape == (2, 30)
+
+
+def test_targets_that_are_not_tensors_are_a_type_error_naming_them():
+    svi = fast_path_svi("gaussian", 1, "ggn")
+    with pytest.raises(TypeError, match="y must be a torch.Tensor"):
+        svi.step(torch.randn(4, 3), torch.randn(4).numpy())
+
+
+@pytest.mark.parametrize("curvature", ["ggn", "reparam"])
+def test_a_net_converted_after_its_guide_ran_keeps_training(curvature):
+    """bnn.double() after the guide was made: the guide stays float32 (its params are the param
+    store's), the statistics are handed over in its dtype (a bare dtype error in the momentum before)."""
+    svi = fast_path_svi("categorical", 3, curvature)
+    x, y = torch.randn(4, 3), torch.tensor([0, 1, 2, 1])
+    svi.step(x, y)
+    svi.model.double()
+    before = snapshot()
+    losses = [svi.step(x.double(), y) for _ in range(3)]
+    assert all(math.isfinite(loss) for loss in losses)
+    after = snapshot()
+    assert all(after[k].dtype == torch.float32 for k in after) and any(not torch.equal(after[k], before[k])
+                                                                         for k in after)
+
+
+def test_a_refused_checkpoint_is_refused_on_every_retry():
+    """Each retry of a step under a checkpoint of another model is refused alike: no entry is
+    used up by a refusal, so none is half taken."""
+    state = valid_state()
+    pyro.clear_param_store()
+    optim = NGVI(momentum=0.5)
+    svi = train(lambda y: two_sites(y, b_size=5), optim, 1)
+    optim.set_state(state)
+    before = snapshot()
+    for _ in range(4):
+        with pytest.raises(ValueError, match="another model"):
+            svi.step(Y)
+    assert_same(snapshot(), before)
+    assert optim.num_steps == 2 and optim.get_state()["ngvi"]["sites"].keys() == state["ngvi"]["sites"].keys()
+
+
+def test_a_checkpoint_keeps_the_newton_safeguard(tmp_path):
+    """With exact curvature at the mean the Newton guard's damping and the point it would undo to
+    are part of the state: a resumed run takes the uninterrupted run's steps bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(100, 1, generator=g)
+    x = z + 0.1 * torch.randn(100, 3, generator=g)  # strongly correlated features
+    y = x @ torch.tensor([1.0, -1.0, 2.0]) + 0.1 * torch.randn(100, generator=g)
+
+    def model(x, y):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+        with pyro.plate("data", len(y)):
+            pyro.sample("obs", dist.Normal(x @ w, 0.1), obs=y)
+
+    guide, optim = AutoNormal(model), NGVI(lr=1.0, beta=1.0)
+    svi = SVI(model, guide, optim, CurvatureELBO("hessian", deterministic=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NGVIWarning)
+        for _ in range(5):
+            svi.step(x, y)
+        assert optim.num_rejected_steps > 0  # the guard is damping
+        pyro.get_param_store().save(tmp_path / "params.pt")
+        optim.save(tmp_path / "ngvi.pt")
+        uninterrupted = [svi.step(x, y) for _ in range(5)]
+        rejected = optim.num_rejected_steps
+
+        pyro.clear_param_store()
+        load_param_store(tmp_path / "params.pt")
+        guide = AutoNormal(model)
+        guide(x, y)
+        resumed_optim = NGVI(lr=1.0, beta=1.0)
+        resumed_optim.load(tmp_path / "ngvi.pt")
+        svi = SVI(model, guide, resumed_optim, CurvatureELBO("hessian", deterministic=True))
+        assert [svi.step(x, y) for _ in range(5)] == uninterrupted
+    assert resumed_optim.num_rejected_steps == rejected
+
+
+def test_ngvi_given_one_guide_refuses_an_svi_that_trains_another():
+    data = torch.randn(10) + 3.0
+
+    def model(data):
+        loc = pyro.sample("loc", dist.Normal(0.0, 10.0))
+        with pyro.plate("data", len(data)):
+            pyro.sample("obs", dist.Normal(loc, 1.0), obs=data)
+
+    given = AutoNormal(model)
+    given(data)
+    svi = SVI(model, AutoNormal(model), NGVI(guide=given), Trace_ELBO())
+    with pytest.raises(ValueError, match="trains another guide"):
+        svi.step(data)
+    assert SVI(model, given, NGVI(guide=given), Trace_ELBO()).step(data) > 0  # the same guide: fine
+
+
+def test_a_refused_prior_leaves_the_old_prior_whole():
+    torch.manual_seed(0)
+    bnn = BayesianNet(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)), "bernoulli", num_data=20)
+    sites = [w.site for w in bnn._latents]
+    before = [bnn._prior_buffers(j)[1].clone() for j in range(len(sites))]
+    bad = {site: 5.0 for site in sites}
+    bad[sites[-1]] = -1.0
+    with pytest.raises(ValueError, match="positive"):
+        bnn.set_prior(bad)
+    bnn.double()  # (the cached views refreshed from the buffers)
+    assert all(torch.equal(bnn._prior_buffers(j)[1].float(), before[j]) for j in range(len(sites)))

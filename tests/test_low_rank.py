@@ -312,3 +312,28 @@ def test_a_step_whose_eigen_decomposition_fails_is_skipped_and_leaves_the_guide_
         svi.step(torch.full((4,), 1e160, dtype=F64))
     assert all(torch.equal(a, b.detach()) for a, b in zip(before, site.tensors))
     assert optim.num_skipped_steps == 2 and optim.num_steps == 0
+
+
+def test_runs_of_the_guide_between_steps_do_not_break_the_next_step():
+    """A step takes the curvature at the ELBO's own draw, the last one before it: a run of the
+    guide between steps (set up, Predictive, evaluate_loss) neither refuses the step nor changes it."""
+    model, data, *_ = correlated_regression()
+
+    def run(between):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        guide = LowRankPrecisionNormal(model, rank=2)
+        svi = SVI(model, guide, NGVI(), Trace_ELBO())
+        for step in range(6):
+            if step == 3:
+                state = torch.get_rng_state()
+                between(guide, svi)
+                torch.set_rng_state(state)  # (the same draws from here on)
+            svi.step(*data)
+        return LowRankSite.of(guide).mean.detach().clone()
+
+    plain = run(lambda guide, svi: None)
+    for between in (lambda guide, svi: guide(*data),
+                    lambda guide, svi: Predictive(model, guide=guide, num_samples=5)(*data),
+                    lambda guide, svi: svi.evaluate_loss(*data)):
+        assert torch.equal(run(between), plain)

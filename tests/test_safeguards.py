@@ -136,3 +136,24 @@ def test_finite_reads_only_the_masked_rows():
     assert not bool(finite(t, mask=rows)) and not bool(finite(t, t.abs(), mask=rows, exact=True))
     big = torch.full((2,), 3e38)  # finite values whose float32 sum overflows: exact tells them apart
     assert not bool(finite(big, mask=torch.tensor([True, True]))) and bool(finite(big, mask=torch.tensor([True, True]), exact=True))
+
+
+def test_clip_target_carries_the_clipped_part_over():
+    """Error feedback: what is clipped off one target is added to the next, so the targets
+    taken sum to those given, less the excess still carried."""
+    from pyro_ngvi.safeguards import INNOVATION_MAX, clip_target
+
+    precision = torch.ones(3)
+    given = [torch.tensor([50.0, 1.0, -30.0]), torch.tensor([1.0, 2.0, 1.0]), torch.tensor([1.0, 1.0, 1.0]),
+             torch.tensor([0.5, 1.0, 1.0]), torch.tensor([1.0, 1.0, 1.0]), torch.tensor([1.0, 1.0, 1.0])]
+    excess, taken = torch.zeros(3), []
+    for target in given:
+        clipped, excess = clip_target(target.clone(), precision, excess)
+        assert (clipped <= 1 + INNOVATION_MAX).all() and (clipped >= 1 - INNOVATION_MAX).all()
+        taken.append(clipped)
+    torch.testing.assert_close(torch.stack(taken).sum(0) + excess, torch.stack(given).sum(0))
+    assert taken[0].tolist() == [10.0, 1.0, -8.0] and taken[1].tolist() == [10.0, 2.0, -8.0]
+    assert excess.abs().max() == 0  # all of it taken by the sixth step
+    # without a carried excess: the plain clip
+    clipped, none = clip_target(torch.tensor([50.0]), torch.ones(1))
+    assert none is None and clipped.item() == 1 + INNOVATION_MAX

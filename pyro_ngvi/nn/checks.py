@@ -37,8 +37,12 @@ class InputChecks:
     it reads ``likelihood`` and ``_likelihood_param``).
     """
 
-    def _check_batch(self, x, y) -> None:
-        """An empty batch, or targets of another length, are refused (no device sync)."""
+    def _check_batch(self, x, y, step: bool = False) -> None:
+        """An empty batch, or targets of another length, are refused (no device sync); for a
+        training ``step``, also a batch larger than the data set it stands for."""
+        if not torch.is_tensor(x) or (y is not None and not torch.is_tensor(y)):
+            bad = "x" if not torch.is_tensor(x) else "y"
+            raise TypeError(f"BayesianNet: {bad} must be a torch.Tensor, got {type(x if bad == 'x' else y).__name__}")
         if len(x) == 0:
             raise ValueError(
                 "BayesianNet got an empty batch x: a minibatch needs at least one example "
@@ -48,6 +52,13 @@ class InputChecks:
             raise ValueError(
                 f"BayesianNet: y holds {len(y) if y.dim() else 'no'} targets for a batch of "
                 f"{len(x)} inputs"
+            )
+        if step and len(x) > self.effective_num_data:
+            raise ValueError(
+                f"BayesianNet: a training batch of {len(x)} examples for num_data={self.num_data} (the "
+                f"data set's size; effective {self.effective_num_data}): the likelihood would be scaled "
+                "down by num_data / batch size. Set bnn.num_data to the training set's size (a new "
+                "task's too)"
             )
 
     def _check_targets(self, y: torch.Tensor, output: torch.Tensor) -> None:
@@ -74,6 +85,11 @@ class InputChecks:
                 raise ValueError(
                     f"BayesianNet ({self.likelihood}): targets y of dtype {y.dtype} are not "
                     "supported"
+                )
+            if self.likelihood == "bernoulli" and not y.is_floating_point():
+                raise ValueError(
+                    f"BayesianNet (bernoulli): targets y of dtype {y.dtype}; the likelihood's log_prob "
+                    "takes floating-point 0 / 1 targets (pass y.float())"
                 )
             self._checked_targets.add(key)
         if self.likelihood == "gaussian" or y.dtype == torch.bool or not dist.is_validation_enabled():

@@ -54,7 +54,7 @@ class BackpackStep(BackpackTwin):
         if isinstance(guide, KroneckerNormal):
             return self._kronecker_step(model, guide, x, y, curvature, num_particles, deterministic, mc_samples)
         self._check_step(guide, y, curvature, deterministic)
-        model._check_batch(x, y)
+        model._check_batch(x, y, step=True)
         locs, raws, stddevs = self._read_guide(model, guide, x, y)
         points, noise_scale, loss_scale = self.begin(model)
         prior = model._weight_prior()
@@ -126,6 +126,10 @@ class BackpackStep(BackpackTwin):
         if model.noise_limit_mode == "mean" and not deterministic:  # (a family that moves with its means:
             floors, loss = model._mean_floor(locs), None  # its loss is not one family's, the ELBO watch is not fed)
         for j, (loc, grad, curv, stddev) in enumerate(zip(locs, grads, curvatures, stddevs)):
+            if grad.dtype != loc.dtype:  # (a net converted, .double(), after its guide was made)
+                grad, curv = grad.to(loc.dtype), curv.to(loc.dtype)
+                eps_means[j], eps_sq_means[j] = (None if e is None else e.to(loc.dtype)
+                                                 for e in (eps_means[j], eps_sq_means[j]))
             stats = SiteCurvature(
                 grad=grad,
                 curvature=curv,

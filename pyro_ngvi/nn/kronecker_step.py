@@ -57,7 +57,7 @@ class KroneckerStep:
                 "BayesianNet(learn_prior=True) learns its prior scales with an AutoNormal guide; "
                 "a KroneckerNormal guide folds a fixed prior into its Kronecker factors"
             )
-        model._check_batch(x, y)
+        model._check_batch(x, y, step=True)
         twin = self.twin
         layers = self._layers(model, guide, x, y)
         # the param store's tensors (a store restored in place too: the guide takes them up, wrapping

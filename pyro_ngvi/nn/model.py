@@ -114,7 +114,8 @@ class BayesianNet(WeightPriors, NoiseLimit, GuideFactory, InputChecks, FastPath,
         may add :math:`v / L`, so the standard deviation of each weight of a layer
         with fan-in :math:`n` is at most :math:`\\sqrt{v / (L n)}`
         (:class:`~pyro_ngvi.NGVI` keeps the precision at least :math:`L n / v`);
-        ``None`` lifts the limit (default: 1.0).
+        ``None`` lifts the limit (default: 1.0). A limit of the mean-field family: a
+        :class:`~pyro_ngvi.KroneckerNormal` or full-covariance guide is not limited by it.
     :param str noise_limit_mode: what the limit is relative to: ``"fan_in"`` (above: weights
         of variance :math:`1/n`) or ``"mean"``, each weight's own mean where it is larger,
         :math:`\\sigma_{ij}^2 \\le (v/L)\\max(\\mu_{ij}^2, 1/n)` (a bias: its unit's mean square

@@ -109,9 +109,10 @@ class WeightPriors:
                     f"({', '.join(sites)}); missing: {missing}, not latent sites: "
                     f"{unknown} (BatchNorm parameters are point estimates)"
                 )
-        for index, weight in enumerate(self._latents):
-            spec = prior[weight.site] if isinstance(prior, dict) else prior
-            loc, scale = _as_loc_scale(spec, weight)
+        # every entry checked before any is written: a refused prior leaves the old one whole
+        specs = [_as_loc_scale(prior[weight.site] if isinstance(prior, dict) else prior, weight)
+                 for weight in self._latents]
+        for index, (weight, (loc, scale)) in enumerate(zip(self._latents, specs)):
             self.register_buffer(f"_prior_loc_{index}", loc)
             self.register_buffer(f"_prior_scale_{index}", scale)
             self.register_buffer(f"_prior_precision_{index}", scale.pow(-2))
