@@ -25,7 +25,8 @@ from pyro.optim.optim import PyroOptim
 from .checkpoint import safe_load
 from .checks import DeferredChecks, read_checks, sync_every
 from .distributed import all_reduce_stats, is_distributed, without_draws
-from .family import FullCovarianceSite, GaussianSite, SiteCurvature, calling_svi, end_handover, split_params
+from .family import (FullCovarianceSite, GaussianSite, SiteCurvature, calling_step, calling_svi, end_handover,
+                     gaussian_sites, split_params)
 from .groups import Group, Workspace, group_sites, statistics_kind
 from .kronecker import KroneckerSite
 from .low_rank_guide import LowRankSite
@@ -345,6 +346,7 @@ class NGVI(PyroOptim):
         plan = self._plans.get(key)
         store = pyro.get_param_store()._params
         if plan is not None and all(_still_stored(site, store) for site in plan.sites):
+            plan.reweigh(guide)  # (poutine.scale factors may change between steps: KL annealing)
             return plan
         sites, others, parts = split_params(guide, params)
         self._guide_parts.update((p, True) for p in parts)
@@ -467,6 +469,23 @@ class _Plan:
             if self.newton.restore(entry, self.mean_field):
                 pending.remove(entry)
                 return
+
+    def reweigh(self, guide) -> None:
+        """Read the ``poutine.scale`` factors of the sites again, if any was not 1 (a factor passed
+        to the guide as an argument, changed between steps: KL annealing); the guide run keeps the
+        global RNG as it was. Sites of weight 1 cost nothing here."""
+        if not any(site.weight != 1.0 for site in self.mean_field):
+            return
+        found = calling_step(guide)
+        args, kwargs = (found.args, found.kwargs) if found is not None else ((), {})
+        rng = pyro.util.get_rng_state()
+        try:
+            weights = {site.key: site.weight for site in gaussian_sites(guide, *args, **kwargs)
+                       if isinstance(site, GaussianSite)}
+        finally:
+            pyro.util.set_rng_state(rng)
+        for site in self.mean_field:
+            site.weight = weights.get(site.key, site.weight)
 
     def groups_for(self, sites: List[GaussianSite], stats: Dict[str, SiteCurvature]) -> List[Group]:
         """:func:`~pyro_ngvi.groups.group_sites` for these sites and kinds of statistics, remembered."""
