@@ -101,7 +101,16 @@ def trace_guide(guide, *args, **kwargs) -> poutine.Trace:
     statistics of an encoder).
     """
     with _untouched(guide):
-        return poutine.trace(guide).get_trace(*args, **kwargs)
+        try:
+            return poutine.trace(guide).get_trace(*args, **kwargs)
+        except TypeError as error:
+            if args or kwargs:
+                raise
+            raise TypeError(
+                f"NGVI reads the guide's sites off a run of it, and a run without arguments failed ({error}). "
+                "Outside SVI.step NGVI does not know the guide's arguments: step it through pyro.infer.SVI, "
+                "or bind them, guide = functools.partial(guide, *args), for the loss and NGVI(guide=guide)"
+            ) from error
 
 
 def model_params(model, guide_trace: poutine.Trace, *args, **kwargs) -> Set[str]:

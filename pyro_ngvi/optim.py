@@ -89,7 +89,8 @@ class NGVI(PyroOptim):
     :param point_optim: torch optimizer class for the other parameters (default: Adam)
     :param dict point_optim_args: its arguments (default: :mod:`pyro_ngvi.point`)
     :param guide: the guide whose sites to update, when NGVI runs outside ``SVI``
-        (default: None, the calling ``SVI``'s guide)
+        (default: None, the calling ``SVI``'s guide); a guide that takes arguments then needs
+        them bound, ``functools.partial(guide, *args)``, for the loss and here
     :param bool compile: the mean-field update compiled by :func:`torch.compile`, the same
         step to a few ulps (:mod:`pyro_ngvi.update.fused`; default: False)
 

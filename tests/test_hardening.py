@@ -798,3 +798,34 @@ def test_a_refused_prior_leaves_the_old_prior_whole():
         bnn.set_prior(bad)
     bnn.double()  # (the cached views refreshed from the buffers)
     assert all(torch.equal(bnn._prior_buffers(j)[1].float(), before[j]) for j in range(len(sites)))
+
+
+def test_a_guide_with_arguments_stepped_outside_svi_is_a_clear_error_and_a_partial_works():
+    import functools
+
+    data = torch.randn(20) + 1.5
+
+    def model(data):
+        mu = pyro.sample("mu", dist.Normal(0.0, 2.0))
+        with pyro.plate("data", len(data)):
+            pyro.sample("obs", dist.Normal(mu, 1.0), obs=data)
+
+    def guide(data):
+        loc = pyro.param("loc", torch.tensor(0.0))
+        scale = pyro.param("scale", torch.tensor(1.0), constraint=constraints.positive)
+        pyro.sample("mu", dist.Normal(loc, scale))
+
+    def loop(model, guide, steps, *args):
+        optim = NGVI(guide=guide)
+        for _ in range(steps):
+            with pyro.poutine.trace(param_only=True) as captured:
+                Trace_ELBO().differentiable_loss(model, guide, *args).backward()
+            optim({site["value"].unconstrained() for site in captured.trace.nodes.values()})
+            pyro.infer.util.zero_grads({site["value"].unconstrained() for site in captured.trace.nodes.values()})
+
+    with pytest.raises(TypeError, match="functools.partial"):
+        loop(model, guide, 1, data)
+    pyro.clear_param_store()
+    loop(functools.partial(model, data), functools.partial(guide, data), 300)
+    precision = 0.25 + len(data)
+    assert abs(float(pyro.param("loc").detach()) - float(data.sum()) / precision) * precision**0.5 < 0.1
