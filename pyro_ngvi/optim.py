@@ -473,18 +473,15 @@ class _Plan:
 
     def reweigh(self, guide) -> None:
         """Read the ``poutine.scale`` factors of the sites again, if any was not 1 (a factor passed
-        to the guide as an argument, changed between steps: KL annealing); the guide run keeps the
-        global RNG as it was. Sites of weight 1 cost nothing here."""
+        to the guide as an argument, changed between steps: KL annealing), off a run of the guide
+        that leaves the random streams as they were (:func:`~pyro_ngvi.guide_trace.trace_guide`).
+        Sites of weight 1 cost nothing here."""
         if not any(site.weight != 1.0 for site in self.mean_field):
             return
         found = calling_step(guide)
         args, kwargs = (found.args, found.kwargs) if found is not None else ((), {})
-        rng = pyro.util.get_rng_state()
-        try:
-            weights = {site.key: site.weight for site in gaussian_sites(guide, *args, **kwargs)
-                       if isinstance(site, GaussianSite)}
-        finally:
-            pyro.util.set_rng_state(rng)
+        weights = {site.key: site.weight for site in gaussian_sites(guide, *args, **kwargs)
+                   if isinstance(site, GaussianSite)}
         for site in self.mean_field:
             site.weight = weights.get(site.key, site.weight)
 
