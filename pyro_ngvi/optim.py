@@ -88,9 +88,8 @@ class NGVI(PyroOptim):
     :param bool safeguard: the Newton-step safeguard for statistics at the mean (default: True)
     :param point_optim: torch optimizer class for the other parameters (default: Adam)
     :param dict point_optim_args: its arguments (default: :mod:`pyro_ngvi.point`)
-    :param guide: the guide whose sites to update, when NGVI runs outside ``SVI``
-        (default: None, the calling ``SVI``'s guide); a guide that takes arguments then needs
-        them bound, ``functools.partial(guide, *args)``, for the loss and here
+    :param guide: the guide whose sites to update, when NGVI runs outside ``SVI``, its arguments
+        bound (``functools.partial``) (default: None, the calling ``SVI``'s guide)
     :param bool compile: the mean-field update compiled by :func:`torch.compile`, the same
         step to a few ulps (:mod:`pyro_ngvi.update.fused`; default: False)
 
