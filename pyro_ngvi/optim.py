@@ -452,6 +452,7 @@ class _Plan:
     def __init__(self, sites, others):
         self.sites, self.others = sites, others
         self.mean_field = [site for site in sites if isinstance(site, GaussianSite)]
+        self.weighted = any(site.weight != 1.0 for site in self.mean_field)  # (read once: reweigh)
         self.dense_sites = [site for site in sites if isinstance(site, (FullCovarianceSite, KroneckerSite, LowRankSite))]
         self.groups: Dict[tuple, List[Group]] = {}
         self.signs: Dict = {}  # id(group) -> (group, g > 0 at its last sampled step)
@@ -475,7 +476,7 @@ class _Plan:
         to the guide as an argument, changed between steps: KL annealing), off a run of the guide
         that leaves the random streams as they were (:func:`~pyro_ngvi.guide_trace.trace_guide`).
         Sites of weight 1 cost nothing here."""
-        if not any(site.weight != 1.0 for site in self.mean_field):
+        if not self.weighted:
             return
         found = calling_step(guide)
         args, kwargs = (found.args, found.kwargs) if found is not None else ((), {})

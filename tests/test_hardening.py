@@ -771,14 +771,15 @@ def test_a_checkpoint_keeps_the_newton_safeguard(tmp_path):
     assert resumed_optim.num_rejected_steps == rejected
 
 
+def normal_mean(data):
+    mu = pyro.sample("mu", dist.Normal(0.0, 2.0))
+    with pyro.plate("data", len(data)):
+        pyro.sample("obs", dist.Normal(mu, 1.0), obs=data)
+
+
 def test_ngvi_given_one_guide_refuses_an_svi_that_trains_another():
     data = torch.randn(10) + 3.0
-
-    def model(data):
-        loc = pyro.sample("loc", dist.Normal(0.0, 10.0))
-        with pyro.plate("data", len(data)):
-            pyro.sample("obs", dist.Normal(loc, 1.0), obs=data)
-
+    model = normal_mean
     given = AutoNormal(model)
     given(data)
     svi = SVI(model, AutoNormal(model), NGVI(guide=given), Trace_ELBO())
@@ -804,11 +805,7 @@ def test_a_guide_with_arguments_stepped_outside_svi_is_a_clear_error_and_a_parti
     import functools
 
     data = torch.randn(20) + 1.5
-
-    def model(data):
-        mu = pyro.sample("mu", dist.Normal(0.0, 2.0))
-        with pyro.plate("data", len(data)):
-            pyro.sample("obs", dist.Normal(mu, 1.0), obs=data)
+    model = normal_mean
 
     def guide(data):
         loc = pyro.param("loc", torch.tensor(0.0))
