@@ -70,6 +70,18 @@ def sync_every(device: torch.device, every) -> int:
     return SYNC_EVERY_CUDA if device.type == "cuda" else 1
 
 
+def check_step_arguments(args: tuple) -> None:
+    """``NGVI(...)(params, *args)`` hands ``args`` to the point optimizer's step, as Pyro's
+    optimizers do: at most one, a closure. A model's data there is refused (it would reach
+    ``torch.optim`` as a closure and fail there, obscurely).
+
+    :raises TypeError: for anything else."""
+    if len(args) > 1 or (args and not callable(args[0])):
+        raise TypeError("NGVI(...)(params, *args) hands args to the point optimizer's step, as Pyro's "
+                        "optimizers do (a closure); a guide's own arguments are bound with "
+                        "NGVI(guide=functools.partial(guide, *args))")
+
+
 def read_checks(optim, plan, sites, stats, groups, group_stats, flats, others) -> bool:
     """Whether every statistic and point gradient of ``optim``'s step is finite; the last steps'
     safeguard flags and the deferred steps' checks are read in the same device sync, and reported

@@ -30,7 +30,7 @@ The hand-over of curvature from an ELBO to the optimizer lives in
 import sys
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -539,6 +539,9 @@ def split_params(guide, params, args: Optional[Sequence] = None, kwargs: Optiona
     handed = [part for part in view.others if any(id(store.get(name)) in present for name in part.params)]
     hidden = [site.name for site in view.sites if id(site.loc) not in present]
     hidden += [part.site for part in view.others if part not in handed]
+    # (of a part, only the params SVI hands over are trained: one a handler hides is not)
+    handed = [replace(part, params=tuple(name for name in part.params if id(store.get(name)) in present))
+              for part in handed]
     warn_not_gaussian(guide, handed, warned)
     warn_hidden(guide, hidden, warned)
     sites = [site for site in view.sites if id(site.loc) in present]

@@ -253,6 +253,10 @@ def _gaussian_block(name, site, values, store) -> Tuple[Optional[GaussianBlock],
     loc = _param_of(base.loc, values, store)
     if loc is None and _is_broadcast_param(base.loc, values):
         return None, "its loc is a pyro.param broadcast over the site (one value shared by several elements)"
+    hidden = [_hidden_param(t, values, store) for t in (base.loc, base.scale)]
+    for part, param in zip(("loc", "scale"), hidden):
+        if param is not None:
+            return None, f"its {part} is the param '{param}', hidden from SVI (poutine.block): held fixed"
     if loc is None or not _is_identity(store, loc[0]):
         return None, ("its loc is not a pyro.param's unconstrained tensor itself (it is computed: a network's "
                       "output, a sum, a transform)")
@@ -272,6 +276,17 @@ def _gaussian_block(name, site, values, store) -> Tuple[Optional[GaussianBlock],
     if weight is None:
         return None, "it is scaled by a tensor (poutine.scale), not by a number"
     return GaussianBlock(name, loc[0], scale[0], bijection, loc[1] or scale[1], weight), None
+
+
+def _hidden_param(t, values: Dict[int, str], store) -> Optional[str]:
+    """The name of a param ``t`` is computed from that the trace does not record (hidden by
+    ``poutine.block``: SVI never hands it over), or ``None``."""
+    if not torch.is_tensor(t) or not t.requires_grad:
+        return None
+    traced = set(values.values())
+    leaves = [t] if t.grad_fn is None else [getattr(n, "variable", None) for n in graph_nodes([t], set())]
+    names = [store.param_name(leaf) for leaf in leaves if leaf is not None]
+    return next((name for name in names if name is not None and name not in traced), None)
 
 
 def _family_reason(base) -> str:

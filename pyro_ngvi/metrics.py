@@ -124,6 +124,9 @@ def _check_regression(samples, y, samples_name: str):
             f"y must have shape ({samples.shape[1]},) to match {samples_name}, "
             f"got {tuple(y.shape)}"
         )
+    for name, value in ((samples_name, samples), ("y", y)):
+        if not bool(torch.isfinite(value).all()):
+            raise ValueError(f"{name} must be finite (a NaN or inf sample has no quantile or density)")
     return samples, y
 
 
@@ -492,8 +495,8 @@ def gaussian_log_likelihood(
             f"scale of shape {tuple(scale.shape)} does not broadcast to "
             f"loc_samples' shape {tuple(loc_samples.shape)}"
         )
-    if not bool((scale > 0).all()):
-        raise ValueError("scale must be positive")
+    if not bool(((scale > 0) & torch.isfinite(scale)).all()):
+        raise ValueError("scale must be positive and finite")
     log_prob = torch.distributions.Normal(loc_samples, scale).log_prob(y)
     num_samples = loc_samples.shape[0]
     return (torch.logsumexp(log_prob, dim=0) - math.log(num_samples)).mean()

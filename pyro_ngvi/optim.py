@@ -23,7 +23,7 @@ import pyro
 from pyro.optim.optim import PyroOptim
 
 from .checkpoint import safe_load
-from .checks import DeferredChecks, read_checks, sync_every
+from .checks import DeferredChecks, check_step_arguments, read_checks, sync_every
 from .distributed import all_reduce_stats, is_distributed, without_draws
 from .family import (FullCovarianceSite, GaussianSite, SiteCurvature, calling_step, calling_svi, end_handover,
                      gaussian_sites, split_params)
@@ -172,6 +172,7 @@ class NGVI(PyroOptim):
         the evaluation's registered side effects, as a skipped step does, and, under
         ``SVI`` (which zeroes gradients only after a step), drops the ``.grad``.
         """
+        check_step_arguments(args)
         params = list(params)
         svi = calling_svi("optim", self)
         try:

@@ -38,9 +38,14 @@ CROSS_MAX = 64
 #: much (a memory of about 100 steps where the log joint is not quadratic; on a quadratic
 #: one the slope is exact whatever the weights).
 CROSS_RATE = 0.01
+#: The regression restarts where its line misses a step's g by more than CROSS_MISFIT current
+#: sds (the miss times sigma; 0 on a quadratic log joint; tests/test_wide_start.py).
+CROSS_MISFIT = 100.0
 #: The rate of the running level of a full-covariance site's one-draw curvature, the
 #: coefficient of its control variate (:func:`dense_control_variate`).
 LEVEL_RATE = 0.2
+#: ... which restarts where this step's level is below it over LEVEL_RESTART (:func:`kept_level`).
+LEVEL_RESTART = 1e4
 
 
 def control_variate(grad, curvature, eps_mean, eps_sq_mean_minus_one, precision, prior_precision, known,
@@ -121,7 +126,12 @@ def cross_terms(sites: List[GaussianSite], stats: Dict[str, SiteCurvature],
     covariances :math:`S_{ww}`, :math:`S_{gw}`). Where :math:`\\ell` is quadratic,
     :math:`\\hat g(w) = \\hat g(0) + H w` exactly, so after :math:`D + 1` steps
     :math:`\\hat H = H` whatever the weights. :math:`\\hat H` uses past steps only, so
-    both terms have mean zero whatever its error. Before :math:`D + 1` steps, or where
+    both terms have mean zero whatever its error, but noise in proportion to its error: where
+    this step's :math:`\\hat g` misses the regression's line by more than :data:`CROSS_MISFIT`
+    current standard deviations, :math:`\\max_i |\\hat g_i - \\hat g_{\\text{line}, i}|\\sigma_i`
+    (a line fitted to a transient's wide first steps on a log joint that is not quadratic; on a
+    quadratic one the miss is 0), the regression starts afresh from this step's pair, for the
+    steps after. Before :math:`D + 1` steps, or where
     :math:`S_{ww}` is not positive definite or the term is not finite, it is 0 (no
     device sync). The state, one :math:`(2D + 3) \\times D` tensor (count, the two means,
     :math:`S_{ww}`, :math:`S_{gw}`), is kept with the first of the sites (``state_of(site)``;
@@ -149,6 +159,8 @@ def cross_terms(sites: List[GaussianSite], stats: Dict[str, SiteCurvature],
         cov_ww, cov_gw = packed[3:3 + size], packed[3 + size:]
         factor, info = torch.linalg.cholesky_ex(cov_ww)
         slope = torch.cholesky_solve(cov_gw.T.contiguous(), factor)  # (S_gw S_ww^-1)^T
+        # how far this step's g is from the regression's line, in the current sds (taken after use)
+        misfit = (raw_grad - mean_g - (point - mean_w) @ slope).mul_(sigma).abs_().amax()
         off = slope.add_(slope.T.clone()).mul_(0.5)
         off.diagonal().zero_()
         correction = off @ z
@@ -171,6 +183,12 @@ def cross_terms(sites: List[GaussianSite], stats: Dict[str, SiteCurvature],
         new[2] = mean_g + weight * dg
         new[3:3 + size] = (cov_ww + weight * torch.outer(dw, dw)).mul_(1 - weight)
         new[3 + size:] = (cov_gw + weight * torch.outer(dg, dw)).mul_(1 - weight)
+        # a line fitted where the log joint is far from this quadratic (a transient's wide first steps)
+        # misses g by many sds: the regression restarts from this step's pair
+        refit = usable & ~(misfit <= CROSS_MISFIT)
+        fresh = torch.zeros_like(packed)
+        fresh[0], fresh[1], fresh[2] = 1.0, point + mean_w, raw_grad
+        new = torch.where(refit, fresh, new)
     return CrossTerms([site for site, _ in chosen], off, state, new)
 
 
@@ -181,16 +199,31 @@ def dense_control_variate(factor: torch.Tensor, stats: SiteCurvature, state):
     :func:`~pyro_ngvi.full_covariance.controlled_price_statistics`, its coefficient :math:`c`
     the level ``state`` kept from the steps before (0 at the first; at least 0: any :math:`c`
     is unbiased), and the level to keep: the running mean, at rate :data:`LEVEL_RATE`, of
-    :math:`\\mathrm{tr}(W)/D`. Returns ``(stats, {"level": ...})``.
+    :math:`\\mathrm{tr}(W)/D` (:func:`kept_level`). Returns ``(stats, {"level": ...})``.
     """
     whitened = stats.curvature
     observed = whitened.diagonal().mean()
     level = 0.0 if state.level is None else max(float(state.level), 0.0)
     grad, curvature = full_covariance.controlled_price_statistics(
         factor.to(whitened), stats.grad.to(whitened), whitened, stats.eps_mean.to(whitened), level)
-    kept = observed if state.level is None else torch.lerp(state.level.to(observed), observed, LEVEL_RATE)
     stats = replace(stats, grad=grad.to(stats.grad), curvature=curvature, eps_mean=None)
-    return stats, {"level": kept.to(stats.grad.dtype)}
+    return stats, {"level": kept_level(state.level, observed).to(stats.grad.dtype)}
+
+
+def kept_level(level: Optional[torch.Tensor], observed: torch.Tensor) -> torch.Tensor:
+    """The control variate's level after this step: the running mean of the ``observed``
+    levels at rate :data:`LEVEL_RATE` (the first one as it is), restarted at the observed one
+    (at least 0) where its size is below the level over :data:`LEVEL_RESTART` (a one-draw level
+    crosses 0 often; with 100, the restarts this made in ordinary runs cost the one-draw benchmark
+    up to 2x): a level kept from
+    a far region of a log joint that is not quadratic (a wide start's first steps, 1e17 where
+    1e3 is seen now) is noise in proportion to itself, and it kept the precision growing
+    (``tests/test_wide_start.py``). Any level from past steps leaves the estimate unbiased."""
+    if level is None:
+        return observed
+    level = level.to(observed)
+    return torch.where(observed.abs() < level / LEVEL_RESTART, observed.clamp(min=0.0),
+                       torch.lerp(level, observed, LEVEL_RATE))
 
 
 def low_rank_control_variate(stats, state):
@@ -207,6 +240,6 @@ def low_rank_control_variate(stats, state):
     level = 0.0 if state.level is None else max(float(state.level), 0.0)
     a = (stats.plus + stats.minus).squeeze(-1)  # (G+ + G- = S z: the one draw's factors hold it)
     controlled, plus, minus = low_rank.controlled_price_factors(a, grad, level)
-    kept = observed if state.level is None else torch.lerp(state.level.to(observed), observed, LEVEL_RATE)
-    return replace(stats, grad=controlled, plus=plus, minus=minus, displacement=None, level=level), {"level": kept}
+    return (replace(stats, grad=controlled, plus=plus, minus=minus, displacement=None, level=level),
+            {"level": kept_level(state.level, observed)})
 

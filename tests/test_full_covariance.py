@@ -467,10 +467,16 @@ def test_ngvi_step_matches_the_update_equation_with_momentum_and_damping():
     pyro.set_rng_seed(8)
     optim = NGVI(lr=0.3, beta=0.2, momentum=0.9, damping=2.0, max_step=None, warm_start=False)
     SVI(model, guide, optim, elbo).step(*data)
-    new_precision = 0.8 * precision + 0.2 * target
+    # S' = S^1/2 [0.8 + 0.2 M (+ 0.02 (1 - M)^2 if H is not PD)] S^1/2, M = S^-1/2 H S^-1/2, with the
+    # eigenvalues of M taken at least 1 - 1/beta = -4 (where the correction stops being monotone)
+    values, vectors = torch.linalg.eigh(precision)
+    root = (vectors * values.sqrt()) @ vectors.T
+    inverse_root = (vectors * values.rsqrt()) @ vectors.T
+    m, directions = torch.linalg.eigh(inverse_root @ target @ inverse_root)
+    moved = 0.8 + 0.2 * m
     if int(torch.linalg.cholesky_ex(target)[1]) != 0:
-        gap = precision - target
-        new_precision = new_precision + 0.02 * gap @ torch.linalg.inv(precision) @ gap
+        moved = 0.8 + 0.2 * m.clamp(min=-4.0) + 0.02 * (1 - m.clamp(min=-4.0)).square()
+    new_precision = root @ (directions * moved) @ directions.T @ root
     new_mean = mean - 0.3 * torch.linalg.solve(new_precision + 2.0 * torch.eye(D + 1, dtype=torch.float64),
                                                stats.grad)
     torch.testing.assert_close(site.precision, new_precision, rtol=1e-8, atol=1e-6)

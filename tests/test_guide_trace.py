@@ -70,6 +70,12 @@ def means_posterior(y):
     return mean_w, precision_w**-0.5, mean_u, precision_u**-0.5
 
 
+#: One draw per step holds every sd within 0.2 % of the exact one from a median of 141 steps on
+#: (seeds 0-11 of the hand-written guide: 109-336; the code before 2026-11-27's monotone precision
+#: step took a median of 170, and the 150 steps used here then passed by one trajectory's luck).
+STEPS_TO_0_2_PERCENT = 350
+
+
 def hand_written_guide(y, constraint=constraints.positive):
     """A mean-field Gaussian written by hand: w in one .to_event(1) site, s through its log
     (a Gaussian on u and a Delta on exp(u), as AutoNormal does)."""
@@ -90,7 +96,7 @@ def test_hand_written_gaussian_guide_matches_the_exact_posterior(constraint):
     svi = SVI(means_model, guide, NGVI(), Trace_ELBO())
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no NotGaussianWarning: every part is a Gaussian
-        for _ in range(150):
+        for _ in range(STEPS_TO_0_2_PERCENT):
             svi.step(y)
     mean_w, sd_w, mean_u, sd_u = means_posterior(y)  # (0.13 sd and 4 % off after 50 steps)
     assert ((pyro.param("w_loc") - mean_w) / sd_w).abs().max() < 0.01
@@ -234,7 +240,7 @@ def test_a_pyro_module_guide_matches_the_exact_posterior():
     svi = SVI(means_model, guide, NGVI(), Trace_ELBO())
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # every part is a Gaussian
-        for _ in range(150):
+        for _ in range(STEPS_TO_0_2_PERCENT):
             svi.step(y)
     mean_w, sd_w, mean_u, sd_u = means_posterior(y)
     assert ((guide.w_loc - mean_w) / sd_w).abs().max() < 0.01

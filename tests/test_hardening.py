@@ -15,11 +15,12 @@ from torch import nn
 
 import pyro
 import pyro.distributions as dist
+from pyro import poutine
 from pyro.distributions import constraints
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 
-from pyro_ngvi import NGVI, BayesianNet, CurvatureELBO, NGVIWarning, laplace
+from pyro_ngvi import NGVI, BayesianNet, CurvatureELBO, NGVIWarning, NotGaussianWarning, laplace
 from pyro_ngvi.checkpoint import load_param_store
 
 INF, NAN = math.inf, math.nan
@@ -822,7 +823,36 @@ def test_a_guide_with_arguments_stepped_outside_svi_is_a_clear_error_and_a_parti
 
     with pytest.raises(TypeError, match="functools.partial"):
         loop(model, guide, 1, data)
+    with pytest.raises(TypeError, match="hands args to the point optimizer"):  # (the model's data, not a closure)
+        NGVI(guide=functools.partial(guide, data))([pyro.param("loc").unconstrained()], data)
     pyro.clear_param_store()
     loop(functools.partial(model, data), functools.partial(guide, data), 300)
     precision = 0.25 + len(data)
     assert abs(float(pyro.param("loc").detach()) - float(data.sum()) / precision) * precision**0.5 < 0.1
+
+
+@pytest.mark.parametrize("hidden, trained", [("scale", "loc"), ("loc", "scale")])
+def test_a_param_hidden_by_poutine_block_is_named_as_held_fixed_not_as_trained(hidden, trained):
+    """A hand-written Gaussian whose scale (or loc) the user holds fixed with poutine.block:
+    NGVI leaves the hidden param alone (SVI never hands it over) and its warning says so,
+    naming only the param it trains (it used to give a false reason, "not a pyro.param",
+    and to list the hidden param as trained)."""
+    data = torch.randn(20, generator=torch.Generator().manual_seed(0)) + 1.5
+
+    def guide(data):
+        loc = pyro.param("loc", torch.tensor(0.0))
+        scale = pyro.param("scale", torch.tensor(1.0), constraint=constraints.positive)
+        pyro.sample("mu", dist.Normal(loc, scale))
+
+    pyro.clear_param_store()
+    svi = SVI(normal_mean, poutine.block(guide, hide=[hidden]), NGVI(), Trace_ELBO())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(30):
+            svi.step(data)
+    (message,) = [str(w.message) for w in caught if issubclass(w.category, NotGaussianWarning)]
+    assert f"its {hidden} is the param '{hidden}', hidden from SVI (poutine.block): held fixed; params '{trained}')" \
+        in message
+    held = {"scale": 1.0, "loc": 0.0}[hidden]
+    assert float(pyro.param(hidden).detach()) == held
+    assert float(pyro.param(trained).detach()) != {"scale": 1.0, "loc": 0.0}[trained]

@@ -347,6 +347,22 @@ def test_gaussian_log_likelihood_rejects_invalid_inputs():
         gaussian_log_likelihood(loc, torch.ones(2, 2, 3), torch.zeros(3))
     with pytest.raises(ValueError, match=r"^scale must be positive"):
         gaussian_log_likelihood(loc, torch.tensor([1.0, 0.0, 1.0]), torch.zeros(3))
+    with pytest.raises(ValueError, match=r"^scale must be positive and finite"):  # (was -inf, silently)
+        gaussian_log_likelihood(loc, math.inf, torch.zeros(3))
+    with pytest.raises(ValueError, match=r"^loc_samples must be finite"):
+        gaussian_log_likelihood(torch.tensor([[0.0, math.nan, 0.0], [0.0] * 3]), 1.0, torch.zeros(3))
+    with pytest.raises(ValueError, match=r"^y must be finite"):
+        gaussian_log_likelihood(loc, 1.0, torch.tensor([0.0, math.inf, 0.0]))
+
+
+def test_interval_coverage_rejects_non_finite_samples():
+    """A NaN sample used to count its point as outside the interval (coverage 0, silently)."""
+    samples = torch.randn(20, 3)
+    samples[4, 1] = math.nan
+    with pytest.raises(ValueError, match=r"^samples must be finite"):
+        interval_coverage(samples, torch.zeros(3))
+    with pytest.raises(ValueError, match=r"^y must be finite"):
+        interval_coverage(torch.randn(20, 3), torch.tensor([0.0, -math.inf, 0.0]))
 
 
 @pytest.mark.parametrize("level", [0.0, 1.0, -0.1, 1.5, math.nan])

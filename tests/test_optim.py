@@ -478,6 +478,7 @@ def test_sites_updated_together_follow_the_update_equations_elementwise(monkeypa
             mu, lam = reference[name]
             target = curvature + (lam0 if prior else 0)
             b = torch.where(target > lam, 1.0, beta) if name not in started else torch.full_like(lam, beta)
+            target = torch.maximum(target, (1 - 1 / b) * lam)  # (where Lin's correction stops being monotone)
             lam_new = (1 - b) * lam + b * target
             lam_new = torch.where(target <= 0, lam_new + b**2 * (lam - target) ** 2 / (2 * lam), lam_new)
             gbar = grad if name not in buffers else rho * buffers[name] + (1 - rho) * grad

@@ -66,7 +66,11 @@ def natural_step(
     The bracket is Lin et al.'s correction [2]: it keeps :math:`S'` positive
     definite for any symmetric target and is added only when :math:`\\hat H` is
     not positive definite (a Cholesky attempt), so that ``lr = beta = 1`` with
-    positive-definite exact curvature is a Newton step.
+    positive-definite exact curvature is a Newton step. It is monotone in an
+    eigenvalue :math:`\\lambda_k` of :math:`W` (below) only down to
+    :math:`1 - 1/\\beta`, where :math:`S'_w` reaches its least value 1/2; lower ones
+    are taken there (else a sampled target far below zero would *raise* the precision,
+    and repeatedly so: a one-draw Price estimate far from the optimum froze the guide).
 
     **In whitened coordinates.** The step is computed in the coordinates
     :math:`z = C^{-1}(u - \\mu)` where :math:`S` is the identity: with
@@ -133,8 +137,10 @@ def natural_step(
         prior_precision = prior_precision.to(_WORK_DTYPE)
         target = target + _sym(whiten(factor, prior_precision))
     corrected = int(torch.linalg.cholesky_ex(target)[1]) != 0  # the target is not PD
-    if warm or (corrected and by_direction) or max_ratio is not None:
+    if warm or corrected or max_ratio is not None:
         eigenvalues, vectors = torch.linalg.eigh(target)
+        if corrected:  # (the correction is monotone in an eigenvalue down to 1 - 1/beta, where S'_w = 1/2)
+            eigenvalues = eigenvalues.clamp(min=1 - 1 / beta)
         moved = (1 - beta) + beta * eigenvalues
         if corrected:
             correction = 0.5 * beta**2 * (1 - eigenvalues).square()
@@ -146,9 +152,6 @@ def natural_step(
         new_whitened = (vectors * moved) @ vectors.T
     else:
         new_whitened = torch.lerp(identity, target, beta)
-        if corrected:
-            gap = identity - target
-            new_whitened = new_whitened + 0.5 * beta**2 * (gap @ gap)
     new_whitened = _sym(new_whitened)
     upper = _upper_cholesky(new_whitened)
     if upper is None:

@@ -37,9 +37,21 @@ def precision_step(precision: torch.Tensor, target: torch.Tensor, beta, correct:
     """
     :math:`\\lambda' = (1-\\beta)\\lambda + \\beta\\hat h`, plus Lin et al.'s correction
     :math:`\\tfrac{\\beta^2}{2\\lambda}(\\lambda - \\hat h)^2` where :math:`\\hat h \\le 0`
-    (with ``correct``; a target known to be positive needs none). Into ``out`` (default: a new
-    tensor); ``scratch``: two buffers for the correction.
+    (with ``correct``; a target known to be positive needs none). The corrected update is
+    monotone in :math:`\\hat h` only down to :math:`\\hat h = (1 - 1/\\beta)\\lambda`, where
+    it reaches its least value :math:`\\lambda/2`; below, a more negative target would give a
+    *larger* precision (a target of :math:`-8\\lambda` at :math:`\\beta = 1/2` gives
+    :math:`6.6\\lambda`), so a target is taken at most that far below (in place on ``target``):
+    :math:`\\lambda' \\ge \\lambda/2`. Into ``out`` (default: a new tensor); ``scratch``: two
+    buffers for the correction.
     """
+    if correct:  # h <- max(h, (1 - 1/beta) lambda)
+        work = scratch[0] if scratch is not None else None
+        if torch.is_tensor(beta):  # (per-element steps)
+            lowest = torch.sub(beta, 1.0, out=work).div_(beta).mul_(precision)
+        else:
+            lowest = torch.mul(precision, (beta - 1.0) / beta, out=work)
+        target = torch.maximum(target, lowest, out=target)
     new_precision = torch.lerp(precision, target, beta, out=out)
     if not correct:
         return new_precision
