@@ -141,21 +141,54 @@ def test_cross_terms_are_exact_on_a_quadratic_after_d_plus_one_steps():
     d = 4
     site, optim = quadratic_site(d)
     g = torch.Generator().manual_seed(2)
-    a = torch.randn(d, d, generator=g, dtype=torch.float64)
-    hessian, b = a @ a.T + torch.eye(d, dtype=torch.float64), torch.randn(d, generator=g, dtype=torch.float64)
-    sigma, loc = site.scale.detach().reshape(-1), site.loc.detach().reshape(-1)
+    hessian, b = random_hessian(d, g), torch.randn(d, generator=g, dtype=torch.float64)
     for t in range(3 * d):
-        eps = torch.randn(d, generator=g, dtype=torch.float64)
-        z = sigma * eps
-        raw = b + hessian @ (loc + z)
-        stats = {site.key: SiteCurvature(raw.clone(), torch.ones(d, dtype=torch.float64), sampled=True,
-                                         eps_mean=eps, eps_sq_mean=eps.square())}
-        kept = pyro_ngvi.variance.cross_terms([site], stats, optim._state)
-        state, new = kept.state, kept.new
+        term, z, _ = quadratic_step(site, optim, g, hessian, b)
         if t > d:
-            torch.testing.assert_close(raw - stats[site.key].grad, off_diagonal_sym(hessian) @ z,
-                                       rtol=1e-8, atol=1e-10)
-        state.cross = new
+            torch.testing.assert_close(term, off_diagonal_sym(hessian) @ z, rtol=1e-8, atol=1e-10)
+
+
+def random_hessian(d, g):
+    a = torch.randn(d, d, generator=g, dtype=torch.float64)
+    return a @ a.T + torch.eye(d, dtype=torch.float64)
+
+
+def quadratic_step(site, optim, g, hessian, offset):
+    """One step of the cross terms on the quadratic log joint g(w) = offset + H w at a new draw
+    (the step taken: the regression keeps its pair): the term subtracted from g, the draw's
+    offset z and the regression's new state."""
+    sigma, loc = site.scale.detach().reshape(-1), site.loc.detach().reshape(-1)
+    eps = torch.randn(loc.numel(), generator=g, dtype=torch.float64)
+    z = sigma * eps
+    raw = offset + hessian @ (loc + z)
+    stats = {site.key: SiteCurvature(raw.clone(), torch.ones_like(raw), sampled=True,
+                                     eps_mean=eps, eps_sq_mean=eps.square())}
+    kept = pyro_ngvi.variance.cross_terms([site], stats, optim._state)
+    kept.state.cross = kept.new
+    return raw - stats[site.key].grad, z, kept.new
+
+
+def test_the_regression_restarts_where_its_line_misses_g_by_many_sds():
+    """On a quadratic log joint the regression's line is exact (a miss of 0); a g that misses
+    it by more than CROSS_MISFIT current sds (here the log joint changes: another Hessian, as a
+    wide start's first steps see one far from the optimum's) restarts the regression from that
+    step's pair, which then corrects nothing until it has D + 1 pairs, and is exact again for
+    the new Hessian after them (tests/test_wide_start.py: what the restart is for)."""
+    d = 3
+    site, optim = quadratic_site(d)
+    g = torch.Generator().manual_seed(0)
+    first, second = random_hessian(d, g), 1e4 * random_hessian(d, g)
+    for _ in range(2 * d):
+        term, z, new = quadratic_step(site, optim, g, first, 0.0)
+    torch.testing.assert_close(term, off_diagonal_sym(first) @ z)  # exact on the quadratic
+    assert float(new[0, 0]) == 2 * d
+    term, _, new = quadratic_step(site, optim, g, second, 5e3)  # misses the line by ~1e3 sds
+    assert term.abs().max() > 0 and float(new[0, 0]) == 1.0  # used, then restarted
+    for t in range(d + 1):
+        term, z, new = quadratic_step(site, optim, g, second, 5e3)
+        if t < d:
+            assert (term == 0).all()  # too few pairs yet
+    torch.testing.assert_close(term, off_diagonal_sym(second) @ z)
 
 
 def test_resume_is_bit_identical_with_the_cross_terms(tmp_path):

@@ -10,7 +10,9 @@ on its own piece:
   :math:`(1 - 1/\\beta)\\lambda`; a sampled target far below zero *raised* the precision
   (at :math:`\\beta = 1/2` a target of :math:`-8\\lambda` gave :math:`6.6\\lambda`);
 - the cross terms' regression kept the points of the first, wild steps, whose slope then
-  injected noise proportional to the precision, which kept it growing.
+  injected noise proportional to the precision, which kept it growing (its restart is tested in
+  ``tests/test_cross_terms.py``), and a full-covariance site's control variate kept a level from
+  there in the same way.
 """
 
 import warnings
@@ -20,12 +22,10 @@ import torch
 
 import pyro
 import pyro.distributions as dist
-import pyro_ngvi.variance
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoDiagonalNormal, AutoMultivariateNormal, AutoNormal
 
 from pyro_ngvi import NGVI
-from pyro_ngvi.family import SiteCurvature, gaussian_sites
 from pyro_ngvi.update.full_covariance import natural_step
 from pyro_ngvi.update.mean_field import precision_step
 
@@ -57,56 +57,6 @@ def test_the_full_covariance_correction_takes_eigenvalues_at_most_one_over_beta_
         step = natural_step(zero, factor, zero, curvature, lr=1.0, beta=0.5)
         precision = torch.linalg.inv(step.factor @ step.factor.T)
         torch.testing.assert_close(precision, torch.diag(torch.tensor([expected, 1.0], dtype=torch.float64)))
-
-
-def test_the_cross_terms_regression_restarts_where_its_line_misses_g_by_many_sds():
-    """On a quadratic log joint the regression's line is exact (a miss of 0); a g that misses
-    it by more than CROSS_MISFIT current sds (here the log joint changes: another Hessian)
-    restarts the regression from that step's pair, which then corrects nothing until it has
-    D + 1 pairs, and is exact again for the new Hessian after them."""
-    d = 3
-
-    def model():
-        pyro.sample("u", dist.Normal(torch.zeros(d, dtype=torch.float64), 1.0).to_event(1))
-
-    pyro.clear_param_store()
-    guide = AutoNormal(model, init_scale=0.1)
-    guide()
-    (site,) = gaussian_sites(guide)
-    optim = NGVI(guide=guide)
-    g = torch.Generator().manual_seed(0)
-    sigma, loc = site.scale.detach().reshape(-1), site.loc.detach().reshape(-1)
-
-    def hessian():
-        a = torch.randn(d, d, generator=g, dtype=torch.float64)
-        return a @ a.T + torch.eye(d, dtype=torch.float64)
-
-    def step(h, offset):
-        eps = torch.randn(d, generator=g, dtype=torch.float64)
-        z = sigma * eps
-        raw = offset + h @ (loc + z)
-        stats = {site.key: SiteCurvature(raw.clone(), torch.ones(d, dtype=torch.float64), sampled=True,
-                                         eps_mean=eps, eps_sq_mean=eps.square())}
-        kept = pyro_ngvi.variance.cross_terms([site], stats, optim._state)
-        kept.state.cross = kept.new
-        return raw - stats[site.key].grad, z, kept.new
-
-    first, second = hessian(), 1e4 * hessian()
-    for _ in range(2 * d):
-        correction, z, new = step(first, 0.0)
-    torch.testing.assert_close(correction, off_diagonal(first) @ z)  # exact on the quadratic
-    assert float(new[0, 0]) == 2 * d
-    correction, _, new = step(second, 5e3)  # misses the line by ~1e3 sds: restart after use
-    assert correction.abs().max() > 0 and float(new[0, 0]) == 1.0
-    for t in range(d + 1):
-        correction, z, new = step(second, 5e3)
-        if t < d:
-            assert (correction == 0).all()  # too few pairs yet
-    torch.testing.assert_close(correction, off_diagonal(second) @ z)
-
-
-def off_diagonal(matrix):
-    return matrix - torch.diag(matrix.diagonal())
 
 
 def test_the_control_variate_level_restarts_where_it_is_far_above_what_is_seen():
