@@ -176,7 +176,7 @@ def cross_terms(sites: List[GaussianSite], stats: Dict[str, SiteCurvature],
         # the regression takes this step's point after its use
         n = n + 1
         weight = n.reciprocal().clamp(min=CROSS_RATE)
-        dw, dg = point.sub_(mean_w), raw_grad - mean_g
+        dw, dg = point - mean_w, raw_grad - mean_g
         new = torch.empty_like(packed)
         new[0] = n
         new[1] = mean_w + weight * dw
@@ -187,7 +187,7 @@ def cross_terms(sites: List[GaussianSite], stats: Dict[str, SiteCurvature],
         # misses g by many sds: the regression restarts from this step's pair
         refit = usable & ~(misfit <= CROSS_MISFIT)
         fresh = torch.zeros_like(packed)
-        fresh[0], fresh[1], fresh[2] = 1.0, point + mean_w, raw_grad
+        fresh[0], fresh[1], fresh[2] = 1.0, point, raw_grad
         new = torch.where(refit, fresh, new)
     return CrossTerms([site for site, _ in chosen], off, state, new)
 
@@ -213,12 +213,12 @@ def dense_control_variate(factor: torch.Tensor, stats: SiteCurvature, state):
 def kept_level(level: Optional[torch.Tensor], observed: torch.Tensor) -> torch.Tensor:
     """The control variate's level after this step: the running mean of the ``observed``
     levels at rate :data:`LEVEL_RATE` (the first one as it is), restarted at the observed one
-    (at least 0) where its size is below the level over :data:`LEVEL_RESTART` (a one-draw level
-    crosses 0 often; with 100, the restarts this made in ordinary runs cost the one-draw benchmark
-    up to 2x): a level kept from
-    a far region of a log joint that is not quadratic (a wide start's first steps, 1e17 where
-    1e3 is seen now) is noise in proportion to itself, and it kept the precision growing
-    (``tests/test_wide_start.py``). Any level from past steps leaves the estimate unbiased."""
+    (at least 0) where its size is below the level over :data:`LEVEL_RESTART`. A level kept from
+    a far region of a log joint that is not quadratic (a wide start's first steps: 1e17 where 1e3
+    is seen now) is noise in proportion to itself, and it kept the precision growing
+    (``tests/test_wide_start.py``); a one-draw level crosses 0 often, and with a ratio of 100 the
+    restarts this made in ordinary runs cost the one-draw benchmark up to 2x. Any level from past
+    steps leaves the estimate unbiased."""
     if level is None:
         return observed
     level = level.to(observed)
