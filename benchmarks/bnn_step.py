@@ -398,8 +398,8 @@ class TracedSite:
     """``z ~ N(0, I_n)``, ``x ~ N(z, I)`` observed, an ``AutoNormal`` guide, ``Trace_ELBO``, and an
     optimizer, in a param-store scope of its own."""
 
-    def __init__(self, size: int, make_optim: Callable, seed: int = 0):
-        self.data = torch.randn(size, generator=torch.Generator().manual_seed(seed))
+    def __init__(self, size: int, make_optim: Callable, seed: int = 0, device="cpu"):
+        self.data = torch.randn(size, generator=torch.Generator().manual_seed(seed)).to(device)
         self.guide = AutoNormal(self.model)
         self._store = {"params": {}, "constraints": {}}
         with self.active():
@@ -408,7 +408,7 @@ class TracedSite:
             self.svi = SVI(self.model, self.guide, self.optim, Trace_ELBO())
 
     def model(self):
-        z = pyro.sample("z", dist.Normal(0.0, 1.0).expand([len(self.data)]).to_event(1))
+        z = pyro.sample("z", dist.Normal(self.data.new_zeros(()), 1.0).expand([len(self.data)]).to_event(1))
         pyro.sample("x", dist.Normal(z, 1.0).to_event(1), obs=self.data)
 
     def active(self):

@@ -4,7 +4,7 @@ over the group's flat vectors (the default: nothing to compile), or compiled by
 :func:`torch.compile` (inductor's C++ on the CPU, Triton on CUDA) into one or two loops
 over the elements that read each state tensor once and write it once, as torch's fused
 Adam does. The pass is a function of tensors, numbers and a static configuration (which
-branches apply); a compiled function is made once per configuration and kept for the process
+branches apply); a compiled function is made once per configuration and shape and kept for the process
 (:data:`compiled_kernels`), and a configuration that fails to compile runs eagerly, with one
 warning.
 
@@ -23,7 +23,7 @@ import torch
 
 from ..monitor import NGVIWarning
 
-#: (kernel, configuration) -> its compiled function (or the kernel itself, where compiling failed)
+#: (kernel, configuration, shape) -> its compiled function (or the kernel itself, where compiling failed)
 compiled_kernels: Dict[tuple, Callable] = {}
 #: (kernel, configuration) -> seconds its first compiled call took (compilation included)
 compile_seconds: Dict[tuple, float] = {}
@@ -40,20 +40,32 @@ def run(kernel: Callable, configuration, compiled: bool, *args):
         return kernel(configuration, *args)
     args = _detached(args)  # (views of parameters made without grad: autograd need not see them)
     key = (kernel, configuration)
-    function = compiled_kernels.get(key)
+    function = compiled_kernels.get(key + (_shape(args),))
     if function is None:
-        function = compiled_kernels[key] = _compile(kernel, configuration)
+        function = compiled_kernels[key + (_shape(args),)] = _compile(kernel, configuration)
     start = time.perf_counter()
     try:
         result = function(*args)
     except Exception as error:  # noqa: BLE001  (inductor's errors have no common class; before any write)
-        compiled_kernels[key] = _eager(kernel, configuration)
+        compiled_kernels[key + (_shape(args),)] = _eager(kernel, configuration)
         warnings.warn(f"pyro_ngvi could not compile {kernel.__name__} for {configuration} "
                       f"({type(error).__name__}: {str(error)[:300]}); it runs eagerly", CompileWarning, stacklevel=2)
         return kernel(configuration, *args)
     if key not in compile_seconds:
         compile_seconds[key] = time.perf_counter() - start
     return result
+
+
+def _shape(args) -> torch.Size:
+    """The shape of the first tensor in ``args`` (a group's elements: every tensor of a pass has them)."""
+    for value in args:
+        if torch.is_tensor(value):
+            return value.shape
+        if isinstance(value, tuple):
+            for item in value:
+                if torch.is_tensor(item):
+                    return item.shape
+    return torch.Size()
 
 
 def _eager(kernel: Callable, configuration) -> Callable:
@@ -78,8 +90,13 @@ def _compile(kernel: Callable, configuration) -> Callable:
         with torch.no_grad():
             return kernel(configuration, *args)
 
-    bound.__name__ = bound.__qualname__ = f"{kernel.__name__}_fused"
-    # a code object of its own: dynamo keeps its compiled graphs on the code object, at most
-    # ``recompile_limit`` (8) per code; sharing one, the ninth configuration of a process would fail
-    bound.__code__ = bound.__code__.replace()
+    bound.__name__ = bound.__qualname__ = f"{kernel.__name__}_fused_{len(compiled_kernels)}"
+    # a code object and a name of its own per configuration and shape: dynamo keeps at most
+    # ``recompile_limit`` (8) graphs per code object (sharing one, the ninth configuration of a
+    # process would fall back), and it remembers the shapes a function met by its name and line,
+    # across code objects: a second shape under one name is compiled with symbolic sizes, which
+    # torch 2.14's fake tensors refuse for views of a parameter (``aten.set_`` on a storage of
+    # symbolic size; the recipe's first layer, then the flat rest of the net). The numbers
+    # (rates that change every step) are inputs of the graph, not part of its key.
+    bound.__code__ = bound.__code__.replace(co_name=bound.__name__, co_qualname=bound.__name__)
     return torch.compile(bound, fullgraph=True, dynamic=None)
