@@ -45,6 +45,12 @@ NOISE_FLOOR = 1e-12
 #: running means of its drift test.
 DENSE_FLOOR = 0.005
 DENSE_RATE = 0.1
+#: A Newton step z whose ||z||^2 exceeds DENSE_OUTLIER times the running mean of ||z||^2 enters
+#: the drift test's running means shortened to that length. A chi-square of D >= 1 degrees of
+#: freedom is that far above its mean with probability < 1.3e-5; a heavy-tailed one-draw step far
+#: from the optimum can be 1e10 times it, and its square, forgotten by a decade every
+#: 2.3 / DENSE_RATE steps, would make every step of the next hundreds look like noise.
+DENSE_OUTLIER = (2 - DENSE_RATE) / DENSE_RATE
 
 
 class Settings(NamedTuple):
@@ -395,13 +401,21 @@ def dense_count(settings: Settings, state, n: float, newton: torch.Tensor) -> Di
     step's), :math:`z^2 = \\|\\bar z\\|^2 (2 - \\rho) / (\\rho v)` is about 1 when
     :math:`z` is pure noise and :math:`(2 - \\rho)/\\rho` = 19 while the mean is far.
     The count grows to :math:`1/\\beta`, beyond that while :math:`z^2 <` 2, and falls
-    back to :math:`1/\\beta` above 12 (the mean-field thresholds). The state to keep.
+    back to :math:`1/\\beta` above 12 (the mean-field thresholds). A step with
+    :math:`\\|z\\|^2 >` :data:`DENSE_OUTLIER` :math:`v` enters shortened to that length; one
+    that overflows leaves the test as it was. The state to keep.
     """
     rho = DENSE_RATE
+    dtype = state.loc().dtype
     square = newton.square().sum()
+    if not bool(torch.isfinite(square)):  # (an overflowing step tells nothing: the test keeps its state)
+        return {"count": torch.full_like(newton, n, dtype=dtype), "drift": state.drift, "noise": state.noise}
     if state.drift is None:
         drift, power = newton, square
     else:
+        cap = DENSE_OUTLIER * state.noise.to(square)
+        if square > cap:
+            newton, square = newton * (cap / square).sqrt(), cap
         drift = torch.lerp(state.drift.to(newton), newton, rho)
         power = torch.lerp(state.noise.to(square), square, rho)
     z2 = float(drift.square().sum() * (2 - rho) / (rho * power.clamp(min=NOISE_FLOOR)))
@@ -409,6 +423,5 @@ def dense_count(settings: Settings, state, n: float, newton: torch.Tensor) -> Di
     grown = n + 1.0 if (n < fallback or z2 < STALL_Z2) else n
     if z2 > DRIFT_Z2:
         grown = min(grown, max(fallback, 1.0))
-    dtype = state.loc().dtype
     return {"count": torch.full_like(newton, grown, dtype=dtype), "drift": drift.to(dtype),
             "noise": power.to(dtype)}
