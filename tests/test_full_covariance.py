@@ -640,16 +640,22 @@ def test_full_laplace_prior_precision_search_writes_the_best_approximation():
     torch.testing.assert_close(site.precision, result.precision[name], rtol=1e-8, atol=1e-8)
 
 
-def test_trust_region_bounds_the_sampled_mean_step_in_whitened_coordinates():
+def test_trust_region_bounds_the_sampled_mean_step_to_a_ball_in_whitened_coordinates():
+    """The sampled mean step is the free step shortened to ||C^-1 delta|| = max_step (its
+    direction kept), and left as it is inside the ball."""
     factor = random_factor(4, seed=9)
     direction = torch.tensor([1e6, -1e6, 3.0, 0.0], dtype=torch.float64)
     mean = torch.zeros(4, dtype=torch.float64)
     step = update_fc.natural_step(mean, factor, direction, fc.precision(factor), lr=1.0, beta=0.5, max_step=2.0)
     whitened = torch.linalg.solve_triangular(factor, (mean - step.mean).unsqueeze(-1), upper=False).squeeze(-1)
-    assert whitened.abs().max() <= 2.0 + 1e-12
-    assert whitened.abs().max() == pytest.approx(2.0)  # it engaged
+    assert float(whitened.norm()) == pytest.approx(2.0)  # it engaged: on the ball
     free = update_fc.natural_step(mean, factor, direction, fc.precision(factor), lr=1.0, beta=0.5)
     torch.testing.assert_close(free.mean, -torch.linalg.solve(fc.precision(free.factor), direction))
+    free_whitened = torch.linalg.solve_triangular(factor, -free.mean.unsqueeze(-1), upper=False).squeeze(-1)
+    torch.testing.assert_close(whitened, free_whitened * 2.0 / free_whitened.norm())  # the same direction
+    small = update_fc.natural_step(mean, factor, direction * 1e-9, fc.precision(factor), lr=1.0, beta=0.5,
+                                   max_step=2.0)
+    torch.testing.assert_close(small.mean, free.mean * 1e-9)  # inside the ball: untouched
 
 
 # --------------------------------------------------------------------------- #

@@ -95,10 +95,14 @@ def natural_step(
     \\lambda_k)^2]`.
 
     **Trust region** (``max_step``, for sampled curvature): the likelihood part
-    of the mean step is clipped in the coordinates that whiten the current
-    :math:`q`, :math:`z = C^{-1}\\delta`, to :math:`|z_k| \\le` ``max_step``: on a
-    diagonal :math:`C` the mean-field rule "at most ``max_step`` standard
-    deviations per element". The prior's pull is not clipped.
+    of the mean step, in the coordinates that whiten the current :math:`q`,
+    :math:`z = C^{-1}\\delta`, is shortened to :math:`\\|z\\| \\le` ``max_step``
+    (a ball: the mean step's own KL, :math:`\\|z\\|^2/2`, at most :math:`r^2/2` for
+    :math:`r` = ``max_step``; in one dimension the mean-field rule "at most
+    ``max_step`` standard deviations"). A box, :math:`|z_k| \\le` ``max_step`` per
+    component, lets a step be :math:`\\sqrt D` times longer, and from a wide start
+    one-draw steps then swung a log scale's mean by 10-20 units per step, further
+    every time. The prior's pull is not clipped.
 
     :param mean: :math:`\\mu`, shape ``(D,)``.
     :param factor: :math:`C`, shape ``(D, D)``, lower triangular.
@@ -113,7 +117,7 @@ def natural_step(
     :param float damping: :math:`\\gamma` (default: 0).
     :param prior_loc: :math:`m_0` ``(D,)`` of a conjugate Gaussian prior, or None.
     :param prior_precision: :math:`S_0` ``(D, D)``, or None.
-    :param max_step: trust radius in whitened coordinates, or None (default).
+    :param max_step: trust radius (of the ball) in whitened coordinates, or None (default).
     :param bool warm: the warm start above (default: False).
     :param bool whitened: ``curvature`` is :math:`C^\\top H C` (default: False).
     :param bool by_direction: add the correction only in the eigen-directions of
@@ -171,7 +175,8 @@ def natural_step(
     step = lr * solve(direction)
     if max_step is not None:
         whitened_step = torch.linalg.solve_triangular(factor, step.unsqueeze(-1), upper=False)
-        step = factor @ whitened_step.squeeze(-1).clamp_(-max_step, max_step)
+        whitened_step = whitened_step.squeeze(-1)
+        step = factor @ whitened_step.mul_((max_step / whitened_step.norm()).clamp(max=1.0))
     new_mean = mean - step
     if prior_precision is not None:
         new_mean = new_mean - lr * solve(prior_precision @ (mean - prior_loc.to(_WORK_DTYPE)))
