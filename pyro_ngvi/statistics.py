@@ -217,7 +217,7 @@ def full_reparam_curvature(site: FullCovarianceSite, one_draw: bool = False) -> 
     factor_grad = factor_grad + torch.diag_embed(scale.reciprocal())
     factor = full_covariance.covariance_factor(scale, unit_tril)
     grad = site.loc.grad.detach()
-    eps = full_covariance.recovered_draw(grad.double(), factor_grad) if one_draw else None
+    eps = full_covariance.recovered_draw(grad.double(), factor_grad, grad.dtype) if one_draw else None
     curvature = full_covariance.whitened_price_curvature(factor, factor_grad)
     return SiteCurvature(grad, curvature.to(site.loc.dtype), sampled=True, whitened=True,
                          eps_mean=None if eps is None else eps.to(site.loc.dtype))
