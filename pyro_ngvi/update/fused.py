@@ -35,19 +35,20 @@ class CompileWarning(NGVIWarning):
 
 def run(kernel: Callable, configuration, compiled: bool, *args):
     """``kernel(configuration, *args)``, compiled (one function per ``configuration``,
-    a hashable static value) or not."""
+    a hashable static value, and shape of the elements) or not."""
     if not compiled:
         return kernel(configuration, *args)
     args = _detached(args)  # (views of parameters made without grad: autograd need not see them)
     key = (kernel, configuration)
-    function = compiled_kernels.get(key + (_shape(args),))
+    shaped = key + (_shape(args),)
+    function = compiled_kernels.get(shaped)
     if function is None:
-        function = compiled_kernels[key + (_shape(args),)] = _compile(kernel, configuration)
+        function = compiled_kernels[shaped] = _compile(kernel, configuration)
     start = time.perf_counter()
     try:
         result = function(*args)
     except Exception as error:  # noqa: BLE001  (inductor's errors have no common class; before any write)
-        compiled_kernels[key + (_shape(args),)] = _eager(kernel, configuration)
+        compiled_kernels[shaped] = _eager(kernel, configuration)
         warnings.warn(f"pyro_ngvi could not compile {kernel.__name__} for {configuration} "
                       f"({type(error).__name__}: {str(error)[:300]}); it runs eagerly", CompileWarning, stacklevel=2)
         return kernel(configuration, *args)
