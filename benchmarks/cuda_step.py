@@ -147,17 +147,9 @@ def traced(args, device) -> str:
     adam = "Pyro Adam + Trace_ELBO"
     makers[adam] = lambda: bnn_step.TracedSite(args.traced_size, lambda guide: synchronised(pyro.optim.Adam({"lr": 1e-3})),
                                                device=device)
-    steps, _ = block_times(makers, lambda method: method.step(), args.steps, args.warmup, args.block)
-    calls = {}
-    for name in makers:  # the optimizer calls, timed on their own
-        method = makers[name]()
-        with method.active():
-            for _ in range(args.warmup):
-                method.step()
-            method.optim.wall.clear()
-            for _ in range(args.steps // 4):
-                method.step()
-        calls[name] = ms(method.optim.wall)
+    steps, methods = block_times(makers, lambda method: method.step(), args.steps, args.warmup, args.block)
+    # the optimizer calls of the timed blocks (each between two synchronisations of its own)
+    calls = {name: ms(method.optim.wall[args.warmup:]) for name, method in methods.items()}
     lines = [f"## Traced path on {device_name(device)}: one AutoNormal site of "
              f"{args.traced_size:,} elements, Trace_ELBO", "",
              "| optimizer | SVI.step ms | / Adam's | optimizer call ms (synchronised) | / Adam's (<= 2) |",
