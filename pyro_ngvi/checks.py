@@ -30,6 +30,7 @@ from .family import GaussianSite
 from .monitor import SKIPS_IN_A_ROW, NGVIWarning, stuck_message
 from .point import param_label
 from .safeguards import finite, report
+from .state import advance
 from .statistics import tensors
 
 #: On CUDA the host reads the finiteness and safeguard flags once every this many steps.
@@ -37,10 +38,12 @@ SYNC_EVERY_CUDA = 16
 
 
 class Pending(NamedTuple):
-    """One deferred step: its finiteness flag per group (0-d bool tensors) and the groups' site names."""
+    """One deferred step: its finiteness flag per group (0-d bool tensors), the groups' site names
+    and the sites' states (:class:`~pyro_ngvi.state.SiteState`: a skipped step is not taken)."""
 
     flags: List[torch.Tensor]
     names: List[str]
+    states: list
 
 
 class DeferredChecks:
@@ -52,9 +55,9 @@ class DeferredChecks:
     def __len__(self) -> int:
         return len(self.pending)
 
-    def add(self, flags: List[torch.Tensor], names: List[str]) -> torch.Tensor:
+    def add(self, flags: List[torch.Tensor], names: List[str], states: list) -> torch.Tensor:
         """Keep a step's finiteness flags; returns whether all hold (a 0-d bool tensor, no sync)."""
-        self.pending.append(Pending(flags, names))
+        self.pending.append(Pending(flags, names, states))
         return torch.stack(flags).all()
 
     def take(self) -> List[Pending]:
@@ -133,6 +136,7 @@ def _deferred_skips(optim, plan, pending, engaged: List[bool]) -> List[bool]:
             plan.skips_in_a_row = 0
             continue
         optim.num_steps -= 1
+        advance(step.states, -1)
         optim.num_skipped_steps += 1
         plan.skips_in_a_row += 1
         bad = ", ".join(name for name, g in zip(step.names, good) if not g)

@@ -246,7 +246,8 @@ def start_task(guide, priors, *args, carry: bool, **kwargs):
     :raises ValueError: if the guide has been run already, for a name that is
         not a latent site, and with ``carry=True`` for a prior that is not
         Normal in the site's unconstrained coordinates or whose shape does not
-        broadcast to the site's (the site is named).
+        broadcast to the site's (the site is named). A refused call leaves the param
+        store as it was and the guide not set up, so that it may be called again.
     """
     full = _is_automultivariatenormal(guide)
     if not (isinstance(guide, AutoNormal) or full):
@@ -266,22 +267,36 @@ def start_task(guide, priors, *args, carry: bool, **kwargs):
     store = pyro.get_param_store()
     prefixes = (f"{guide._pyro_name}.locs.", f"{guide._pyro_name}.scales.")
     full_names = {f"{guide._pyro_name}.{part}" for part in ("loc", "scale", "scale_tril")}
-    for param_name in [n for n in store.keys() if (n in full_names if full else n.startswith(prefixes))]:
+
+    def owned():  # the guide's own entries of the param store
+        return [n for n in store.keys() if (n in full_names if full else n.startswith(prefixes))]
+
+    removed = {name: (store._params[name], store._constraints[name]) for name in owned()}
+    for param_name in removed:
         del store[param_name]
-    with poutine.block():
-        guide(*args, **kwargs)
-    known = _guide_sites(guide)
-    for name in priors:
-        if name not in known:
-            raise ValueError(
-                f"start_task: site '{name}' is not a latent site of the guide; "
-                f"its sites are {known}."
-            )
-    if carry and full:
-        _start_full_at(guide, priors)
-    elif carry:
-        for name, prior in priors.items():
-            _start_at(guide, name, prior)
+    try:
+        with poutine.block():
+            guide(*args, **kwargs)
+        known = _guide_sites(guide)
+        for name in priors:
+            if name not in known:
+                raise ValueError(
+                    f"start_task: site '{name}' is not a latent site of the guide; "
+                    f"its sites are {known}."
+                )
+        if carry and full:
+            _start_full_at(guide, priors)
+        elif carry:
+            for name, prior in priors.items():
+                _start_at(guide, name, prior)
+    except BaseException:  # refused: the param store as it was, the guide not set up (a retry may follow)
+        for param_name in owned():
+            del store[param_name]
+        for param_name, (param, constraint) in removed.items():
+            store._params[param_name], store._constraints[param_name] = param, constraint
+            store._param_to_name[param] = param_name
+        guide.prototype_trace = None
+        raise
     return guide
 
 

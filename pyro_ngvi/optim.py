@@ -31,12 +31,12 @@ from .groups import Group, Workspace, group_sites, statistics_kind
 from .kronecker import KroneckerSite
 from .low_rank_guide import LowRankSite
 from .monitor import ElboWatch, NGVIWarning, SpreadWatch, power_of_two
-from .policies import (DENSE, DENSE_SAMPLED, FULL_BATCH, MINIBATCH, Schedule, Settings, at_step, check_schedule,
-                       defaults, resolve)
+from .policies import (DENSE, DENSE_SAMPLED, FULL_BATCH, MINIBATCH, Schedule, Settings, check_schedule,
+                       defaults, resolve, scheduled)
 from .point import check_point_optim, check_point_states, decay_guide_part_lr, probe_point_step
 from .priors import update_learned_priors
 from .safeguards import NewtonGuard, Safeguards, finite
-from .state import SiteState, check_state, restore_scales
+from .state import SiteState, advance, check_state, restore_scales, schedule_clock
 from .statistics import Buffers, one_draw, site_statistics
 from .steps import Context, GuardedStep, Options, couple_means, dense_adaptive, dense_site, mean_field_group, start_of
 from .variance import cross_terms
@@ -71,7 +71,7 @@ class NGVI(PyroOptim):
     not Gaussian sites are trained by ``point_optim`` in the same step. The user guide,
     :doc:`/guide/update`, derives every piece and says how each default was chosen.
 
-    :param lr: step :math:`\\alpha > 0` on the mean, or a callable of the step count
+    :param lr: step :math:`\\alpha > 0` on the mean, or a callable of the guide's step count
         (default: None, per site by :func:`defaults`)
     :param beta: step :math:`\\beta \\in (0, 1]` of the precision average, or a callable
         (default: None, per site)
@@ -222,14 +222,14 @@ class NGVI(PyroOptim):
         if every > 1 and not (dense_sites or guarded or learned or cross is not None
                               or any(p.grad is not None for p in others)):
             checks = [finite(g, h, mask=st[0].mask, exact=True) for (g, h), st in zip(flats, group_stats)]
-            ok = plan.deferred.add(checks, [", ".join(repr(site.name) for site in group.sites) for group in groups])
+            ok = plan.deferred.add(checks, [", ".join(repr(site.name) for site in group.sites) for group in groups],
+                                   states)
         elif not read_checks(self, plan, sites, stats, groups, group_stats, flats, others):
             return False
-        lr = at_step("lr", self.lr, self.num_steps, 0.0, math.inf)
-        beta = at_step("beta", self.beta, self.num_steps, 0.0, 1.0)
-        tau = at_step("tau", self.tau, self.num_steps, 0.0, math.inf)
+        clock = schedule_clock(states)  # the guide's own step count (pyro_ngvi.state)
+        lr, beta, tau = scheduled(self.lr, self.beta, self.tau, clock)
         state_of = {site.key: state for site, state in zip(sites, states)}
-        context = Context(self._options, self.num_steps, plan.signs, self._spread_watch,
+        context = Context(self._options, clock, plan.signs, self._spread_watch,
                           GuardedStep(plan.newton.factor) if guarded else None, self.compile, ok, self._workspace)
         # full-covariance steps are computed before anything is written: one whose new
         # precision is not positive definite skips the whole step
@@ -281,6 +281,7 @@ class NGVI(PyroOptim):
                                     stats[site.key]) for site in mean_field if stats[site.key].prior_params()])
         self._watch_elbo(plan, stats, tau)
         self.num_steps += 1
+        advance(states)
         if ok is not None and len(plan.deferred) >= every:
             read_checks(self, plan, [], {}, [], [], [], [])  # the deferred steps' checks
         return True
@@ -425,7 +426,7 @@ class NGVI(PyroOptim):
         self._pending_newton = copy.deepcopy(ngvi.get("newton", []))  # taken up by the plan of its sites
         self._states = {}
         self._plans = {}
-        self._pending_states = {name: dict(entry) for name, entry in ngvi["sites"].items()}
+        self._pending_states = {name: {"taken": ngvi["num_steps"], **entry} for name, entry in ngvi["sites"].items()}
         store = pyro.get_param_store()
         restore_scales(self._pending_states.values(), store)  # (the fast path reads sigma before the first step)
         for p in [p for p in self.optim_objs if store.param_name(p) in point]:

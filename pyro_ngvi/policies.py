@@ -130,6 +130,12 @@ def at_step(name: str, value, step: int, low: float, high: float) -> Optional[fl
     return value
 
 
+def scheduled(lr, beta, tau, step: int) -> Tuple[Optional[float], Optional[float], float]:
+    """``lr``, ``beta`` and ``tau`` at ``step`` (:func:`at_step`)."""
+    return (at_step("lr", lr, step, 0.0, math.inf), at_step("beta", beta, step, 0.0, 1.0),
+            at_step("tau", tau, step, 0.0, math.inf))
+
+
 # --------------------------------------------------------------------------- #
 # Mean-field sites
 # --------------------------------------------------------------------------- #

@@ -21,13 +21,14 @@ SITE_TENSORS = ("steps", "noise", "cross", "level", "prior")
 class SiteState:
     """What NGVI keeps for one site between steps, keyed by its ``loc`` tensor."""
 
-    __slots__ = ("loc", "raw", "started", "momentum", "far_steps", "count", "drift", "hdrift", "excess", "steps",
-                 "noise", "cross", "level", "prior")
+    __slots__ = ("loc", "raw", "started", "taken", "momentum", "far_steps", "count", "drift", "hdrift", "excess",
+                 "steps", "noise", "cross", "level", "prior")
 
     def __init__(self, loc: weakref.ref, raw: Optional[weakref.ref] = None):
         self.loc = loc  # a weak reference: a cleared param store frees the site
         self.raw = raw  # ... and to its raw scale (mean-field sites), whose sigma NGVI remembers
         self.started = False  # the first-step warm start has happened
+        self.taken = 0  # steps the site has taken: the clock of NGVI's schedules (lr, beta, tau)
         self.momentum: Optional[torch.Tensor] = None
         self.far_steps = 0  # consecutive steps its gradient exceeded safeguards.FAR sigma (mostly)
         # sampled statistics, per element: the count n of the adaptive steps and the
@@ -54,7 +55,7 @@ class SiteState:
         same steps)."""
         raw = None if self.raw is None else self.raw()
         scale = None if raw is None else known_scale(raw)
-        return {"started": self.started,
+        return {"started": self.started, "taken": self.taken,
                 **{key: None if getattr(self, key) is None else getattr(self, key).clone()
                    for key in BUFFERS + SITE_TENSORS},
                 "scale": None if scale is None else scale.clone(),
@@ -82,13 +83,27 @@ class SiteState:
         :raises ValueError: when a buffer does not fit the site (a checkpoint of another model)."""
         cls.check(loc, key, entry)
         state = cls(weakref.ref(loc), None if raw is None else weakref.ref(raw))
-        state.started = entry["started"]
+        state.started, state.taken = entry["started"], entry.get("taken", 0)
         for name in BUFFERS + SITE_TENSORS:
             buffer = entry.get(name)
             setattr(state, name, None if buffer is None else buffer.to(loc).clone())
         if raw is not None:
             restore_scale(raw, entry.get("scale"), transform)
         return state
+
+
+def schedule_clock(states) -> int:
+    """The step :math:`t` NGVI's schedules are called with: the most steps any of ``states`` (the
+    sites of one step) has taken, so that each guide keeps its own clock, as each parameter keeps
+    its own step count in torch's optimizers (an NGVI shared by two guides steps each as two
+    would; one reused after ``pyro.clear_param_store()`` starts again from 0)."""
+    return max((state.taken for state in states), default=0)
+
+
+def advance(states, by: int = 1) -> None:
+    """Count a step taken (``by = -1``: a deferred step found skipped) for each of ``states``."""
+    for state in states:
+        state.taken += by
 
 
 def restore_scale(raw: torch.Tensor, scale: Optional[torch.Tensor], transform) -> bool:
@@ -134,12 +149,14 @@ def check_state(state_dict) -> None:
     _check_newton(ngvi.get("newton", []), fail)
     if not isinstance(ngvi["sites"], dict):
         fail("state['ngvi']['sites'] must be a dict")
-    keys = {"started", "scale", "scale_name", *BUFFERS, *SITE_TENSORS}
+    keys = {"started", "taken", "scale", "scale_name", *BUFFERS, *SITE_TENSORS}
     for name, entry in ngvi["sites"].items():
         if not (isinstance(name, str) and isinstance(entry, dict) and "started" in entry
                 and "momentum" in entry and set(entry) <= keys):
             fail(f"site entry {name!r} must be a dict with the keys 'started', 'momentum' and "
                  f"(from this version on) {', '.join(map(repr, BUFFERS[1:] + SITE_TENSORS))}")
+        if "taken" in entry and not count(entry["taken"]):
+            fail(f"site entry {name!r} needs a non-negative integer 'taken', got {entry['taken']!r}")
         if not (entry.get("scale_name") is None or isinstance(entry["scale_name"], str)):
             fail(f"site entry {name!r} needs a string 'scale_name' or None")
         if not isinstance(entry["started"], bool) or not all(

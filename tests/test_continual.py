@@ -273,6 +273,23 @@ def test_start_task_errors_name_the_site(previous_posterior):
         start_task(AutoNormal(model), priors, x, y)  # no default: the choice is explicit
 
 
+def test_a_refused_start_task_leaves_the_store_as_it_was_and_may_be_retried(previous_posterior):
+    priors, (x, y) = previous_posterior
+    model = with_priors(two_sites, priors)
+    store = pyro.get_param_store()
+    before = {name: (store._params[name], store._constraints[name]) for name in store.keys()}
+    guide = AutoNormal(model)
+    wrong_shape = {"rate": priors["rate"], "w": dist.Normal(torch.zeros(3, dtype=torch.float64), 1.0).to_event(1)}
+    for refused in ({"nope": dist.Normal(0.0, 1.0)}, wrong_shape):  # (the second writes 'rate' before 'w' fails)
+        with pytest.raises(ValueError):
+            start_task(guide, refused, x, y, carry=True)
+        assert {name: (store._params[name], store._constraints[name]) for name in store.keys()} == before
+    start_task(guide, priors, x, y, carry=True)  # the same guide, the corrected call
+    loc, scale = store_loc_scale("w")
+    assert torch.equal(loc, priors["w"].base_dist.loc)
+    assert torch.allclose(scale, priors["w"].base_dist.scale, rtol=1e-12)
+
+
 # --------------------------------------------------------------------------- #
 # BayesianNet: the chain keeps the fast path
 # --------------------------------------------------------------------------- #

@@ -291,6 +291,8 @@ def test_deferred_checks_skip_a_nonfinite_step_as_a_checked_run_does():
         assert torch.equal(deferred[name], checked[name]), name
     assert checked_optim.num_skipped_steps == deferred_optim.num_skipped_steps == 1
     assert checked_optim.num_steps == deferred_optim.num_steps == 10
+    # the schedules' clock (each site's steps taken) is corrected at the read too
+    assert [state.taken for state in deferred_optim._states.values()] == [10]
     assert len(checked_warnings) == len(deferred_warnings) == 1
     assert "non-finite" in str(deferred_warnings[0].message) and "'z'" in str(deferred_warnings[0].message)
     assert "steps late" in str(deferred_warnings[0].message)  # it was deferred
