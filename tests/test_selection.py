@@ -177,8 +177,12 @@ def test_default_candidates_are_the_given_prior_and_maps_weight_decays_per_datum
 
 @pytest.mark.parametrize("name, value", [("epochs", 0), ("checkpoints", 0), ("batch_size", -1), ("epochs", 2.5),
                                          ("prior_scales", (1.0, -1.0)), ("prior_scales", ()),
-                                         ("prior", -1.0), ("prior", float("nan")), ("prior", True)])
+                                         ("prior", -1.0), ("prior", float("nan")), ("prior", True),
+                                         ("prior_scales", 0.5), ("prior_scales", "ab"), ("prior_scales", None),
+                                         ("seed", "a"), ("seed", 1.5), ("seed", -1), ("num_samples", 0)])
 def test_bad_arguments_are_refused_with_their_name(name, value):
+    if name == "prior_scales" and value is None:  # (None is the default: given candidates of bad types)
+        value = [1.0, "2"]
     x, y = classification(40)
     kwargs = dict(epochs=1)
     kwargs[name] = value
@@ -193,6 +197,11 @@ def test_a_validation_split_without_matching_targets_is_refused():
     for short, long in ((x[:20], y[:19]), (x[:20], y[:21])):  # (a bare IndexError, or a silent truncation)
         with pytest.raises(ValueError, match="x and y must be non-empty and of one length"):
             select_by_validation(nn.Linear(4, 3), "categorical", short, long, x[20:], y[20:], epochs=1)
+    # targets the likelihood refuses are refused before the first candidate trains (and named)
+    with pytest.raises(ValueError, match="x_valid and y_valid.*class indices"):
+        select_by_validation(nn.Linear(4, 3), "categorical", x[:20], y[:20], x[20:], y[20:] + 5, epochs=10 ** 6)
+    with pytest.raises(ValueError, match="x and y.*shape"):
+        select_by_validation(nn.Linear(4, 3), "categorical", x[:20], y[:20, None], x[20:], y[20:], epochs=10 ** 6)
     bnn = BayesianNet(nn.Linear(4, 3), "categorical", num_data=20)
     with pytest.raises(ValueError, match="num_samples"):
         validation_nll(bnn, bnn.guide(), x, y, num_samples=0)

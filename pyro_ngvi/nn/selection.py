@@ -41,8 +41,9 @@ recipe at its defaults is the one to use.
 
 import copy
 import math
+import numbers
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -141,9 +142,36 @@ def _default_scales(prior: float, num_data: int) -> List[float]:
 
 
 def _check(name: str, value, low: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    return value
+    return int(value)
+
+
+def _candidate_scales(prior_scales, prior, num_data: int) -> List[float]:
+    """The candidate prior scales (the defaults from ``prior``), checked."""
+    if prior_scales is None:
+        if isinstance(prior, bool) or not isinstance(prior, numbers.Real) or not 0 < prior < math.inf:
+            raise ValueError(f"prior must be a positive finite number, got {prior!r}")
+        return _default_scales(prior, num_data)
+    listed = [] if isinstance(prior_scales, (str, bytes)) or not isinstance(prior_scales, Iterable) else list(prior_scales)
+    if not listed or not all(isinstance(s, numbers.Real) and not isinstance(s, bool) and 0 < s < math.inf
+                             for s in listed):
+        raise ValueError(f"prior_scales must be a non-empty sequence of positive finite numbers, got {prior_scales!r}")
+    return [float(s) for s in listed]
+
+
+def _check_split(net, likelihood: str, x, y, names: str, model_args) -> None:
+    """Refuse a split (``names``: its inputs' and targets' names) that the likelihood would refuse
+    mid-training: of another length, empty, or targets of another shape, dtype or value range."""
+    if not (torch.is_tensor(x) and torch.is_tensor(y)) or y.dim() == 0 or len(x) != len(y) or len(x) == 0:
+        raise ValueError(f"{names} must be non-empty and of one length (tensors), got "
+                         f"{getattr(x, 'shape', type(x).__name__)} and {getattr(y, 'shape', type(y).__name__)}")
+    bnn = BayesianNet(copy.deepcopy(net), likelihood, num_data=len(x), **model_args)
+    try:
+        with torch.no_grad(), pyro.validation_enabled():
+            bnn._check_targets(y, bnn.net(x))
+    except ValueError as error:
+        raise ValueError(f"{names}: {error}") from error
 
 
 def select_by_validation(
@@ -193,25 +221,18 @@ def select_by_validation(
     :param float prior: the prior scale given, the first default candidate (default: 1.0).
     :param model_args: other arguments of :class:`~pyro_ngvi.BayesianNet` (``noise_scale``,
         ``noise_limit``, ``augmentation_factor``, ``name``, ...).
-    :raises ValueError: for a non-positive ``epochs``, ``checkpoints``, ``batch_size``, an
-        empty or non-positive list of scales, or a validation split of another length than its
-        targets.
+    :raises ValueError: for a non-positive ``epochs``, ``checkpoints``, ``batch_size`` or
+        ``num_samples``, a negative ``seed``, an empty or non-positive list of scales, or a
+        split whose targets the likelihood refuses (another length, shape or dtype, a class out
+        of range), before any training.
     """
-    _check("epochs", epochs)
-    _check("checkpoints", checkpoints)
-    _check("batch_size", batch_size)
-    if len(x_valid) != len(y_valid) or len(x_valid) == 0:
-        raise ValueError(f"x_valid and y_valid must be non-empty and of one length, got {len(x_valid)} "
-                         f"and {len(y_valid)}")
-    if len(x) != len(y) or len(x) == 0:
-        raise ValueError(f"x and y must be non-empty and of one length, got {len(x)} and {len(y)}")
-    if prior_scales is None and (isinstance(prior, bool) or not isinstance(prior, (int, float))
-                                 or not 0 < prior < math.inf):
-        raise ValueError(f"prior must be a positive finite number, got {prior!r}")
+    epochs, checkpoints, batch_size = (_check(name, value) for name, value in
+                                       (("epochs", epochs), ("checkpoints", checkpoints), ("batch_size", batch_size)))
+    num_samples, seed = _check("num_samples", num_samples), _check("seed", seed, low=0)
+    _check_split(net, likelihood, x_valid, y_valid, "x_valid and y_valid", model_args)
+    _check_split(net, likelihood, x, y, "x and y", model_args)
     num_data = len(x)
-    scales = _default_scales(prior, num_data) if prior_scales is None else [float(s) for s in prior_scales]
-    if not scales or not all(0 < s < math.inf for s in scales):
-        raise ValueError(f"prior_scales must be positive finite numbers, got {prior_scales!r}")
+    scales = _candidate_scales(prior_scales, prior, num_data)
     every = max(1, epochs // checkpoints)
     scored = sorted(set(range(every, epochs + 1, every)) | {epochs})
     store = pyro.get_param_store()
