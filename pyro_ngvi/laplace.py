@@ -79,6 +79,7 @@ numbers coincide.
 """
 
 import math
+import numbers
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Union
@@ -246,15 +247,15 @@ def laplace(
             "laplace needs curvature evaluated at the mean: use 'hessian', 'ggn' or 'ef' "
             "('reparam' is estimated from sampling noise)"
         )
-    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
+    if isinstance(num_steps, bool) or not isinstance(num_steps, numbers.Integral) or num_steps < 0:
         raise ValueError(f"num_steps must be a non-negative integer, got {num_steps!r}")
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < math.inf:
+    if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not 0 < lr < math.inf:
         raise ValueError(f"lr must be a positive finite number, got {lr!r}")
     if not callable(momentum):  # (a callable is refused by NGVI; checked before a guide is made)
         check_schedule("momentum", momentum, 0.0, 1.0, low_open=False, high_open=True)
     if not isinstance(line_search, bool):
         raise ValueError(f"line_search must be True or False, got {line_search!r}")
-    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < math.inf:
+    if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not 0 < tol < math.inf:
         raise ValueError(f"tol must be a positive finite number, got {tol!r}")
     if covariance not in ("diagonal", "full"):
         raise ValueError(f"covariance must be 'diagonal' or 'full', got {covariance!r}")
@@ -535,11 +536,17 @@ def optimize_prior_precision(
         with that prior. The param store (and the result's guide) holds the best
         approximation.
     """
-    candidates = [float(c) for c in ([candidates] if isinstance(candidates, (int, float)) else candidates)]
-    if not candidates:
-        raise ValueError("candidates must hold at least one prior precision")
-    if any(not (c > 0 and math.isfinite(c)) for c in candidates):
-        raise ValueError(f"candidates (prior precisions) must be positive and finite, got {candidates}")
+    listed = ([candidates] if isinstance(candidates, numbers.Real)
+              else [] if isinstance(candidates, (str, bytes)) or not isinstance(candidates, Iterable) else list(candidates))
+    if not listed or not all(isinstance(c, numbers.Real) and not isinstance(c, bool) and 0 < c < math.inf
+                             for c in listed):
+        raise ValueError(f"candidates must be a positive finite prior precision or a non-empty list of them, "
+                         f"got {candidates!r}")
+    candidates = [float(c) for c in listed]
+    if not isinstance(refit, bool):
+        raise ValueError(f"refit must be True or False, got {refit!r}")
+    if callback is not None and not callable(callback):
+        raise ValueError(f"callback must be callable or None, got {callback!r}")
     if sites is not None:
         sites = [sites] if isinstance(sites, str) else list(sites)  # (one name, as posterior_as_prior takes)
         if not sites or len(set(sites)) != len(sites) or not all(isinstance(n, str) for n in sites):
@@ -557,6 +564,10 @@ def optimize_prior_precision(
             _write_mean(state["guide"], fixed_mean[0])
             options["num_steps"] = 0
         result = laplace(make_model(alpha), *args, curvature=curvature, guide=state["guide"], **options)
+        known = [name for name, _ in result.guide.prototype_trace.iter_stochastic_nodes()]
+        if sites is not None and not set(sites) <= set(known):  # (known once the model has run)
+            raise ValueError(f"sites: {sorted(set(sites) - set(known))} are not latent sites of the model; "
+                             f"its latent sites are {known}")
         results[key] = result
         if callback is not None:
             callback(alpha, result)

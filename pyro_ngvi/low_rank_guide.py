@@ -7,6 +7,7 @@ a curvature is not diagonal plus low rank).
 """
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Optional
 
@@ -135,9 +136,9 @@ class LowRankPrecisionNormal(AutoContinuous):
     def __init__(self, model, init_loc_fn=init_to_median, init_scale: float = 0.1, rank=None):
         if not (isinstance(init_scale, float) and 0 < init_scale < math.inf):  # (a float, as Pyro's AutoNormal)
             raise ValueError(f"init_scale must be a positive float, got {init_scale!r}")
-        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or rank < 1):
             raise ValueError(f"rank must be a positive int, got {rank!r}")
-        self._init_scale, self._rank = init_scale, rank
+        self._init_scale, self._rank = init_scale, None if rank is None else int(rank)
         super().__init__(model, init_loc_fn=init_loc_fn)
 
     def _setup_prototype(self, *args, **kwargs):

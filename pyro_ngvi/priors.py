@@ -235,7 +235,10 @@ def conjugate_normal(
         reports ``real`` (the codomain of its last part, ``AffineTransform``).
     :returns: ``(prior_loc, prior_precision)``, both of shape
         ``batch_shape + unconstrained event_shape``, or ``None``.
+    :raises ValueError: when ``fn`` is not a distribution.
     """
+    if not isinstance(fn, torch.distributions.Distribution):
+        raise ValueError(f"conjugate_normal: fn must be a distribution, got {fn!r}")
     parts = conjugate_normal_parts(fn, support)
     if parts is None:
         return None

@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -256,6 +257,7 @@ def test_error_cases():
         CurvatureELBO("reparam", deterministic=True)
     with pytest.raises(ValueError, match="num_particles"):
         CurvatureELBO("ef", num_particles=0)
+    assert CurvatureELBO("ef", num_particles=np.int64(2), max_plate_nesting=np.int64(1)).num_particles == 2
     x = torch.linspace(0, 1, 5)
     with pytest.raises(ValueError, match="no pyro.plate"):
         SVI(unplated, AutoNormal(unplated), NGVI(), CurvatureELBO("ef")).step(x, x)

@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -456,9 +457,14 @@ def test_error_cases():
         laplace(regression, x, y, curvature="kfac")
     with pytest.raises(NotImplementedError, match="AutoNormal"):
         laplace(regression, x, y, guide=AutoDiagonalNormal(regression))
-    for candidates in ([], [1.0, -2.0], [math.nan]):
+    for candidates in ([], [1.0, -2.0], [math.nan], "ab", None, [1.0, "2"], True):
         with pytest.raises(ValueError, match="candidates"):
             optimize_prior_precision(lambda alpha: regression, candidates, x, y)
+    for name, value in (("refit", "no"), ("callback", 3)):  # (refused before any fit)
+        with pytest.raises(ValueError, match=name):
+            optimize_prior_precision(lambda alpha: regression, [1.0], x, y, **{name: value})
+    with pytest.raises(ValueError, match="curvature must be one of"):
+        laplace(regression, x, y, curvature=["ggn"])
     with pytest.raises(ValueError, match="line_search"):
         laplace(regression, x, y, line_search="yes")
     with pytest.raises(ValueError, match=r"momentum must be a finite number in \[0.0, 1.0\)"):
@@ -480,6 +486,21 @@ def test_error_cases():
     far = AutoNormal(heavy_tailed, init_loc_fn=init_to_value(values={"w": torch.tensor(5.0)}))
     with pytest.raises(ValueError, match="not positive"):
         laplace(heavy_tailed, torch.zeros(3), guide=far, num_steps=0)
+
+
+def test_numpy_scalars_are_numbers():
+    x, y = orthogonal_design()
+    result = laplace(regression, x, y, curvature="hessian", lr=np.float32(1.0), tol=np.float64(1e-6),
+                     num_steps=np.int64(5))
+    pyro.clear_param_store()
+    reference = laplace(regression, x, y, curvature="hessian", lr=1.0, tol=1e-6, num_steps=5)
+    assert torch.equal(result.map["w"], reference.map["w"])
+
+
+def test_a_per_site_search_for_a_site_the_model_has_not_is_refused():
+    x, y = orthogonal_design()
+    with pytest.raises(ValueError, match=r"sites: \['W'\] are not latent sites.*\['w'\]"):
+        optimize_prior_precision(lambda alpha: regression, [1.0, 2.0], x, y, sites=["W"])
 
 
 @pytest.mark.parametrize("sites", [[], ["w", "w"], [3]])

@@ -5,6 +5,7 @@ step against dense references, and the LowRankPrecisionNormal guide in Pyro.
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -273,6 +274,17 @@ def test_ngvi_trains_the_low_rank_precision_to_the_exact_posterior(rank):
                                                                                               else 0.3)
     assert (fitted - precision).norm() / precision.norm() < (0.05 if rank == 6 else 0.1)
     assert optim.num_skipped_steps == 0 and len(optim.get_state()["ngvi"]["sites"]) == 1
+
+
+@pytest.mark.parametrize("name, value", [("rank", 0), ("rank", 1.5), ("rank", True), ("init_scale", -0.1),
+                                         ("init_scale", 1)])
+def test_bad_guide_arguments_are_refused_with_their_name(name, value):
+    with pytest.raises(ValueError, match=name):
+        LowRankPrecisionNormal(lambda: None, **{name: value})
+
+
+def test_a_numpy_rank_is_a_rank():
+    assert LowRankPrecisionNormal(lambda: None, rank=np.int64(2))._rank == 2
 
 
 def test_several_particles_are_refused_with_what_is_supported():

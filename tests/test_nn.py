@@ -4,6 +4,7 @@ import copy
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -15,6 +16,7 @@ from pyro import poutine
 from pyro.infer import SVI, Predictive, Trace_ELBO
 from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
 
+from pyro_ngvi import NGVI, CurvatureELBO
 from pyro_ngvi.family import pop_curvature
 from pyro_ngvi.nn import BayesianNet
 
@@ -432,6 +434,27 @@ def test_prior_errors():
         BayesianNet(net, "gaussian", num_data=5, prior=prior)
     with pytest.raises(ValueError, match="positive"):
         BayesianNet(net, "gaussian", num_data=5, prior=-1.0)
+    with pytest.raises(ValueError, match="'0.weight'.*numbers or tensors"):
+        BayesianNet(net, "gaussian", num_data=5, prior=(0.0, "x"))
+    # numpy scalars are numbers (a scale, or in a pair)
+    for prior in (np.float32(2.0), np.int64(2), (np.float64(0.0), np.float32(2.0))):
+        bnn = BayesianNet(net, "gaussian", num_data=5, prior=prior)
+        assert bnn._prior_scale(0).eq(2.0).all()
+
+
+@pytest.mark.parametrize("loss", ["trace", "curvature"])
+def test_targets_of_a_dtype_the_likelihood_refuses_get_one_error_on_either_path(loss):
+    x = torch.randn(16, 4)
+    bnn = BayesianNet(nn.Linear(4, 1), "bernoulli", num_data=16)
+    elbo = pyro.infer.Trace_ELBO() if loss == "trace" else CurvatureELBO("ggn")
+    svi = SVI(bnn, bnn.guide(), NGVI(), elbo)
+    for y in (torch.randint(0, 2, (16,)), torch.randint(0, 2, (16,)).bool()):
+        with pytest.raises(ValueError, match=f"targets y of dtype {y.dtype}.*floating-point 0 / 1"):
+            svi.step(x, y)
+    categorical = BayesianNet(nn.Linear(4, 3), "categorical", num_data=16)
+    svi = SVI(categorical, categorical.guide(), NGVI(), elbo)
+    with pytest.raises(ValueError, match="targets y of shape"):
+        svi.step(x, torch.randint(0, 3, (16, 1)))
 
 
 def test_network_without_a_weight_to_be_bayesian_about():

@@ -242,6 +242,11 @@ def test_posterior_as_prior_simplex_site():
     assert conjugate_normal(prior)[0].shape == (3,)
 
 
+def test_conjugate_normal_refuses_what_is_not_a_distribution():
+    with pytest.raises(ValueError, match="fn must be a distribution"):
+        conjugate_normal(3)
+
+
 def test_posterior_as_prior_errors():
     guide = AutoNormal(rate_model)
     with pytest.raises(ValueError, match="run the guide"):

@@ -38,7 +38,7 @@ PER_EXAMPLE = ("ef", "ggn", "ggn_mc")
 
 def check_source(curvature: str) -> str:
     """Return ``curvature`` if it names a source, else raise a ValueError listing them."""
-    if curvature not in SOURCES:
+    if not isinstance(curvature, str) or curvature not in SOURCES:
         listing = "; ".join(f"'{k}': {v}" for k, v in SOURCES.items())
         raise ValueError(f"curvature must be one of {list(SOURCES)}, got {curvature!r}. Sources: {listing}")
     return curvature

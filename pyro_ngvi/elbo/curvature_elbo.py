@@ -3,6 +3,7 @@
 """
 
 import math
+import numbers
 
 from pyro.infer import Trace_ELBO
 from pyro.infer.autoguide import AutoMultivariateNormal
@@ -103,12 +104,12 @@ class CurvatureELBO(ELBO):
             raise ValueError(f"curvature must be a string naming a source, got {curvature!r}")
         check_source(curvature)
         for name, value in (("num_particles", num_particles), ("mc_samples", mc_samples)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(deterministic, bool):
             raise ValueError(f"deterministic must be True or False, got {deterministic!r}")
         if not (max_plate_nesting == math.inf or (
-                isinstance(max_plate_nesting, int) and not isinstance(max_plate_nesting, bool)
+                isinstance(max_plate_nesting, numbers.Integral) and not isinstance(max_plate_nesting, bool)
                 and max_plate_nesting >= 0)):
             raise ValueError(
                 f"max_plate_nesting must be a non-negative integer or math.inf, got {max_plate_nesting!r}"

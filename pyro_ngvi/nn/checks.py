@@ -61,7 +61,7 @@ class InputChecks:
                 "task's too)"
             )
 
-    def _check_targets(self, y: torch.Tensor, output: torch.Tensor) -> None:
+    def _check_targets(self, y: torch.Tensor, output: torch.Tensor, values: bool = True) -> None:
         """
         Refuse targets the model's likelihood would refuse, for a path that does not
         evaluate its ``log_prob`` (the BackPACK fast path): the shape (the likelihood
@@ -70,7 +70,8 @@ class InputChecks:
         (:func:`pyro.enable_validation`, as for a distribution's support), the values:
         class indices in ``[0, K)`` (integral, e.g. no ``-100``), Bernoulli
         targets in ``{0, 1}``. Gaussian targets are any real number (a non-finite
-        one makes the step non-finite: the optimizer skips it).
+        one makes the step non-finite: the optimizer skips it). ``values=False``: the
+        shape and dtype only (the model's own path, whose ``log_prob`` checks the values).
         """
         param = self._likelihood_param(output)
         expected = param.shape[:-1] if self.likelihood == "categorical" else param.shape
@@ -92,7 +93,7 @@ class InputChecks:
                     "takes floating-point 0 / 1 targets (pass y.float())"
                 )
             self._checked_targets.add(key)
-        if self.likelihood == "gaussian" or y.dtype == torch.bool or not dist.is_validation_enabled():
+        if not values or self.likelihood == "gaussian" or y.dtype == torch.bool or not dist.is_validation_enabled():
             return
         top = param.shape[-1] - 1 if self.likelihood == "categorical" else 1
         low, high = torch.aminmax(y.detach())

@@ -215,7 +215,8 @@ class BayesianNet(WeightPriors, NoiseLimit, GuideFactory, InputChecks, FastPath,
         ``x`` and observe ``y`` (sample it when ``None``).
 
         :returns: the likelihood's parameter (logits or mean), batch first.
-        :raises ValueError: for an empty batch, or ``y`` of another length than ``x``.
+        :raises ValueError: for an empty batch, or ``y`` of another length than ``x``, or of
+            a shape or dtype the likelihood does not take.
         """
         self._check_batch(x, y)
         self._warn_if_inside_another_model()
@@ -229,6 +230,8 @@ class BayesianNet(WeightPriors, NoiseLimit, GuideFactory, InputChecks, FastPath,
         for weight in self._point_estimates:
             params[weight.key] = self._point_estimate(weight)
         output = self._likelihood_param(functional_call(self.net, params, (x,)))
+        if y is not None:  # (the shape and dtype, as on the fast path; the values are the log_prob's to check)
+            self._check_targets(y, output, values=False)
         likelihood = self._likelihood(output)
         subsample = torch.arange(len(x), device=x.device)
         with pyro.plate(self._site("data"), self.effective_num_data, subsample=subsample):

@@ -24,6 +24,7 @@ path uses.
 """
 
 import itertools
+import numbers
 from typing import List, NamedTuple, Optional, Tuple, Union
 
 import torch
@@ -246,7 +247,7 @@ def _as_loc_scale(spec, weight: Weight) -> Tuple[torch.Tensor, torch.Tensor]:
         loc, scale = spec.loc, spec.scale
     elif isinstance(spec, (tuple, list)) and len(spec) == 2:
         loc, scale = spec
-    elif isinstance(spec, (int, float, torch.Tensor)) and not isinstance(spec, bool):
+    elif isinstance(spec, (numbers.Real, torch.Tensor)) and not isinstance(spec, bool):
         loc, scale = 0.0, spec
     else:
         raise PriorTypeError(
@@ -254,10 +255,14 @@ def _as_loc_scale(spec, weight: Weight) -> Tuple[torch.Tensor, torch.Tensor]:
             f"or a Normal distribution, got {type(spec).__name__}"
         )
     param = weight.param
-    loc, scale = (
-        torch.as_tensor(v, dtype=param.dtype, device=param.device).detach().clone()
-        for v in (loc, scale)
-    )
+    try:
+        if any(isinstance(v, (bool, str, bytes)) for v in (loc, scale)):
+            raise TypeError
+        loc, scale = (torch.as_tensor(v, dtype=param.dtype, device=param.device).detach().clone()
+                      for v in (loc, scale))
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise PriorTypeError(f"Prior of site {weight.site!r}: loc and scale must be numbers or tensors, got "
+                             f"{loc!r} and {scale!r}") from error
     try:
         shape = torch.broadcast_shapes(loc.shape, scale.shape, param.shape)
     except RuntimeError:

@@ -109,7 +109,7 @@ def log_predictive_densities(bnn: BayesianNet, guide, x: torch.Tensor, y: torch.
                              seed: int = 0) -> torch.Tensor:
     """:math:`\\ell_m = \\log \\frac1S \\sum_s p(y_m \\mid f(x_m; w_s))` per example, ``(M,)``, as
     :func:`validation_nll` draws them (its mean is minus the validation NLL)."""
-    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+    if isinstance(num_samples, bool) or not isinstance(num_samples, numbers.Integral) or num_samples < 1:
         raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}")
     training = bnn.training
     bnn.eval()
