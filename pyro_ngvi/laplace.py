@@ -98,7 +98,7 @@ from .elbo import CurvatureELBO
 from .family import FullCovarianceSite, GaussianSite, _full_covariance_site, _is_automultivariatenormal
 from .family import pop_curvature
 from .optim import NGVI
-from .policies import check_schedule
+from .policies import check_schedule, positive_numbers
 
 __all__ = ["LaplaceResult", "LaplaceWarning", "PriorPrecisionSearch", "laplace", "optimize_prior_precision"]
 
@@ -536,17 +536,9 @@ def optimize_prior_precision(
         with that prior. The param store (and the result's guide) holds the best
         approximation.
     """
-    listed = ([candidates] if isinstance(candidates, numbers.Real)
-              else [] if isinstance(candidates, (str, bytes)) or not isinstance(candidates, Iterable) else list(candidates))
-    if not listed or not all(isinstance(c, numbers.Real) and not isinstance(c, bool) and 0 < c < math.inf
-                             for c in listed):
-        raise ValueError(f"candidates must be a positive finite prior precision or a non-empty list of them, "
-                         f"got {candidates!r}")
-    candidates = [float(c) for c in listed]
-    if not isinstance(refit, bool):
-        raise ValueError(f"refit must be True or False, got {refit!r}")
-    if callback is not None and not callable(callback):
-        raise ValueError(f"callback must be callable or None, got {callback!r}")
+    candidates = positive_numbers("candidates", candidates, one=True)
+    if not isinstance(refit, bool) or not (callback is None or callable(callback)):
+        raise ValueError(f"refit must be True or False and callback callable or None, got {refit!r} and {callback!r}")
     if sites is not None:
         sites = [sites] if isinstance(sites, str) else list(sites)  # (one name, as posterior_as_prior takes)
         if not sites or len(set(sites)) != len(sites) or not all(isinstance(n, str) for n in sites):
@@ -565,9 +557,8 @@ def optimize_prior_precision(
             options["num_steps"] = 0
         result = laplace(make_model(alpha), *args, curvature=curvature, guide=state["guide"], **options)
         known = [name for name, _ in result.guide.prototype_trace.iter_stochastic_nodes()]
-        if sites is not None and not set(sites) <= set(known):  # (known once the model has run)
-            raise ValueError(f"sites: {sorted(set(sites) - set(known))} are not latent sites of the model; "
-                             f"its latent sites are {known}")
+        if not set(sites or ()) <= set(known):  # (known once the model has run)
+            raise ValueError(f"sites: {sorted(set(sites) - set(known))} are not latent sites of the model: {known}")
         results[key] = result
         if callback is not None:
             callback(alpha, result)
@@ -605,7 +596,5 @@ def _write_mean(guide, means: Dict[str, torch.Tensor]) -> None:
     store = pyro.get_param_store()
     with torch.no_grad():
         for name, mean in means.items():
-            if isinstance(guide, AutoNormal):
-                store._params[f"{guide._pyro_name}.locs.{name}"].copy_(mean)
-            else:
-                store._params[f"{guide._pyro_name}.loc"].copy_(mean)
+            store._params[f"{guide._pyro_name}.locs.{name}" if isinstance(guide, AutoNormal)
+                          else f"{guide._pyro_name}.loc"].copy_(mean)

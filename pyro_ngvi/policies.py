@@ -20,7 +20,7 @@ indistinguishable from noise, and halves where they drift (why and how they were
 
 import math
 import numbers
-from typing import Callable, Dict, NamedTuple, Optional, Tuple, Union
+from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -120,6 +120,19 @@ def check_schedule(name: str, value, low: float, high: float, low_open: bool = T
         closing = "]" if math.isfinite(high) and not high_open else ")"
         raise ValueError(f"{name} must be a finite number in {bracket}{low}, {high}{closing}, got {value}")
     return value
+
+
+def positive_numbers(name: str, value, one: bool = False) -> List[float]:
+    """``value`` (``one``: or a single number) as a non-empty list of positive finite numbers.
+
+    :raises ValueError: naming ``name``, for anything else (a string, ``None``, a bool)."""
+    listed = [value] if one and isinstance(value, numbers.Real) else \
+        [] if isinstance(value, (str, bytes)) or not isinstance(value, Iterable) else list(value)
+    if not listed or not all(isinstance(v, numbers.Real) and not isinstance(v, bool) and 0 < v < math.inf
+                             for v in listed):
+        raise ValueError(f"{name} must be a non-empty list of positive finite numbers{' (or one)' if one else ''}, "
+                         f"got {value!r}")
+    return [float(v) for v in listed]
 
 
 def at_step(name: str, value, step: int, low: float, high: float) -> Optional[float]:

@@ -301,6 +301,25 @@ def test_sampled_path_reaches_the_exact_correlated_posterior():
     assert covariance[0, 1] / (std[0] * std[1]) < -0.3  # the posterior is strongly correlated
 
 
+def test_curvature_at_draws_takes_the_adaptive_steps_and_reaches_the_exact_posterior():
+    """CurvatureELBO(curvature) at draws (its default) hands a full-covariance site sampled
+    statistics: NGVI() averages them (they were taken as exact at the mean, with constant steps,
+    and the guide kept wandering: KL to the exact posterior 0.02-0.11 from step 400 on)."""
+    model, data, mean, covariance = correlated_regression()
+    pyro.set_rng_seed(0)
+    guide = AutoMultivariateNormal(model)
+    svi = SVI(model, guide, NGVI(), CurvatureELBO("hessian"))
+    exact = dist.MultivariateNormal(mean, covariance)
+    divergences = []
+    for step in range(1, 501):
+        svi.step(*data)
+        if step % 100 == 0:
+            site = site_of(guide)
+            divergences.append(float(torch.distributions.kl_divergence(
+                dist.MultivariateNormal(site.mean.detach(), scale_tril=site.factor.detach()), exact)))
+    assert max(divergences[2:]) < 0.03, divergences
+
+
 def test_positive_definite_under_indefinite_hessians_of_a_nonconvex_model():
     """The exact Hessian of a non-convex log joint is indefinite away from the mode:
     the correction engages and every precision stays positive definite."""

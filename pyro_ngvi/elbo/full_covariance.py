@@ -48,7 +48,7 @@ def full_covariance_loss_and_grads(elbo, model, guide, args, kwargs) -> float:
         curvature = particle_curvature if curvature is None else curvature + particle_curvature
     attach_curvature(site.loc, SiteCurvature(
         grad / elbo.num_particles, curvature / elbo.num_particles, *prior,
-        sampled=elbo.curvature == "reparam", whitened=elbo.curvature == "reparam",
+        sampled=not elbo.deterministic, whitened=elbo.curvature == "reparam",
     ))
     return loss
 

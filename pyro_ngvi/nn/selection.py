@@ -43,7 +43,7 @@ import copy
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -54,6 +54,7 @@ from pyro.infer import SVI, Predictive
 
 from ..elbo import CurvatureELBO
 from ..optim import NGVI
+from ..policies import positive_numbers
 from .model import BayesianNet
 
 __all__ = ["ValidationSelection", "log_predictive_densities", "restore", "select_by_validation", "validation_nll"]
@@ -153,11 +154,7 @@ def _candidate_scales(prior_scales, prior, num_data: int) -> List[float]:
         if isinstance(prior, bool) or not isinstance(prior, numbers.Real) or not 0 < prior < math.inf:
             raise ValueError(f"prior must be a positive finite number, got {prior!r}")
         return _default_scales(prior, num_data)
-    listed = [] if isinstance(prior_scales, (str, bytes)) or not isinstance(prior_scales, Iterable) else list(prior_scales)
-    if not listed or not all(isinstance(s, numbers.Real) and not isinstance(s, bool) and 0 < s < math.inf
-                             for s in listed):
-        raise ValueError(f"prior_scales must be a non-empty sequence of positive finite numbers, got {prior_scales!r}")
-    return [float(s) for s in listed]
+    return positive_numbers("prior_scales", prior_scales)
 
 
 def _check_split(net, likelihood: str, x, y, names: str, model_args) -> None:
