@@ -29,6 +29,7 @@ another site's draw depends on that draw, not on how it was drawn).
 
 import math
 import random
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Set, Tuple
@@ -123,6 +124,27 @@ def model_params(model, guide_trace: poutine.Trace, *args, **kwargs) -> Set[str]
     with _untouched(model):
         trace = poutine.trace(poutine.replay(model, trace=guide_trace), param_only=True).get_trace(*args, **kwargs)
     return {name for name, site in trace.nodes.items() if site["type"] == "param"}
+
+
+def subsampling(model, *args, **kwargs) -> float:
+    """
+    :math:`N/B - 1` of the most subsampled sample site of ``model`` run on ``args`` (its plates'
+    ``full_size / size``, multiplied; 0 when no plate subsamples): how much noise a minibatch adds to
+    the statistics of the latents its sites depend on, beyond one draw's
+    (:func:`~pyro_ngvi.policies.noise_constants`). The model runs once, its draws from the prior, under
+    :func:`_untouched` (random streams and buffers as they were) and without its warnings; a model that
+    cannot run alone (it needs the guide's values) counts as not subsampled.
+    """
+    try:
+        with _untouched(model), warnings.catch_warnings(), poutine.block():
+            warnings.simplefilter("ignore")
+            trace = poutine.trace(model).get_trace(*args, **kwargs)
+    except Exception:  # (the ELBO ran it against the guide already: its errors are the ELBO's to report)
+        return 0.0
+    factors = [math.prod(frame.full_size / frame.size for frame in site["cond_indep_stack"]
+                         if frame.full_size is not None and frame.size)
+               for site in trace.nodes.values() if site["type"] == "sample"]
+    return max(max(factors, default=1.0) - 1.0, 0.0)
 
 
 @contextmanager

@@ -28,6 +28,7 @@ from .distributed import all_reduce_stats, is_distributed, without_draws
 from .family import (FullCovarianceSite, GaussianSite, SiteCurvature, calling_step, calling_svi, end_handover,
                      gaussian_sites, split_params)
 from .groups import Group, Workspace, group_sites, statistics_kind
+from .guide_trace import subsampling
 from .kronecker import KroneckerSite
 from .low_rank_guide import LowRankSite
 from .monitor import ElboWatch, NGVIWarning, SpreadWatch, power_of_two
@@ -229,8 +230,8 @@ class NGVI(PyroOptim):
         clock = schedule_clock(states)  # the guide's own step count (pyro_ngvi.state)
         lr, beta, tau = scheduled(self.lr, self.beta, self.tau, clock)
         state_of = {site.key: state for site, state in zip(sites, states)}
-        context = Context(self._options, clock, plan.signs, self._spread_watch,
-                          GuardedStep(plan.newton.factor) if guarded else None, self.compile, ok, self._workspace)
+        context = Context(self._options, clock, plan.signs, self._spread_watch, GuardedStep(plan.newton.factor)
+                          if guarded else None, self.compile, ok, self._workspace, plan.subsampling)
         # full-covariance steps are computed before anything is written: one whose new
         # precision is not positive definite skips the whole step
         dense_steps = []
@@ -354,7 +355,7 @@ class NGVI(PyroOptim):
         self._guide_parts.update((p, True) for p in parts)
         # plans whose tensors left the param store (pyro.clear_param_store()) leave no trace
         self._plans = {k: p for k, p in self._plans.items() if all(_still_stored(s, store) for s in p.sites)}
-        plan = self._plans[key] = _Plan(sites, others)
+        plan = self._plans[key] = _Plan(sites, others, guide)
         plan.take_newton(self._pending_newton)
         return plan
 
@@ -449,10 +450,14 @@ class NGVI(PyroOptim):
 class _Plan:
     """What NGVI keeps per guide structure (a guide and the tensors SVI hands over): its sites
     and other parameters, its groups by kind of statistics, the stall test's signs, the Newton
-    guard, the ELBO watch and the flags of its last step (read at its next step's sync)."""
+    guard, the ELBO watch and the flags of its last step (read at its next step's sync), and how
+    much the model subsamples its data (:func:`~pyro_ngvi.guide_trace.subsampling`, read once)."""
 
-    def __init__(self, sites, others):
+    def __init__(self, sites, others, guide=None):
         self.sites, self.others = sites, others
+        found = None if guide is None or not sites else calling_step(guide)
+        self.subsampling = 0.0 if found is None or found.model is None else \
+            subsampling(found.model, *found.args, **found.kwargs)
         self.mean_field = [site for site in sites if isinstance(site, GaussianSite)]
         self.weighted = any(site.weight != 1.0 for site in self.mean_field)  # (read once: reweigh)
         self.dense_sites = [site for site in sites if isinstance(site, (FullCovarianceSite, KroneckerSite, LowRankSite))]

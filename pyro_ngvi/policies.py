@@ -194,12 +194,17 @@ class AdaptiveSteps(NamedTuple):
     noise: torch.Tensor
 
 
-def noise_constants(sizes, dtype, device) -> Dict[str, torch.Tensor]:
-    """The constants of :class:`NoiseState` for sites of ``sizes`` elements."""
+def noise_constants(sizes, dtype, device, subsampling: float = 0.0) -> Dict[str, torch.Tensor]:
+    """The constants of :class:`NoiseState` for sites of ``sizes`` elements; the ceilings of the
+    pooled noise (:func:`pooled_levels`) one draw's variances, 1 for :math:`g/\\sqrt\\lambda` and 2
+    for :math:`(\\hat h - \\lambda)/\\lambda`, plus ``subsampling`` :math:`= N/B - 1` for a model
+    whose data is subsampled: a sum over :math:`N` terms estimated from :math:`B` of them adds a
+    variance of about :math:`N/B - 1` in these units (:math:`\\lambda \\approx N\\,E[h_i]
+    \\approx N\\,E[g_i^2]` at the optimum), which is noise to average, not a drift."""
     return {
         "lengths": torch.tensor(sizes, device=device),
         "rates": torch.tensor(NOISE_RATES, dtype=dtype, device=device),
-        "ceiling": torch.tensor([[1.0], [2.0]], dtype=dtype, device=device),
+        "ceiling": torch.tensor([[1.0], [2.0]], dtype=dtype, device=device) + subsampling,
     }
 
 

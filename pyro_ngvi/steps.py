@@ -72,6 +72,7 @@ class Context(NamedTuple):
     compiled: bool = False  # the element-wise pass compiled (pyro_ngvi.update.fused)
     ok: Optional[torch.Tensor] = None  # a deferred check (pyro_ngvi.checks): write only if it holds
     workspace: Optional[Workspace] = None  # the scratch buffers of the eager pass (None: new tensors)
+    subsampling: float = 0.0  # N / B - 1 of the model's most subsampled site (policies.noise_constants)
 
 
 def stall_test(stats: SiteCurvature) -> bool:
@@ -110,7 +111,8 @@ def mean_field_group(ctx: Context, group: Group, stats: List[SiteCurvature], gra
         run.sampled, run.scale = stall_test(first), _scales(group, stats)
         spans = [slice(start, min(start + SPAN, size)) for start in range(0, size, SPAN)]
         if adaptive_for(first, ctx.options):  # the noise is pooled over the whole site first
-            run.adaptive = _adaptive_inputs(group, states, settings.beta, settings.momentum, ctx.options.warm_start)
+            run.adaptive = _adaptive_inputs(group, states, settings.beta, settings.momentum, ctx.options.warm_start,
+                                            ctx.subsampling)
             sums = []
             for run.slice in spans:
                 sums.append(span_step(ctx, group, stats, grad, curvature, settings, tau, states, run, "noise"))
@@ -192,7 +194,7 @@ def span_step(ctx: Context, group: Group, stats: List[SiteCurvature], grad: torc
     momentum_fresh = run.momentum_fresh if run is not None else [state.momentum is None for state in states]
     if adaptive:
         adaptive_inputs = run.adaptive if run is not None else _adaptive_inputs(group, states, beta, rho,
-                                                                                options.warm_start)
+                                                                                options.warm_start, ctx.subsampling)
         inputs.update({k: v if k == "noise" or v is None else cut(v) for k, v in adaptive_inputs.items()})
         if run is not None and phase is None:  # the second pass: the statistics prepared, the noise pooled
             inputs["levels"] = run.levels
@@ -292,9 +294,10 @@ def _pools(group: Group) -> List[tuple]:
         for site in group.sites])
 
 
-def _adaptive_inputs(group: Group, states, beta: float, rho: float, warm_start: bool) -> dict:
+def _adaptive_inputs(group: Group, states, beta: float, rho: float, warm_start: bool,
+                     subsampling: float = 0.0) -> dict:
     """The adaptive steps' state as the group's flat buffers, and the sites' pooled noise stacked
-    (one pool per block, :func:`_pools`)."""
+    (one pool per block, :func:`_pools`; ``subsampling``: :func:`~pyro_ngvi.policies.noise_constants`)."""
     like = group.like
     pools = _pools(group)
     for state, blocks in zip(states, pools):
@@ -302,8 +305,8 @@ def _adaptive_inputs(group: Group, states, beta: float, rho: float, warm_start: 
             shape = () if len(blocks) == 1 else (len(blocks),)
             state.steps = torch.zeros(shape, dtype=like.dtype, device=like.device)
             state.noise = torch.full((2,) + shape + (2,), math.inf, dtype=like.dtype, device=like.device)
-    constants = group.cached((like.dtype, like.device), lambda: noise_constants(
-        [size for blocks in pools for size in blocks], like.dtype, like.device))
+    constants = group.cached((like.dtype, like.device, subsampling), lambda: noise_constants(
+        [size for blocks in pools for size in blocks], like.dtype, like.device, subsampling))
     noise = NoiseState(torch.cat([state.steps.reshape(-1) for state in states]),
                        torch.cat([state.noise.reshape(2, -1, 2) for state in states], dim=1), **constants)
     fresh = group.fresh(states, "hdrift")
