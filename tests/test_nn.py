@@ -523,3 +523,49 @@ def test_augmentation_factor_is_kept_by_with_priors_and_checked():
     for bad in (0.0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="augmentation_factor"):
             BayesianNet(nn.Linear(2, 1), "gaussian", num_data=10, augmentation_factor=bad)
+
+
+class CustomMLP(nn.Module):
+    """A network as PyTorch users write one: a class of its own whose forward calls its layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+@pytest.mark.parametrize("source", ["ggn", "ef", "ggn_mc"])
+def test_a_network_of_a_class_of_its_own_takes_the_steps_of_the_same_layers_in_a_sequential(source):
+    """BackPACK has no extension for a user's container class: ggn and ggn_mc were refused ("needs
+    BackPACK's DiagGGNExact for every module"), ef warned on every step. The twin is converted to a
+    graph of the same layers (BackPACK's torch.fx converter) and takes the Sequential's steps."""
+    torch.manual_seed(0)
+    custom = CustomMLP().double()
+    x, y = torch.randn(32, 4, dtype=torch.float64), torch.randint(0, 3, (32,))
+    results = []
+    for net in (custom, nn.Sequential(*copy.deepcopy([custom.fc1, custom.act, custom.fc2]))):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(1)
+        bnn = BayesianNet(net, "categorical", num_data=32)
+        svi = SVI(bnn, bnn.guide(), NGVI(), CurvatureELBO(source))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # (no BackPACK warning either)
+            for _ in range(3):
+                svi.step(x, y)
+        results.append([value.detach().clone() for value in pyro.get_param_store().values()])
+    for found, expected in zip(*results):
+        assert torch.allclose(found, expected, rtol=1e-9, atol=1e-12)
+
+
+def test_a_kronecker_guide_of_a_network_of_a_class_of_its_own_trains():
+    from pyro_ngvi import KroneckerNormal
+
+    torch.manual_seed(0)
+    bnn = BayesianNet(CustomMLP(), "categorical", num_data=32)
+    x, y = torch.randn(32, 4), torch.randint(0, 3, (32,))
+    guide = KroneckerNormal(bnn)
+    svi = SVI(bnn, guide, NGVI(), CurvatureELBO("ggn"))
+    losses = [svi.step(x, y) for _ in range(20)]
+    assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]

@@ -13,6 +13,7 @@ network. One pass of :func:`~pyro_ngvi.curvature.backpack.network_curvature` on
 the twin gives the gradient and the curvature.
 """
 
+import warnings
 from copy import deepcopy
 from itertools import chain
 
@@ -44,14 +45,17 @@ class BackpackTwin:
             twin_module._parameters = module._parameters
             twin_module._buffers = module._buffers
         self.net = net  # the plain network: a pass that needs no extension runs it, without BackPACK's hooks
-        self.twin = extend(twin)
-        self.loss_module = extend(LOSS_MODULES[likelihood](reduction="sum"))
         self.module_pairs = list(zip(twin.modules(), net.modules()))
+        self.twin = _extended(twin)
+        if self.twin is not twin:  # (converted: a graph of the same layers, the container's mode kept too)
+            self.module_pairs.append((self.twin, net))
+        self.loss_module = extend(LOSS_MODULES[likelihood](reduction="sum"))
         self.refresh()
 
     def refresh(self) -> None:
-        """Re-read the twin's parameters (after ``.to()`` put new tensors in the shared dicts)."""
-        self.params = [p for p in self.twin.parameters() if p.requires_grad]
+        """Re-read the network's parameters, in its own order (after ``.to()`` put new tensors in
+        the shared dicts)."""
+        self.params = [p for p in self.net.parameters() if p.requires_grad]
 
     def loss_target(self, model, y: torch.Tensor) -> torch.Tensor:
         """``y`` in the form the BackPACK loss module expects: class indices, or
@@ -85,6 +89,22 @@ class BackpackTwin:
         else:
             loss_scale = 0.5 / noise_scale**2
         return points, noise_scale, loss_scale
+
+
+def _extended(twin: nn.Module) -> nn.Module:
+    """``twin`` extended by BackPACK; a container of a class of its own (a user's ``nn.Module``
+    whose ``forward`` calls its layers) converted first to a graph of the same layer objects
+    (BackPACK's ``torch.fx`` converter), whose curvature BackPACK backpropagates layer by layer,
+    as through an ``nn.Sequential``. A ``forward`` that ``torch.fx`` cannot trace (control flow on
+    values) stays as it is: then only sources that need no pass through the container run."""
+    if type(twin).__module__.startswith("torch.") or not any(True for _ in twin.children()):
+        return extend(twin)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return extend(twin, use_converter=True)
+    except Exception:  # (a forward torch.fx cannot trace)
+        return extend(twin)
 
 
 def accumulate_grad(tensor: torch.Tensor, grad: torch.Tensor) -> None:
