@@ -569,3 +569,37 @@ def test_a_kronecker_guide_of_a_network_of_a_class_of_its_own_trains():
     svi = SVI(bnn, guide, NGVI(), CurvatureELBO("ggn"))
     losses = [svi.step(x, y) for _ in range(20)]
     assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]
+
+
+def test_vectorised_draws_are_refused_with_what_to_use_instead():
+    bnn = BayesianNet(nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3)), "categorical", num_data=8)
+    guide = bnn.guide()
+    x = torch.randn(5, 4)
+    guide(x, torch.randint(0, 3, (5,)))
+    assert Predictive(bnn, guide=guide, num_samples=4, return_sites=["output"])(x)["output"].shape == (4, 5, 3)
+    with pytest.raises(NotImplementedError, match=r"one draw of the weights at a time.*parallel=False"):
+        Predictive(bnn, guide=guide, num_samples=4, return_sites=["output"], parallel=True)(x)
+
+
+def test_a_network_returning_a_tuple_is_refused_on_either_path():
+    bnn = BayesianNet(nn.LSTM(4, 5, batch_first=True), "categorical", num_data=8)
+    x, y = torch.randn(8, 3, 4), torch.randint(0, 5, (8,))
+    for loss in (CurvatureELBO("ef"), Trace_ELBO()):
+        pyro.clear_param_store()
+        with pytest.raises(ValueError, match="must return one tensor.*returned a tuple"):
+            SVI(bnn, bnn.guide(), NGVI(), loss).step(x, y)
+
+
+def test_a_network_converted_after_training_predicts_from_its_guide():
+    """.double() after the guide was made and trained: the fast path writes the float32 draws into
+    the float64 network; the model's own path (Predictive) does the same (it raised a dtype error)."""
+    torch.manual_seed(0)
+    bnn = BayesianNet(nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3)), "categorical", num_data=16)
+    guide = bnn.guide()
+    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+    svi = SVI(bnn, guide, NGVI(), CurvatureELBO("ggn"))
+    svi.step(x, y)
+    bnn.double()
+    svi.step(x.double(), y)
+    output = Predictive(bnn, guide=guide, num_samples=2, return_sites=["output"])(x.double())["output"]
+    assert output.dtype == torch.float64 and torch.isfinite(output).all()

@@ -226,7 +226,14 @@ class BayesianNet(WeightPriors, NoiseLimit, GuideFactory, InputChecks, FastPath,
             loc, scale = self._prior_buffers(index)[0], self._prior_scale(index)
             shape = weight.param.shape
             prior = dist.Normal(loc, scale).expand(shape).to_event(len(shape))
-            params[weight.key] = pyro.sample(weight.site, prior)
+            value = pyro.sample(weight.site, prior)
+            if value.shape != shape:  # (vectorised draws: Predictive(parallel=True), vectorize_particles)
+                raise NotImplementedError(
+                    f"BayesianNet runs its network on one draw of the weights at a time; site {weight.site!r} "
+                    f"got a batch of draws of shape {tuple(value.shape)}: use Predictive(..., parallel=False) "
+                    "and an ELBO with vectorize_particles=False")
+            # (a network converted, .double(), after its guide was made: as its fast path writes the draws)
+            params[weight.key] = value if value.dtype == weight.param.dtype else value.to(weight.param.dtype)
         for weight in self._point_estimates:
             params[weight.key] = self._point_estimate(weight)
         output = self._likelihood_param(functional_call(self.net, params, (x,)))
@@ -257,6 +264,10 @@ class BayesianNet(WeightPriors, NoiseLimit, GuideFactory, InputChecks, FastPath,
 
     def _likelihood_param(self, output: torch.Tensor) -> torch.Tensor:
         """The network output as the likelihood's parameter (scalar outputs squeezed)."""
+        if not torch.is_tensor(output):
+            raise ValueError(f"BayesianNet: the network must return one tensor, batch first; it returned a "
+                             f"{type(output).__name__} (an nn.LSTM returns (output, state): wrap it in a module "
+                             "that returns the tensor to predict from)")
         if self.likelihood != "categorical" and output.dim() == 2 and output.shape[1] == 1:
             return output.squeeze(-1)
         return output
