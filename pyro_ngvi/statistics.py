@@ -36,7 +36,8 @@ from typing import Optional
 
 import torch
 
-from pyro.infer import JitTrace_ELBO, JitTraceEnum_ELBO, JitTraceGraph_ELBO, Trace_ELBO, TraceEnum_ELBO, TraceGraph_ELBO
+from pyro.infer import (JitTrace_ELBO, JitTraceEnum_ELBO, JitTraceGraph_ELBO, RenyiELBO, Trace_ELBO, TraceEnum_ELBO,
+                        TraceGraph_ELBO)
 
 from . import full_covariance
 from .family import FullCovarianceSite, GaussianSite, SiteCurvature, pop_curvature
@@ -63,8 +64,16 @@ _ONE_DRAW_ELBOS = (Trace_ELBO, JitTrace_ELBO, TraceGraph_ELBO, JitTraceGraph_ELB
 def one_draw(svi) -> bool:
     """Whether ``svi`` computes its gradients from one draw of each latent: a plain
     ``Trace_ELBO``, ``TraceGraph_ELBO`` or ``TraceEnum_ELBO`` (or their Jit versions) with
-    one particle (then :math:`\\epsilon` is recoverable from :math:`g` and :math:`h`)."""
+    one particle (then :math:`\\epsilon` is recoverable from :math:`g` and :math:`h`).
+
+    :raises NotImplementedError: for a loss whose gradients are not the ELBO's (``RenyiELBO``)."""
     elbo = getattr(getattr(svi, "loss_and_grads", None), "__self__", None)
+    if isinstance(elbo, RenyiELBO):
+        raise NotImplementedError(
+            "NGVI reads the ELBO's gradients as the Bayesian learning rule's statistics; RenyiELBO's "
+            "(an importance-weighted alpha-divergence bound) are not those, and the guide would diverge. "
+            "Use Trace_ELBO, TraceGraph_ELBO, TraceEnum_ELBO, TraceMeanField_ELBO or CurvatureELBO with "
+            "NGVI, or a Pyro optimizer (pyro.optim.Adam) with RenyiELBO")
     return type(elbo) in _ONE_DRAW_ELBOS and getattr(elbo, "num_particles", None) == 1
 
 

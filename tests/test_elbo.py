@@ -353,3 +353,15 @@ def test_exact_curvature_at_draws_is_averaged_to_the_exact_posterior():
         mean, sd = float(store["AutoNormal.locs.loc"].detach()), float(store["AutoNormal.scales.loc"].detach())
         errors.append((abs(mean - exact_mean) / exact_sd, abs(sd / exact_sd - 1)))
     assert max(e for e, _ in errors) < 1e-3 and max(e for _, e in errors) < 1e-3, errors
+
+
+def test_a_loss_that_is_not_the_elbo_is_refused_before_the_guide_moves():
+    """RenyiELBO's gradients (an importance-weighted alpha-divergence bound) read as the ELBO's
+    statistics diverged silently (the means to 1e7 in 300 steps, where Adam converges)."""
+    x = torch.linspace(0, 1, 5)
+    guide = AutoNormal(unplated)
+    guide(x, x)
+    before = {name: value.detach().clone() for name, value in pyro.get_param_store().items()}
+    with pytest.raises(NotImplementedError, match="RenyiELBO.*Trace_ELBO"):
+        SVI(unplated, guide, NGVI(), pyro.infer.RenyiELBO(alpha=0.5, num_particles=2)).step(x, x)
+    assert all(torch.equal(value, before[name]) for name, value in pyro.get_param_store().items())
