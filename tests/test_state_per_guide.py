@@ -59,73 +59,67 @@ def params():
     return {name: value.detach().clone() for name, value in pyro.get_param_store().items()}
 
 
-def test_one_ngvi_shared_by_two_svis_gives_the_solo_runs_results():
+def scheduled():
+    """Step sizes that change with the step count (the clock of the schedules)."""
+    return NGVI(lr=lambda t: 0.5 / (1 + t), beta=lambda t: 0.9 / (1 + 0.5 * t)), pyro.infer.Trace_ELBO()
+
+
+@pytest.mark.parametrize("recipe, steps", [(recipe_b, 12), (scheduled, 6)])
+def test_one_ngvi_shared_by_two_svis_gives_the_solo_runs_results(recipe, steps):
+    """With constant steps, and with schedules: they run on each guide's own clock (they ran on
+    the optimizer's count of all its steps, and the shared run differed by up to 0.24)."""
     models = [regression(3, 0), regression(3, 1)]
     solo = {}
     for index, make in ((0, GuideA), (1, GuideB)):
         pyro.clear_param_store()
-        optim, elbo = recipe_b()
-        run_steps({index: SVI(models[index], make(models[index]), optim, elbo)}, 12, [index])
+        optim, elbo = recipe()
+        run_steps({index: SVI(models[index], make(models[index]), optim, elbo)}, steps, [index])
         solo.update(params())
     pyro.clear_param_store()
-    optim, elbo = recipe_b()
+    optim, elbo = recipe()
     svis = {0: SVI(models[0], GuideA(models[0]), optim, elbo), 1: SVI(models[1], GuideB(models[1]), optim, elbo)}
-    run_steps(svis, 12, [0, 1])
+    run_steps(svis, steps, [0, 1])
     shared = params()
     assert shared.keys() == solo.keys()
     for name in shared:
         assert torch.equal(shared[name], solo[name]), name
 
 
-def scheduled():
-    """Step sizes that change with the step count (the clock of the schedules)."""
-    return NGVI(lr=lambda t: 0.5 / (1 + t), beta=lambda t: 0.9 / (1 + 0.5 * t)), pyro.infer.Trace_ELBO()
-
-
-def test_schedules_run_on_each_guides_own_clock_when_two_svis_share_one_ngvi():
-    models = [regression(3, 0), regression(3, 1)]
-    solo = {}
-    for index, make in ((0, GuideA), (1, GuideB)):
-        pyro.clear_param_store()
-        optim, elbo = scheduled()
-        run_steps({index: SVI(models[index], make(models[index]), optim, elbo)}, 6, [index])
-        solo.update(params())
-    pyro.clear_param_store()
-    optim, elbo = scheduled()
-    svis = {0: SVI(models[0], GuideA(models[0]), optim, elbo), 1: SVI(models[1], GuideB(models[1]), optim, elbo)}
-    run_steps(svis, 6, [0, 1])
-    assert optim.num_steps == 12  # (the optimizer's own count is of all its steps)
-    shared = params()
-    for name in shared:
-        assert torch.equal(shared[name], solo[name]), name
-
-
-def test_schedules_restart_after_clear_param_store_and_resume_from_a_checkpoint():
+@pytest.mark.parametrize("recipe", [recipe_b, scheduled])
+def test_ngvi_reused_after_clear_param_store_behaves_like_a_fresh_one(recipe):
+    """Also its schedules, which start again from 0."""
     model = regression(4, 2)
-    reused, elbo = scheduled()
+    reused, elbo = recipe()
     run_steps({0: SVI(model, AutoNormal(model), reused, elbo)}, 5, [0])
     results = []
-    for optim in (reused, scheduled()[0]):
+    for optim in (reused, recipe()[0]):
         pyro.clear_param_store()
         run_steps({0: SVI(model, AutoNormal(model), optim, elbo)}, 8, [0])
         results.append(params())
     for name in results[0]:
         assert torch.equal(results[0][name], results[1][name]), name
-    # a checkpoint after 4 steps, resumed by a fresh NGVI, takes the uninterrupted run's last 4 steps
-    pyro.clear_param_store()
-    optim, elbo = scheduled()
-    svi = SVI(model, AutoNormal(model), optim, elbo)
-    run_steps({0: svi}, 4, [0])
-    saved, store = optim.get_state(), pyro.get_param_store().get_state()
-    resumed = scheduled()[0]
-    resumed.set_state(saved)
-    pyro.get_param_store().set_state(store)
-    svi.optim = resumed
-    for t in range(4, 8):
-        pyro.set_rng_seed(t)
-        svi.step()
-    for name, value in params().items():
-        assert torch.equal(value, results[1][name]), name
+
+
+def test_a_checkpoint_resumes_the_schedules_where_they_were():
+    """A checkpoint after 4 steps, resumed by a fresh NGVI, takes the uninterrupted run's last 4."""
+    model = regression(4, 2)
+    runs = []
+    for resume in (False, True):
+        pyro.clear_param_store()
+        optim, elbo = scheduled()
+        svi = SVI(model, AutoNormal(model), optim, elbo)
+        run_steps({0: svi}, 4, [0])
+        if resume:
+            saved, store = optim.get_state(), pyro.get_param_store().get_state()
+            svi.optim = scheduled()[0]
+            svi.optim.set_state(saved)
+            pyro.get_param_store().set_state(store)
+        for t in range(4, 8):
+            pyro.set_rng_seed(t)
+            svi.step()
+        runs.append(params())
+    for name, value in runs[1].items():
+        assert torch.equal(value, runs[0][name]), name
 
 
 def test_two_guides_with_a_site_w_of_different_shapes_share_one_ngvi():
@@ -134,19 +128,6 @@ def test_two_guides_with_a_site_w_of_different_shapes_share_one_ngvi():
     svis = {0: SVI(models[0], GuideA(models[0]), optim, elbo), 1: SVI(models[1], GuideB(models[1]), optim, elbo)}
     run_steps(svis, 4, [0, 1])
     assert pyro.param("GuideA.locs.w").shape == (3,) and pyro.param("GuideB.locs.w").shape == (5,)
-
-
-def test_ngvi_reused_after_clear_param_store_behaves_like_a_fresh_one():
-    model = regression(4, 2)
-    reused, elbo = recipe_b()
-    run_steps({0: SVI(model, AutoNormal(model), reused, elbo)}, 8, [0])
-    results = []
-    for optim in (reused, recipe_b()[0]):
-        pyro.clear_param_store()
-        run_steps({0: SVI(model, AutoNormal(model), optim, elbo)}, 8, [0])
-        results.append(params())
-    for name in results[0]:
-        assert torch.equal(results[0][name], results[1][name]), name
 
 
 class EmbeddingModel(pyro.nn.PyroModule):
