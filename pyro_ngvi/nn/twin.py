@@ -93,11 +93,14 @@ class BackpackTwin:
 
 def _extended(twin: nn.Module) -> nn.Module:
     """``twin`` extended by BackPACK; a container of a class of its own (a user's ``nn.Module``
-    whose ``forward`` calls its layers) converted first to a graph of the same layer objects
-    (BackPACK's ``torch.fx`` converter), whose curvature BackPACK backpropagates layer by layer,
-    as through an ``nn.Sequential``. A ``forward`` that ``torch.fx`` cannot trace (control flow on
+    whose ``forward`` calls its layers; not an ``nn.Sequential``) converted first to a graph of the
+    same layer objects (BackPACK's ``torch.fx`` converter), whose curvature BackPACK backpropagates
+    layer by layer, as through an ``nn.Sequential``. The graph is the ``forward`` traced once: what
+    it does in Python besides tensor operations (a branch on ``self.training``, a counter) is read at
+    that trace, in training mode. A ``forward`` that ``torch.fx`` cannot trace (control flow on
     values) stays as it is: then only sources that need no pass through the container run."""
-    if type(twin).__module__.startswith("torch.") or not any(True for _ in twin.children()):
+    if (type(twin).__module__.startswith("torch.") or isinstance(twin, nn.Sequential)
+            or not any(True for _ in twin.children())):
         return extend(twin)
     try:
         with warnings.catch_warnings():
