@@ -114,7 +114,9 @@ def site_statistics(site, live: bool = True, one_draw: bool = False, recover_dra
         raise ValueError(
             f"NGVI found no gradient for guide site '{site.name}': use a loss that "
             "backpropagates through the guide (Trace_ELBO, JitTrace_ELBO) or "
-            "pyro_ngvi.CurvatureELBO."
+            "pyro_ngvi.CurvatureELBO. With such a loss, the guide ran on tensors that are not the "
+            "param store's: a store loaded (pyro.get_param_store().load, load_param_store) after the "
+            "guide was set up leaves the guide its old ones; load the store first, then make the guide."
         )
     if isinstance(site, FullCovarianceSite):
         return full_reparam_curvature(site, one_draw and recover_draws)

@@ -924,3 +924,20 @@ def test_one_particle_trace_elbo_reaches_a_24_dimensional_gaussian_posterior():
     sigma = q.covariance_matrix.detach()
     kl = 0.5 * (torch.trace(precision @ sigma) - size + offset @ precision @ offset - torch.logdet(precision @ sigma))
     assert float(kl) / size < 1e-3
+
+
+def test_a_store_loaded_after_the_guide_was_set_up_is_named_as_the_likely_cause(tmp_path):
+    """The guide keeps its old tensors when a saved store is loaded after it ran: NGVI finds no
+    gradient on the store's tensors, and says why (it named only the loss, already Trace_ELBO)."""
+    model, data, _, _ = correlated_regression()
+    guide = AutoMultivariateNormal(model)
+    svi = SVI(model, guide, NGVI(), Trace_ELBO())
+    svi.step(*data)
+    path = tmp_path / "store.pt"
+    pyro.get_param_store().save(path)
+    pyro.clear_param_store()
+    fresh = AutoMultivariateNormal(model)
+    fresh(*data)
+    pyro.get_param_store().load(path)
+    with pytest.raises(ValueError, match="no gradient.*loaded.*after the guide was set up"):
+        SVI(model, fresh, NGVI(), Trace_ELBO()).step(*data)
