@@ -146,6 +146,8 @@ class LowRankPrecisionNormal(AutoContinuous):
         self.loc = torch.nn.Parameter(self._init_loc())
         size = self.latent_dim
         rank = self._rank if self._rank is not None else int(math.ceil(size**0.5))
+        if rank > size:  # (a factor of more columns than coordinates: nothing more to represent)
+            raise ValueError(f"rank must be at most the model's {size} latent coordinates, got {rank}")
         diag = torch.full_like(self.loc, self._init_scale**-2)
         # a small factor, not zero: gradient-based optimizers cannot leave U = 0 (a saddle)
         factor = 0.1 * self._init_scale**-1 * torch.randn(size, rank, dtype=self.loc.dtype,

@@ -283,6 +283,12 @@ def test_bad_guide_arguments_are_refused_with_their_name(name, value):
         LowRankPrecisionNormal(lambda: None, **{name: value})
 
 
+def test_a_rank_beyond_the_latent_size_is_refused_at_set_up():
+    model, data, *_ = correlated_regression()
+    with pytest.raises(ValueError, match=r"rank must be at most the model's \d+ latent coordinates, got 99"):
+        LowRankPrecisionNormal(model, rank=99)(*data)
+
+
 def test_a_numpy_rank_is_a_rank():
     assert LowRankPrecisionNormal(lambda: None, rank=np.int64(2))._rank == 2
 
