@@ -47,17 +47,15 @@ whenever a step does not decrease :math:`F`.
 search runs on the whole latent vector: :math:`\\Lambda = S_0 + H(u^*)` is the
 dense precision (the exact Hessian, GGN or empirical-Fisher matrix of
 :mod:`pyro_ngvi.curvature.dense`, plus the precision of priors Gaussian in
-``u``), an NGVI step with ``lr = beta = 1`` is a full Newton step (exact in one
-step on a quadratic), and
+``u``), an NGVI step with ``lr = beta = 1`` is a full Newton step (exact in one step on a quadratic), and
 
 .. math:: \\log p(\\mathcal{D}) \\approx -F(u^*) + \\tfrac{D}{2}\\log 2\\pi
           - \\tfrac12 \\log\\det \\Lambda,
 
 exact for a linear-Gaussian model with correlated features.
 
-**Diagonal evidence and the mean-field ELBO.** For a linear-Gaussian model
-with posterior precision :math:`A` the full Laplace evidence is exact, and the
-diagonal one is below it by
+**Diagonal evidence and the mean-field ELBO.** For a linear-Gaussian model with posterior
+precision :math:`A` the full Laplace evidence is exact, and the diagonal one is below it by
 :math:`\\tfrac12(\\sum_i \\log A_{ii} - \\log\\det A) \\ge 0` (Hadamard's
 inequality), which is also the gap of the optimal mean-field ELBO: there the two
 numbers coincide.
@@ -235,7 +233,7 @@ def laplace(
         (default: 0).
     :param str covariance: ``"diagonal"`` or ``"full"`` (a dense precision over
         all latents, in an :class:`~pyro.infer.autoguide.AutoMultivariateNormal`);
-        a given ``guide`` decides it by its type (default: ``"diagonal"``).
+        a given ``guide`` decides it by its type (an ``AutoNormal`` refuses ``"full"``; default: ``"diagonal"``).
     :param kwargs: the model's keyword arguments.
     :returns: a :class:`LaplaceResult`.
     :raises ValueError: for ``curvature="reparam"`` (a sampling estimate), or a
@@ -268,6 +266,8 @@ def laplace(
             "laplace writes its result into an AutoNormal or AutoMultivariateNormal guide, "
             f"got {type(guide).__name__}"
         )
+    elif covariance == "full" and isinstance(guide, AutoNormal):
+        raise ValueError("covariance='full' needs an AutoMultivariateNormal guide (a given guide decides), got AutoNormal")
     sites = _guide_sites(guide, args, kwargs)
     elbo = CurvatureELBO(curvature, deterministic=True)
 

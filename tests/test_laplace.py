@@ -457,6 +457,8 @@ def test_error_cases():
         laplace(regression, x, y, curvature="kfac")
     with pytest.raises(NotImplementedError, match="AutoNormal"):
         laplace(regression, x, y, guide=AutoDiagonalNormal(regression))
+    with pytest.raises(ValueError, match="covariance='full' needs an AutoMultivariateNormal"):
+        laplace(regression, x, y, guide=AutoNormal(regression), covariance="full")
     for candidates in ([], [1.0, -2.0], [math.nan], "ab", None, [1.0, "2"], True):
         with pytest.raises(ValueError, match="candidates"):
             optimize_prior_precision(lambda alpha: regression, candidates, x, y)
