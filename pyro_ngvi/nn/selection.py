@@ -157,13 +157,13 @@ def _candidate_scales(prior_scales, prior, num_data: int) -> List[float]:
     return positive_numbers("prior_scales", prior_scales)
 
 
-def _check_split(net, likelihood: str, x, y, names: str, model_args) -> None:
-    """Refuse a split (``names``: its inputs' and targets' names) that the likelihood would refuse
-    mid-training: of another length, empty, or targets of another shape, dtype or value range."""
+def _check_split(bnn: BayesianNet, x, y, names: str) -> None:
+    """Refuse a split (``names``: its inputs' and targets' names) that the likelihood of ``bnn`` (a
+    copy of the net) would refuse mid-training: of another length, empty, or targets of another
+    shape, dtype or value range."""
     if not (torch.is_tensor(x) and torch.is_tensor(y)) or y.dim() == 0 or len(x) != len(y) or len(x) == 0:
         raise ValueError(f"{names} must be non-empty and of one length (tensors), got "
                          f"{getattr(x, 'shape', type(x).__name__)} and {getattr(y, 'shape', type(y).__name__)}")
-    bnn = BayesianNet(copy.deepcopy(net), likelihood, num_data=len(x), **model_args)
     try:
         with torch.no_grad(), pyro.validation_enabled():
             bnn._check_targets(y, bnn.net(x))
@@ -226,8 +226,9 @@ def select_by_validation(
     epochs, checkpoints, batch_size = (_check(name, value) for name, value in
                                        (("epochs", epochs), ("checkpoints", checkpoints), ("batch_size", batch_size)))
     num_samples, seed = _check("num_samples", num_samples), _check("seed", seed, low=0)
-    _check_split(net, likelihood, x_valid, y_valid, "x_valid and y_valid", model_args)
-    _check_split(net, likelihood, x, y, "x and y", model_args)
+    probe = BayesianNet(copy.deepcopy(net), likelihood, num_data=1, **model_args)  # (its checks, before training)
+    _check_split(probe, x_valid, y_valid, "x_valid and y_valid")
+    _check_split(probe, x, y, "x and y")
     num_data = len(x)
     scales = _candidate_scales(prior_scales, prior, num_data)
     every = max(1, epochs // checkpoints)
