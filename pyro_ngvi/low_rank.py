@@ -52,6 +52,7 @@ import torch
 
 __all__ = [
     "LowRankStep",
+    "bounded_change",
     "capacitance_cholesky",
     "controlled_price_factors",
     "displacement",
@@ -188,12 +189,47 @@ def _top_eigen(columns: torch.Tensor, signs: torch.Tensor, rank: int) -> Tuple[t
     return values[keep], q @ vectors[:, keep]
 
 
+def bounded_change(factor: torch.Tensor, diag: torch.Tensor, kept: float, plus: torch.Tensor,
+                   minus: torch.Tensor, max_ratio: float) -> Tuple[float, torch.Tensor, torch.Tensor]:
+    """
+    The trust region of the precision: :math:`\\hat S = k S + P P^\\top - M M^\\top` (``kept``
+    :math:`k`, ``plus`` :math:`P`, ``minus`` :math:`M`) with every generalised eigenvalue
+    :math:`\\lambda` of :math:`(\\hat S, S)` clamped to :math:`[1/r, r]`, :math:`r` = ``max_ratio``.
+    With :math:`G = [P, M]`, :math:`J` the signs and :math:`A = G^\\top S^{-1} G =
+    V a V^\\top`, :math:`A^{1/2} J A^{1/2} = Q \\ell Q^\\top` gives :math:`PP^\\top - MM^\\top
+    = F \\ell F^\\top` with :math:`F = G V a^{-1/2} V^\\top Q` and :math:`F^\\top S^{-1} F = I`:
+    the eigenvalues are :math:`k` (all but :math:`m` directions) and :math:`k + \\ell_j`, so
+
+    .. math:: \\hat S_r = \\bar k S + F\\,\\mathrm{diag}\\big(\\mathrm{clamp}(k + \\ell, 1/r, r)
+              - \\bar k\\big) F^\\top, \\qquad \\bar k = \\mathrm{clamp}(k, 1/r, r),
+
+    in :math:`O(D k m + m^3)`. Returns :math:`\\bar k` and the new ``(plus, minus)``.
+
+    :raises torch.linalg.LinAlgError: when :math:`A` overflows (the step is skipped).
+    """
+    columns = torch.cat([plus, minus], 1)
+    signs = torch.cat([plus.new_ones(plus.shape[1]), -plus.new_ones(minus.shape[1])])
+    inner = columns.T @ solve(factor, diag, columns.T).T  # A = G^T S^-1 G
+    if not bool(torch.isfinite(inner).all()):  # (an overflow would drop the curvature unseen)
+        raise torch.linalg.LinAlgError("the curvature's factors overflow against the precision")
+    values, vectors = torch.linalg.eigh(0.5 * (inner + inner.T))
+    live = values > values.max().clamp_min(0) * columns.shape[1] * torch.finfo(_WORK).eps
+    values, vectors = values[live], vectors[:, live]
+    root = (vectors * values.sqrt()) @ vectors.T  # A^1/2
+    ell, q = torch.linalg.eigh((root * signs) @ root)
+    directions = columns @ ((vectors * values.rsqrt()) @ vectors.T @ q)  # F
+    low, high = 1.0 / max_ratio, max_ratio
+    bulk = min(max(kept, low), high)
+    change = (kept + ell).clamp(low, high) - bulk
+    return bulk, directions * change.clamp_min(0).sqrt(), directions * (-change).clamp_min(0).sqrt()
+
+
 def project(factor: torch.Tensor, diag: torch.Tensor, beta: float,
             curvature_factor: Optional[torch.Tensor] = None,
             negative_factor: Optional[torch.Tensor] = None,
             curvature: Optional[torch.Tensor] = None,
             prior_precision: Optional[torch.Tensor] = None,
-            level: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            level: float = 0.0, max_ratio: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """
     The new precision :math:`S' = U'U'^\\top + \\mathrm{diag}(d')` of the step (module
     docstring), of the rank of ``factor``, from :math:`\\hat H = G_+G_+^\\top - G_-G_-^\\top`
@@ -202,10 +238,15 @@ def project(factor: torch.Tensor, diag: torch.Tensor, beta: float,
     precision (the mean a control variate adds back, :func:`controlled_price_factors`): the
     current :math:`U` and :math:`d` then enter with weight :math:`1 - \\beta + \\beta c`.
 
+    With ``max_ratio`` (factors only) the change of :math:`(1-\\beta+\\beta c) S + \\beta \\hat H`
+    is first bounded by :func:`bounded_change`.
+
     :returns: ``(factor, diag, clamped)``: where a discarded negative direction left the
         matched diagonal below :math:`(1-\\beta)d + \\beta\\,\\mathrm{diag}(S_0)` (its part that
         is positive by construction), it is kept there and ``clamped`` says so.
     """
+    if max_ratio is not None and curvature is not None:
+        raise ValueError("max_ratio bounds a curvature given as factors, not a dense curvature")
     dtype = factor.dtype
     u, d = factor.to(_WORK), diag.to(_WORK)
     rank = u.shape[1]
@@ -219,12 +260,12 @@ def project(factor: torch.Tensor, diag: torch.Tensor, beta: float,
         values, vectors = values[keep], vectors[:, keep]
         diag_low_rank = low_rank.diagonal()
     else:
-        blocks, signs = [kept ** 0.5 * u], [torch.ones(rank, dtype=_WORK, device=u.device)]
-        for block, sign in ((curvature_factor, 1.0), (negative_factor, -1.0)):
-            if block is not None:
-                blocks.append(beta**0.5 * block.to(_WORK))
-                signs.append(torch.full((block.shape[1],), sign, dtype=_WORK, device=u.device))
-        columns, signs = torch.cat(blocks, 1), torch.cat(signs)
+        plus, minus = (torch.zeros_like(u[:, :0]) if block is None else beta**0.5 * block.to(_WORK)
+                       for block in (curvature_factor, negative_factor))
+        if max_ratio is not None:
+            kept, plus, minus = bounded_change(u, d, kept, plus, minus, max_ratio)
+        columns = torch.cat([kept ** 0.5 * u, plus, minus], 1)
+        signs = torch.cat([u.new_ones(rank + plus.shape[1]), -u.new_ones(minus.shape[1])])
         values, vectors = _top_eigen(columns, signs, rank)
         diag_low_rank = (columns.pow(2) * signs).sum(1)
     new_factor = vectors * values.clamp_min(0).sqrt()
@@ -245,7 +286,8 @@ def low_rank_step(mean: torch.Tensor, factor: torch.Tensor, diag: torch.Tensor, 
                   curvature: Optional[torch.Tensor] = None,
                   prior_precision: Optional[torch.Tensor] = None,
                   prior_loc: Optional[torch.Tensor] = None,
-                  damping: float = 0.0, level: float = 0.0) -> LowRankStep:
+                  damping: float = 0.0, level: float = 0.0, max_ratio: Optional[float] = None,
+                  max_step: Optional[float] = None) -> LowRankStep:
     """
     One natural-gradient step of :math:`q(u) = \\mathcal{N}(\\mu, (UU^\\top + \\mathrm{diag}(d))^{-1})`
     (module docstring): state in, state out, nothing written.
@@ -268,6 +310,10 @@ def low_rank_step(mean: torch.Tensor, factor: torch.Tensor, diag: torch.Tensor, 
     :param float damping: :math:`\\gamma \\ge 0`, added to the precision in the mean step only.
     :param float level: :math:`c \\ge 0`, the share of the current precision the curvature
         holds besides its factors (:func:`controlled_price_factors`; default 0).
+    :param max_ratio: the trust region of the precision, :func:`bounded_change` (default: none).
+    :param max_step: the trust region of the mean: the step :math:`\\delta` is shortened to
+        :math:`\\sqrt{\\delta^\\top S \\delta} \\le` ``max_step``, a ball in the current guide's
+        standard deviations (default: none).
     """
     if not 0 < beta <= 1:
         raise ValueError(f"beta must lie in (0, 1], got {beta!r}")
@@ -279,11 +325,14 @@ def low_rank_step(mean: torch.Tensor, factor: torch.Tensor, diag: torch.Tensor, 
     if not level >= 0:
         raise ValueError(f"level must be non-negative, got {level!r}")
     new_factor, new_diag, clamped = project(factor, diag, beta, curvature_factor, negative_factor, curvature,
-                                            prior_precision, level)
+                                            prior_precision, level, max_ratio)
     direction = grad.to(_WORK)
     if prior_precision is not None:
         centre = mean.to(_WORK) - (0.0 if prior_loc is None else prior_loc.to(_WORK))
         direction = direction + prior_precision.to(_WORK) * centre
-    step = solve(new_factor.to(_WORK), new_diag.to(_WORK) + damping, direction)
-    new_mean = (mean.to(_WORK) - lr * step).to(mean.dtype)
+    step = lr * solve(new_factor.to(_WORK), new_diag.to(_WORK) + damping, direction)
+    if max_step is not None:
+        length = (step @ precision_matvec(factor.to(_WORK), diag.to(_WORK), step)).sqrt()
+        step = step * (max_step / length).clamp(max=1.0)
+    new_mean = (mean.to(_WORK) - step).to(mean.dtype)
     return LowRankStep(new_mean, new_factor, new_diag, clamped)
