@@ -10,7 +10,7 @@ from torch import nn
 import pyro
 import pyro.distributions as dist
 from pyro.infer import SVI, Trace_ELBO
-from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
+from pyro.infer.autoguide import AutoDiagonalNormal, AutoMultivariateNormal, AutoNormal
 from pyro.nn import PyroModule, PyroSample
 
 from pyro_ngvi import BayesianNet, CurvatureELBO, NGVI
@@ -353,6 +353,40 @@ def test_exact_curvature_at_draws_is_averaged_to_the_exact_posterior():
         mean, sd = float(store["AutoNormal.locs.loc"].detach()), float(store["AutoNormal.scales.loc"].detach())
         errors.append((abs(mean - exact_mean) / exact_sd, abs(sd / exact_sd - 1)))
     assert max(e for e, _ in errors) < 1e-3 and max(e for _, e in errors) < 1e-3, errors
+
+
+@pytest.mark.parametrize("curvature,auto_class,batch,tolerance", [
+    ("ef", AutoNormal, 200, 0.2), ("hessian", AutoNormal, 200, 0.2), ("hessian", AutoMultivariateNormal, 100, 0.35)])
+def test_statistics_at_the_mean_of_a_minibatch_are_averaged_to_the_exact_posterior(curvature, auto_class, batch,
+                                                                                    tolerance):
+    """At the mean (deterministic=True) the statistics of a global latent under
+    ``pyro.plate("data", N, subsample_size=B)`` are still minibatch estimates of sums over N
+    examples, whose Newton step scatters by about sqrt(N/B - 1) posterior standard deviations:
+    taken as exact (constant steps), the means of this regression stayed 0.7-1.5 of them off
+    (AutoNormal, N/B = 2; AutoMultivariateNormal, N/B = 4: 0.7), and 2-5 at N/B = 20, for good,
+    without a warning. Taken as sampled statistics (the adaptive steps) they settle: within
+    0.04-0.06 (AutoNormal) and 0.09 (AutoMultivariateNormal, whose averaging memory is bounded)."""
+    n, noise = 400, 0.5
+    torch.manual_seed(3)
+    x = torch.randn(n, 3)
+    y = x @ torch.tensor([1.0, -2.0, 0.5]) + noise * torch.randn(n)
+
+    def model(x, y):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+        with pyro.plate("data", n, subsample_size=batch) as idx:
+            pyro.sample("obs", dist.Normal((x[idx] * w).sum(-1), noise), obs=y[idx])
+
+    precision = torch.eye(3) + x.T @ x / noise**2
+    exact = torch.linalg.solve(precision, x.T @ y / noise**2)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = auto_class(model)
+    svi = SVI(model, guide, NGVI(), CurvatureELBO(curvature, deterministic=True))
+    for _ in range(200):
+        svi.step(x, y)
+    loc = guide.loc if auto_class is AutoMultivariateNormal else guide.locs.w
+    sd = precision.inverse().diag().sqrt() if auto_class is AutoMultivariateNormal else precision.diag().rsqrt()
+    assert ((loc.detach() - exact) / sd).abs().max() < tolerance
 
 
 def test_a_loss_that_is_not_the_elbo_is_refused_before_the_guide_moves():

@@ -26,7 +26,7 @@ import pyro.poutine as poutine
 from ..curvature.traced import Dense, scalar_scale, traced_curvature
 from ..family import SiteCurvature, _full_covariance_site, _is_automultivariatenormal, attach_curvature
 from ..priors import conjugate_gaussian
-from .sites import gradients, negative_log_joint, other_params, replayed, run_once, split_terms
+from .sites import gradients, minibatch_sites, negative_log_joint, other_params, replayed, run_once, split_terms
 
 
 def full_covariance_loss_and_grads(elbo, model, guide, args, kwargs) -> float:
@@ -40,22 +40,25 @@ def full_covariance_loss_and_grads(elbo, model, guide, args, kwargs) -> float:
     site = _full_covariance_site(guide, pyro.get_param_store())
     grad = curvature = None
     prior = (None, None)
-    loss = 0.0
+    loss, minibatch = 0.0, False
     for _ in range(elbo.num_particles):
-        particle_loss, particle_grad, particle_curvature, prior = _particle(elbo, model, guide, args, kwargs)
+        particle_loss, particle_grad, particle_curvature, prior, estimated = _particle(elbo, model, guide, args, kwargs)
+        minibatch = minibatch or estimated
         loss += particle_loss / elbo.num_particles
         grad = particle_grad if grad is None else grad + particle_grad
         curvature = particle_curvature if curvature is None else curvature + particle_curvature
     attach_curvature(site.loc, SiteCurvature(
         grad / elbo.num_particles, curvature / elbo.num_particles, *prior,
-        sampled=not elbo.deterministic, whitened=elbo.curvature == "reparam",
+        # noisy at draws, and at the mean too where a plate is subsampled (a minibatch estimate)
+        sampled=not elbo.deterministic or minibatch, whitened=elbo.curvature == "reparam",
     ))
     return loss
 
 
 def _particle(elbo, model, guide, args, kwargs):
-    """One draw: ``(loss, g, h, (m0, S0) or (None, None))``; other params' gradients,
-    divided by the number of particles, added to their ``.grad``."""
+    """One draw: ``(loss, g, h, (m0, S0) or (None, None), minibatch)``, ``minibatch`` whether terms of a
+    subsampled plate reach ``z`` (:func:`~.sites.minibatch_sites`); other params' gradients, divided by
+    the number of particles, added to their ``.grad``."""
     guide_trace = poutine.trace(guide).get_trace(*args, **kwargs)
     latent = guide_trace.nodes[f"_{guide._pyro_name}_latent"]
     posterior = latent["fn"]
@@ -109,7 +112,7 @@ def _particle(elbo, model, guide, args, kwargs):
             for name, (_, u, transform, _) in blocks.items():
                 value = guide_trace.nodes[name]["value"]
                 loss -= float(transform.log_abs_det_jacobian(u, value).sum())
-    return loss, grad.detach(), curvature, prior
+    return loss, grad.detach(), curvature, prior, bool(minibatch_sites(model_trace, blocks))
 
 
 def _gaussian_cross_entropy(loc, factor, prior_loc, prior_precision, blocks) -> torch.Tensor:

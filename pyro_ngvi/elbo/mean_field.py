@@ -33,11 +33,12 @@ def mean_field_loss_and_grads(elbo, model, guide, args, kwargs) -> float:
     point_grads: Dict[int, List] = {}  # id -> [param, grad]: written once all particles ran
     loss = 0.0
     draws = 2 * elbo.num_particles if elbo.antithetic else elbo.num_particles
-    guide_trace = None
+    guide_trace, minibatch = None, set()
     for i in range(draws):
         mirror = guide_trace if elbo.antithetic and i % 2 else None  # eps, then -eps
-        particle_loss, stats, particle_priors, guide_trace = without_shared_priors(
+        particle_loss, stats, particle_priors, guide_trace, estimated = without_shared_priors(
             elbo, particle, model, guide, args, kwargs, point_grads, mirror)
+        minibatch |= estimated
         loss += particle_loss / draws
         priors.update(particle_priors)
         for name, values in stats.items():
@@ -49,9 +50,10 @@ def mean_field_loss_and_grads(elbo, model, guide, args, kwargs) -> float:
     for p, grad in point_grads.values():
         p.grad = grad if p.grad is None else p.grad + grad
     store = pyro.get_param_store()
-    # statistics at draws are noisy whatever their source (the adaptive steps average them), and
-    # the draws give the gradient's control variate; the curvature's only for the Price estimate
-    sampled, price = not elbo.deterministic, elbo.curvature == "reparam"
+    # statistics at draws are noisy whatever their source, and so are a minibatch's sums, at the mean
+    # too (the adaptive steps average both); the draws give the gradient's control variate, the
+    # curvature's only for the Price estimate
+    drawn, price = not elbo.deterministic, elbo.curvature == "reparam"
     hints = statistics_hints(model)
     for name, (grad, curvature, count, eps, eps_sq, *objective) in totals.items():
         touched = count > 0
@@ -66,12 +68,12 @@ def mean_field_loss_and_grads(elbo, model, guide, args, kwargs) -> float:
                 prior_loc,
                 prior_precision,
                 None if bool(touched.all()) else touched,
-                sampled=sampled,
+                sampled=drawn or name in minibatch,
                 prior_loc_param=learned.get("loc"),
                 prior_scale_param=learned.get("scale"),
                 prior_weight=learned.get("weight", 1.0),
                 # the draws, for NGVI's control variate (untouched rows: eps 0, eps^2 1)
-                eps_mean=eps / denominator if sampled else None,
+                eps_mean=eps / denominator if drawn else None,
                 eps_sq_mean=torch.where(touched, eps_sq / denominator, 1.0) if price else None,
                 # deterministic (one draw, at the mean): the merit of NGVI's Newton safeguard
                 objective=objective[0] if objective else None,

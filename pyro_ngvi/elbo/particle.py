@@ -25,8 +25,8 @@ import pyro.poutine as poutine
 from ..curvature import PER_EXAMPLE
 from ..curvature.traced import Diagonal, scalar_scale, traced_curvature
 from .learned_priors import check_not_shared, conjugate_prior, prior_param_candidates
-from .sites import (frozen_observed, gradients, negative_log_joint, other_params, replayed, scatter_rows,
-                    split_terms, subsampled, torch_rng_state)
+from .sites import (frozen_observed, gradients, minibatch_sites, negative_log_joint, other_params, replayed,
+                    scatter_rows, split_terms, subsampled, torch_rng_state)
 
 
 class Particle(NamedTuple):
@@ -38,6 +38,8 @@ class Particle(NamedTuple):
     #: site -> (m0, lam0, learned prior params or None), for sites with a conjugate prior
     priors: Dict[str, tuple]
     guide_trace: object
+    #: the sites whose statistics are minibatch estimates (:func:`~.sites.minibatch_sites`)
+    minibatch: frozenset = frozenset()
 
 
 def particle(elbo, model, guide, args, kwargs, point_grads, mirror=None) -> Particle:
@@ -113,7 +115,7 @@ def particle(elbo, model, guide, args, kwargs, point_grads, mirror=None) -> Part
     if elbo.deterministic and not subsampled(model_trace):
         for values in stats.values():
             values.append(objective)
-    return Particle(loss, stats, priors, guide_trace)
+    return Particle(loss, stats, priors, guide_trace, frozenset(minibatch_sites(model_trace, names)))
 
 
 def _draw(guide, guide_trace, deterministic, mirror):

@@ -119,6 +119,17 @@ def subsampled(model_trace) -> bool:
                for frame in site["cond_indep_stack"])
 
 
+def minibatch_sites(model_trace, names) -> set:
+    """The latent sites of ``names`` outside some subsampled plate of the model: terms summed
+    over a minibatch of that plate's rows reach them, so their statistics are estimates of a sum,
+    noisy at the mean too (a site inside every subsampled plate, a local latent, gets the exact
+    terms of its own rows)."""
+    frames = {frame.name for site in model_trace.nodes.values() if site["type"] == "sample"
+              for frame in site["cond_indep_stack"] if frame.full_size is not None and frame.full_size != frame.size}
+    return {name for name in names
+            if frames - {frame.name for frame in model_trace.nodes[name]["cond_indep_stack"]}}
+
+
 def replayed(model, guide_trace, guided, args, kwargs):
     """The model's trace at the guide trace's values, log-probabilities computed
     (refused when a latent site is not in ``guided``: :func:`check_unguided`)."""
