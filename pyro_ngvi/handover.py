@@ -58,8 +58,10 @@ class SiteCurvature:
         or ``None`` when the prior is already inside ``grad``/``curvature``.
     :param prior_precision: precision :math:`\\lambda_0` of that prior, or ``None``.
     :param mask: boolean tensor of the rows this step touched (``None``: all).
-    :param bool sampled: ``curvature`` is a Price (reparameterisation) estimate
-        :math:`g\\epsilon/\\sigma`, whose noise grows with :math:`|g|`.
+    :param bool sampled: ``grad`` and ``curvature`` are noisy estimates: taken at a draw
+        (any source; the Price estimate :math:`g\\epsilon/\\sigma`, whose noise grows with
+        :math:`|g|`), or at the mean from a minibatch of a subsampled plate; the optimizer
+        averages them (the adaptive steps) and bounds the mean step (the trust region).
     :param bool nonnegative: ``curvature`` is :math:`\\ge 0` by construction
         (Gauss-Newton, Fisher): with a conjugate prior the precision target is
         then positive and the optimizer skips its positivity correction.
