@@ -250,6 +250,21 @@ def calling_svi(attribute: str, value) -> Optional[object]:
     return None
 
 
+def step_loss(svi) -> Optional[float]:
+    """The loss ``SVI.step`` of ``svi`` computed before it called the optimizer (its local
+    ``loss``, a Pyro ELBO's estimate of the negative ELBO), found on the call stack as
+    :func:`calling_svi` finds ``svi``; ``None`` when there is none (another caller)."""
+    frame = sys._getframe(1)
+    for _ in range(_STACK_DEPTH + 2):
+        if frame is None:
+            return None
+        if frame.f_locals.get("self") is svi:
+            loss = frame.f_locals.get("loss")
+            return loss if isinstance(loss, (float, int)) or (torch.is_tensor(loss) and loss.numel() == 1) else None
+        frame = frame.f_back
+    return None
+
+
 class StepCall(NamedTuple):
     """What the ``SVI.step`` running a call was given: its model and the step's arguments."""
 

@@ -15,7 +15,10 @@ wrong says so instead of ending in a guide that predicts nothing (issue 19):
   the next :data:`ELBO_RISES` times in a row, by more than
   :data:`ELBO_SIGNIFICANCE` standard errors in all (the minibatch and sampling
   noise of a window's mean is estimated from its own steps) and by more than
-  :math:`10^{-6}` of its value (round-off of a deterministic run);
+  :math:`10^{-6}` of its value (round-off of a deterministic run), or a window mean
+  above the best window's by more than :data:`ELBO_BLOWUP` times its standard deviation
+  plus its size (a run that blew up: one window suffices). Pyro's own losses feed it the
+  loss ``SVI.step`` computed (:func:`~pyro_ngvi.family.step_loss`);
 * **a guide that can only produce non-finite predictions**: every step skipped
   for non-finite statistics, :data:`SKIPS_IN_A_ROW` times in a row; nothing can
   change the guide any more, so NGVI raises.
@@ -41,6 +44,9 @@ ELBO_WINDOW = 100
 ELBO_RISES = 3
 #: Total rise over those windows, in standard errors of the difference, needed to report.
 ELBO_SIGNIFICANCE = 4.0
+#: A window mean above the best window's mean :math:`m` by more than this times
+#: :math:`s + |m|` (:math:`s` the standard deviation of its steps' losses) is reported at once.
+ELBO_BLOWUP = 1.0
 #: Skipped steps in a row after which NGVI raises.
 SKIPS_IN_A_ROW = 50
 
@@ -108,6 +114,7 @@ class ElboWatch:
     def __init__(self):
         self.losses: List = []  # this window's, as handed over (reduced at the window's end)
         self.windows: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (mean, squared standard error)
+        self.best: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # (mean, standard deviation) of the best
         self.warned = False
 
     @property
@@ -119,6 +126,7 @@ class ElboWatch:
         """Forget the windows (the objective changed: a temperature other than 1)."""
         self.losses = []
         self.windows = []
+        self.best = None
 
     def add(self, loss) -> Optional[torch.Tensor]:
         """
@@ -137,13 +145,19 @@ class ElboWatch:
         mean = window.mean()
         variance = (window.square().mean() - mean.square()).clamp(min=0.0)
         self.windows = (self.windows + [(mean, variance / len(window))])[-(ELBO_RISES + 1):]
-        if len(self.windows) <= ELBO_RISES:
+        if self.best is None:
+            self.best = (mean, variance.sqrt())
             return None
+        best, spread = self.best
+        blown = mean - best > ELBO_BLOWUP * (spread + best.abs())
+        self.best = tuple(torch.where(mean < best, new, old) for new, old in zip((mean, variance.sqrt()), self.best))
+        if len(self.windows) <= ELBO_RISES:
+            return blown
         means = torch.stack([m for m, _ in self.windows])
         rising = torch.all(means[1:] > means[:-1])
         (first, first_se2), (last, last_se2) = self.windows[0], self.windows[-1]
         noise = torch.maximum(ELBO_SIGNIFICANCE * (first_se2 + last_se2).sqrt(), 1e-6 * first.abs())
-        return rising & (last - first > noise)
+        return (rising & (last - first > noise)) | blown
 
     def message(self, step: int) -> Optional[str]:
         if self.warned:
@@ -151,9 +165,11 @@ class ElboWatch:
         self.warned = True
         means = ", ".join(f"{float(m):.6g}" for m, _ in self.windows)
         return (
-            f"NGVI: the training ELBO has kept getting worse up to step {step}: the negative ELBO, "
-            f"averaged over windows of {ELBO_WINDOW} steps, rose {ELBO_RISES} times in a row "
-            f"({means}), beyond its minibatch and sampling noise. The steps overshoot: lower lr "
+            f"NGVI: the training ELBO has got worse up to step {step}: the negative ELBO, averaged "
+            f"over windows of {ELBO_WINDOW} steps ({means}; the best {float(self.best[0]):.6g}), rose "
+            f"{ELBO_RISES} times in a row beyond its minibatch and sampling noise, or far above its "
+            "best (if the data or the model changed between steps, start a new NGVI). The steps "
+            "overshoot: lower lr "
             "(or beta, or raise damping); for a BayesianNet, NGVI()'s defaults and bnn.guide() are "
             "the documented recipe. (Watched only at temperature 1, where the loss is the ELBO NGVI "
             "maximises.)"

@@ -26,7 +26,7 @@ from .checkpoint import safe_load
 from .checks import DeferredChecks, check_step_arguments, read_checks, sync_every
 from .distributed import all_reduce_stats, is_distributed, without_draws
 from .family import (FullCovarianceSite, GaussianSite, SiteCurvature, calling_step, calling_svi, end_handover,
-                     gaussian_sites, split_params)
+                     gaussian_sites, split_params, step_loss)
 from .groups import Group, Workspace, group_sites, statistics_kind
 from .guide_trace import subsampling
 from .kronecker import KroneckerSite
@@ -280,7 +280,8 @@ class NGVI(PyroOptim):
         if learned:
             update_learned_priors([(site.mean, new_scales[site.key] if site.key in new_scales else site.scale,
                                     stats[site.key]) for site in mean_field if stats[site.key].prior_params()])
-        self._watch_elbo(plan, stats, tau)
+        if self.watch_elbo:
+            watch_elbo(plan, stats, tau, svi)
         self.num_steps += 1
         advance(states)
         if ok is not None and len(plan.deferred) >= every:
@@ -326,19 +327,6 @@ class NGVI(PyroOptim):
         if self._point_decay and param in self._guide_parts:
             optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: decay_guide_part_lr(optimizer))
         return optimizer
-
-    def _watch_elbo(self, plan, stats, tau: float) -> None:
-        """Feed the ELBO watch (:mod:`pyro_ngvi.monitor`) the loss this step's ELBO handed over;
-        at another temperature than 1 that loss is not the objective: start again."""
-        loss = next((s.loss for s in stats.values() if getattr(s, "loss", None) is not None), None)
-        if loss is None or not self.watch_elbo:
-            return
-        if tau != 1:
-            plan.elbo_watch.reset()
-            return
-        flag = plan.elbo_watch.add(loss)
-        if flag is not None:  # (kept until the host reads it: not every step does)
-            plan.elbo_flag = flag
 
     # ---------------------------------------------------------------- sites and state
     def _plan(self, params, svi=None) -> "_Plan":
@@ -445,6 +433,22 @@ class NGVI(PyroOptim):
             or is not an NGVI state.
         """
         self.set_state(safe_load(filename, map_location, what="NGVI state"))
+
+
+def watch_elbo(plan, stats, tau: float, svi) -> None:
+    """Feed the ELBO watch (:mod:`pyro_ngvi.monitor`) the loss this step's ELBO handed over (a
+    Pyro loss: the one ``SVI.step`` computed, :func:`~pyro_ngvi.family.step_loss`); at another
+    temperature than 1 that loss is not the objective: start again."""
+    loss = next((s.loss for s in stats.values() if getattr(s, "loss", None) is not None), None)
+    loss = step_loss(svi) if loss is None and svi is not None else loss
+    if loss is None:
+        return
+    if tau != 1:
+        plan.elbo_watch.reset()
+        return
+    flag = plan.elbo_watch.add(loss)
+    if flag is not None:  # (kept until the host reads it: not every step does)
+        plan.elbo_flag = flag
 
 
 class _Plan:
