@@ -21,6 +21,7 @@ from test_nn import output_hessian
 from pyro_ngvi.curvature.backpack import (
     CURVATURE_EXTENSIONS,
     LOSS_MODULES,
+    _extension,
     network_curvature,
 )
 
@@ -286,6 +287,47 @@ def test_empirical_fisher_by_backprop_equals_sum_grad_squared(likelihood):
         loss_module(net(x), y).backward()
     for p, h in zip(net.parameters(), expected.curvatures):
         assert torch.allclose(p.empirical_fisher_diag, h, rtol=1e-10, atol=1e-13)
+
+
+def embedding_problem(dtype, **options):
+    """Embedding(6, 3) -> Flatten -> Linear -> Tanh -> Linear(4, 3) on index triples, example 0
+    looking row 2 up twice (its gradient rows add before squaring)."""
+    torch.manual_seed(2)
+    plain = BackpackOnly(nn.Embedding(6, 3, **options), nn.Flatten(), nn.Linear(9, 4), nn.Tanh(),
+                         nn.Linear(4, 3)).to(dtype)
+    x = torch.randint(0, 6, (B, 3))
+    x[0] = torch.tensor([2, 5, 2])
+    return plain, extended_copy(plain), extend(nn.CrossEntropyLoss(reduction="sum")), x, torch.randint(0, 3, (B,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_embedding_curvature_is_that_of_its_per_example_row_gradients(dtype):
+    """ef = sum_n (grad_W l_n)^2 and ggn = diag sum_n J_n^T H_n J_n for the table too, in the net's
+    dtype (BackPACK's own rule built a float32 indicator: a float64 net raised)."""
+    plain, net, loss_module, x, y = embedding_problem(dtype)
+    grad, ef = reference_ef_and_grad(plain, loss_module, x, y)
+    ggn, _, _ = reference_ggn(plain, "categorical", x)
+    tolerance = dict(rtol=1e-10, atol=1e-13) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-6)
+    for source, reference in (("ef", ef), ("ggn", ggn)):
+        result = network_curvature(net, loss_module, x, y, source)
+        assert result.curvatures[0].dtype == dtype and result.curvatures[0].shape == (6, 3)
+        looked_up = torch.zeros(6, dtype=torch.bool)
+        looked_up[x.unique()] = True
+        assert (result.curvatures[0][looked_up] > 0).all() and (result.curvatures[0][~looked_up] == 0).all()
+        for g, h, g_ref, h_ref in zip(result.grads, result.curvatures, grad, reference):
+            assert torch.allclose(g, g_ref, **tolerance)
+            assert torch.allclose(h, h_ref, **tolerance)
+    with warnings.catch_warnings(), backpack(_extension("ef", 1, batch_statistics=True)):
+        warnings.filterwarnings("ignore", "Full backward hook is firing", UserWarning)
+        loss_module(net(x), y).backward()  # the ef of nets with BatchNorm on batch statistics
+    for p, h_ref in zip(net.parameters(), ef):
+        assert torch.allclose(p.empirical_fisher_diag, h_ref, **tolerance)
+
+
+def test_embedding_options_other_than_a_plain_look_up_are_refused():
+    _, net, loss_module, x, y = embedding_problem(torch.float64, padding_idx=0)
+    with pytest.raises(NotImplementedError, match="Embedding.*padding_idx"):
+        network_curvature(net, loss_module, x, y, "ef")
 
 
 def test_unknown_source_lists_supported_ones():

@@ -19,7 +19,7 @@ ggn_mc      any likelihood with ``.sample()``;   ``DiagGGNMC`` (``KFAC``: Kronec
 (:data:`.traced.ESTIMATORS`: diagonals by :mod:`.autograd`, dense matrices by
 :mod:`.dense`); :mod:`.backpack` serves plain networks
 (:data:`.backpack.CURVATURE_EXTENSIONS`), with :mod:`.batch_norm` for networks that
-normalise with minibatch statistics and :mod:`.mlp` computing plain MLPs' gradients and
+normalise with minibatch statistics, :mod:`.embedding` for ``nn.Embedding`` tables and :mod:`.mlp` computing plain MLPs' gradients and
 every one of these curvatures in closed form.
 """
 

@@ -78,6 +78,7 @@ from backpack.extensions.saved_quantities import SavedQuantities
 
 from . import mlp
 from .batch_norm import EmpiricalFisherBackprop, frozen_ggn, frozen_ggn_mc, has_batch_statistics
+from .embedding import sparse_embedding_rule
 
 _FIRST_LAYER_HOOK_WARNING = "Full backward hook is firing when gradients are computed"
 
@@ -299,7 +300,7 @@ def _extension(source: str, mc_samples: int, batch_statistics: bool = False) -> 
         return None
     key = (source, make_extension, mc_samples)
     if key not in _EXTENSION_CACHE:
-        _EXTENSION_CACHE[key] = make_extension(mc_samples)
+        _EXTENSION_CACHE[key] = sparse_embedding_rule(make_extension(mc_samples))
     extension = _EXTENSION_CACHE[key]
     # Quantities left over by a pass that raised (keyed by data_ptr) must not be
     # accumulated into this one.
