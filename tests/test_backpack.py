@@ -15,6 +15,11 @@ from torch.func import functional_call, jacrev
 
 from backpack import backpack, extend
 
+import pyro
+from pyro.infer import SVI
+
+from pyro_ngvi import NGVI, BayesianNet, CurvatureELBO
+
 from pyro_ngvi.curvature.batch_norm import EmpiricalFisherBackprop
 
 from test_nn import output_hessian
@@ -365,3 +370,30 @@ def test_network_not_extended_is_an_error(source):
     x, y = torch.randn(B, D_IN, dtype=torch.float64), torch.randint(0, 3, (B,))
     with pytest.raises(RuntimeError, match="backpack.extend"):
         network_curvature(net, nn.CrossEntropyLoss(reduction="sum"), x, y, source)
+
+
+def test_an_activation_written_as_a_function_is_refused_by_the_ggn_with_what_to_write():
+    """BackPACK backpropagates the GGN through modules: ``torch.tanh`` in ``forward`` (a custom
+    class, converted by torch.fx) leaves the layers below without a quantity, and BackPACK's bare
+    AssertionError came out of svi.step. Now a clear error says what to write instead, the guide is
+    untouched, and ``ef`` (first-order quantities only) trains the same net."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.hidden, self.out = nn.Linear(3, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.out(torch.tanh(self.hidden(x)))
+
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 3), torch.randint(0, 2, (16,))
+    pyro.clear_param_store()
+    bnn = BayesianNet(Net(), "categorical", num_data=16)
+    guide = bnn.guide()
+    svi = SVI(bnn, guide, NGVI(), CurvatureELBO("ef"))
+    svi.step(x, y)
+    before = {name: value.detach().clone() for name, value in pyro.get_param_store().items()}
+    with pytest.raises(NotImplementedError, match=r"nn\.Tanh.*CurvatureELBO\('ef'\)"):
+        SVI(bnn, guide, NGVI(), CurvatureELBO("ggn")).step(x, y)
+    assert all(torch.equal(value.detach(), before[name]) for name, value in pyro.get_param_store().items())
+    assert svi.step(x, y) > 0  # (ef goes on)

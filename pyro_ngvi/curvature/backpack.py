@@ -255,6 +255,16 @@ def network_curvature(
                         f"the {source!r} curvature needs BackPACK's {type(extension).__name__} for every "
                         f"module of this network and its loss, and BackPACK has none here ({error}); {instead}."
                     ) from error
+                except AssertionError as error:  # (a second-order quantity lost on its way back)
+                    if "expects a backpropagation quantity" not in str(error):
+                        raise
+                    raise NotImplementedError(
+                        f"the {source!r} curvature is backpropagated by BackPACK through the network's "
+                        "modules, and an operation between them is not a module it knows, so nothing "
+                        f"reached a layer ({str(error).split('. Extension')[0]}): write activations and "
+                        "reshapes as modules (nn.Tanh, nn.Flatten, not torch.tanh in forward), or use "
+                        "CurvatureELBO('ef') or CurvatureELBO('reparam'), which need only the gradients."
+                    ) from error
                 except (RuntimeError, ValueError):  # (torch's sampler, or a distribution's validation)
                     if source not in _EXACT_COUNTERPART or torch.isfinite(loss.detach()).all():
                         raise
