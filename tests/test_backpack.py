@@ -372,19 +372,50 @@ def test_network_not_extended_is_an_error(source):
         network_curvature(net, nn.CrossEntropyLoss(reduction="sum"), x, y, source)
 
 
-def test_an_activation_written_as_a_function_is_refused_by_the_ggn_with_what_to_write():
-    """BackPACK backpropagates the GGN through modules: ``torch.tanh`` in ``forward`` (a custom
-    class, converted by torch.fx) leaves the layers below without a quantity, and BackPACK's bare
-    AssertionError came out of svi.step. Now a clear error says what to write instead, the guide is
-    untouched, and ``ef`` (first-order quantities only) trains the same net."""
+@pytest.mark.parametrize("activation, module", [(torch.tanh, nn.Tanh()), (torch.relu, nn.ReLU()),
+                                                (lambda h: h.sigmoid(), nn.Sigmoid()),
+                                                (lambda h: nn.functional.leaky_relu(h, 0.2), nn.LeakyReLU(0.2))],
+                         ids=["tanh", "relu", "sigmoid-method", "leaky-relu"])
+def test_an_activation_written_as_a_function_gets_the_ggn_of_its_module(activation, module):
+    """BackPACK passes no second-order quantity through a function: a custom class whose forward
+    calls ``torch.tanh`` (``F.relu``, ``h.sigmoid()``) raised its bare AssertionError out of
+    svi.step. The traced twin calls the activation's module instead: the GGN (and gradient) are
+    those of the same net written as an nn.Sequential, to round-off."""
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
             self.hidden, self.out = nn.Linear(3, 4), nn.Linear(4, 2)
 
         def forward(self, x):
-            return self.out(torch.tanh(self.hidden(x)))
+            return self.out(activation(self.hidden(x)))
 
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 3, dtype=torch.float64), torch.randint(0, 2, (16,))
+    custom = Net().double()
+    sequential = nn.Sequential(copy.deepcopy(custom.hidden), module, copy.deepcopy(custom.out))
+    steps = []
+    for net in (custom, sequential):  # one Newton step (beta = 1: the precision is prior + GGN)
+        bnn = BayesianNet(net, "categorical", num_data=16, noise_limit=None)
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        svi = SVI(bnn, bnn.guide(), NGVI(lr=1.0, beta=1.0), CurvatureELBO("ggn", deterministic=True))
+        svi.step(x, y)
+        steps.append([v.detach() for _, v in sorted(pyro.get_param_store().items())])
+    for a, b in zip(*steps):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert steps[0][0].ne(steps[1][0].new_zeros(())).all()
+
+
+def test_an_operation_backpack_cannot_pass_is_refused_by_the_ggn_with_what_to_write():
+    """``torch.sin`` in forward (no module of BackPACK's): a clear error says what to write, the
+    guide is untouched, and ``ef`` (first-order quantities only) trains the same net."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.hidden, self.out = nn.Linear(3, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.out(torch.sin(self.hidden(x)))
     torch.manual_seed(0)
     x, y = torch.randn(16, 3), torch.randint(0, 2, (16,))
     pyro.clear_param_store()

@@ -105,9 +105,51 @@ def _extended(twin: nn.Module) -> nn.Module:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return extend(twin, use_converter=True)
+            return extend(activations_as_modules(torch.fx.symbolic_trace(twin)), use_converter=True)
     except Exception:  # (a forward torch.fx cannot trace)
         return extend(twin)
+
+
+#: Activations called as functions or tensor methods, and the module BackPACK knows for each
+#: (with the keyword of its one setting, read from the call).
+_ACTIVATIONS = {
+    torch.tanh: (nn.Tanh, None), nn.functional.tanh: (nn.Tanh, None), "tanh": (nn.Tanh, None),
+    torch.relu: (nn.ReLU, None), nn.functional.relu: (nn.ReLU, None), "relu": (nn.ReLU, None),
+    torch.sigmoid: (nn.Sigmoid, None), nn.functional.sigmoid: (nn.Sigmoid, None), "sigmoid": (nn.Sigmoid, None),
+    nn.functional.elu: (nn.ELU, "alpha"), nn.functional.selu: (nn.SELU, None),
+    nn.functional.leaky_relu: (nn.LeakyReLU, "negative_slope"), nn.functional.logsigmoid: (nn.LogSigmoid, None),
+}
+
+
+def activations_as_modules(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The traced ``graph`` with each activation called as a function (``torch.tanh(h)``,
+    ``F.relu(h)``, ``h.sigmoid()``; :data:`_ACTIVATIONS`) replaced by a call of the same
+    activation's module (``nn.Tanh()``, ...): the same function, and one BackPACK can
+    backpropagate a second-order quantity through (it passes none through a function).
+    A call with settings other than the module's one is left as it is."""
+    for node in list(graph.graph.nodes):
+        key = node.target if node.op in ("call_function", "call_method") else None
+        try:
+            found = _ACTIVATIONS.get(key)
+        except TypeError:  # (an unhashable target)
+            found = None
+        if found is None or not node.args:
+            continue
+        module, setting = found
+        extra = dict(node.kwargs)
+        extra.pop("inplace", None)
+        values = list(node.args[1:2]) + ([extra.pop(setting)] if setting in extra else [])
+        if extra or len(node.args) > 2 or (values and setting is None):
+            continue
+        taken = {name for name, _ in graph.named_modules()}
+        name = next(f"activation_{i}" for i in range(len(taken) + 1) if f"activation_{i}" not in taken)
+        graph.add_submodule(name, module(*values))
+        with graph.graph.inserting_after(node):
+            replacement = graph.graph.call_module(name, (node.args[0],))
+        node.replace_all_uses_with(replacement)
+        graph.graph.erase_node(node)
+    graph.recompile()
+    return graph
 
 
 def accumulate_grad(tensor: torch.Tensor, grad: torch.Tensor) -> None:
