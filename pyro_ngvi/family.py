@@ -258,7 +258,8 @@ def step_loss(svi) -> Optional[float]:
     for _ in range(_STACK_DEPTH + 2):
         if frame is None:
             return None
-        if frame.f_locals.get("self") is svi:
+        code = frame.f_code  # (a frame's locals are read only where a local "loss" may be: cheap)
+        if "loss" in code.co_varnames and "self" in code.co_varnames and frame.f_locals.get("self") is svi:
             loss = frame.f_locals.get("loss")
             return loss if isinstance(loss, (float, int)) or (torch.is_tensor(loss) and loss.numel() == 1) else None
         frame = frame.f_back
