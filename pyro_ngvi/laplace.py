@@ -353,7 +353,7 @@ def laplace(
 def negative_log_joint(model: Callable, guide: AutoNormal, *args, **kwargs) -> float:
     """
     :math:`F(\\mu) = -\\log p(\\mathcal{D}, T(\\mu)) - \\log|\\det J_T(\\mu)|` at the
-    guide's mean :math:`\\mu` (plate scales applied, as in an ELBO).
+    guide's mean :math:`\\mu` (each site's scale and mask applied to its log p, as in an ELBO).
     """
     values, jacobians = {}, {}
     with torch.no_grad():
@@ -369,9 +369,8 @@ def negative_log_joint(model: Callable, guide: AutoNormal, *args, **kwargs) -> f
             if site["type"] != "sample":
                 continue
             total += float(site["log_prob_sum"])
-            if name in jacobians:
-                scale = site["scale"]
-                total += float(scale * jacobians[name])
+            if name in jacobians:  # the change of variables, not scaled with the site's log p
+                total += float(jacobians[name])
     return -total
 
 

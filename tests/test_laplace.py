@@ -11,6 +11,7 @@ from torch.func import functional_call
 
 import pyro
 import pyro.distributions as dist
+import pyro.poutine as poutine
 from pyro.infer import SVI, Predictive
 from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal, init_to_value
 
@@ -98,6 +99,58 @@ def test_linear_gaussian_laplace_is_the_exact_posterior_and_evidence(kind, curva
     loc, scale = res.guide._get_loc_and_scale(site)  # the guide holds the result
     assert torch.allclose(loc.flatten(), mean, rtol=1e-9, atol=1e-12)
     assert torch.allclose(scale.flatten(), std, rtol=1e-9)
+
+
+# Models of one latent u, Gaussian in u, with some term hidden or reweighted; log p(y, u) on a grid.
+Y5 = (-0.2, -1.9, -0.6, -1.4, 0.3)
+
+
+def hidden_or_scaled(kind):
+    """``(model, log joint at u)``: "masked prior": N(0, 0.5^2) under poutine.mask(False) (flat);
+    "scaled prior": LogNormal(0, 0.5) under poutine.scale(0.1), u = log z (log|det J| = u, not
+    scaled); "masked data": y_i ~ N(u, 1), the last two under poutine.mask(False)."""
+    y, keep = torch.tensor(Y5), torch.tensor([True, True, True, False, False])
+
+    def model(y):
+        if kind == "scaled prior":
+            with poutine.scale(scale=0.1):
+                z = pyro.sample("z", dist.LogNormal(0.0, 0.5))
+            u = z.log()
+        else:
+            with poutine.mask(mask=kind != "masked prior"):
+                u = pyro.sample("z", dist.Normal(0.0, 0.5))
+        with pyro.plate("data", len(y)), poutine.mask(mask=keep if kind == "masked data" else True):
+            pyro.sample("obs", dist.Normal(u, 1.0), obs=y)
+
+    def log_joint(u):
+        log_lik = dist.Normal(u[:, None], 1.0).log_prob(y)
+        if kind == "masked data":
+            return dist.Normal(0.0, 0.5).log_prob(u) + (log_lik * keep).sum(-1)
+        prior = 0.1 * (dist.Normal(0.0, 0.5).log_prob(u) - u) + u if kind == "scaled prior" else 0.0
+        return prior + log_lik.sum(-1)
+
+    return model, log_joint
+
+
+@pytest.mark.parametrize("kind", ["masked prior", "scaled prior", "masked data"])
+@pytest.mark.parametrize("curvature", ["hessian", "ggn"])
+@pytest.mark.parametrize("covariance", ["diagonal", "full"])
+def test_laplace_of_a_masked_or_scaled_term_is_that_of_the_joint_pyro_scores(kind, curvature, covariance):
+    """The joint each site's scale and mask weigh, as in Pyro's ELBO, integrated on a grid (exact:
+    Gaussian in u). A masked prior was used (sd 0.35 for 0.5), a scaled one divided by its scale
+    (precision 54.0 for 5.4, evidence -11.84 for -10.69), "ggn" counted masked examples."""
+    model, log_joint = hidden_or_scaled(kind)
+    grid = torch.linspace(-12.0, 12.0, 200001)
+    log_probs = log_joint(grid)
+    evidence = float(torch.logsumexp(log_probs, 0) + math.log(grid[1] - grid[0]))
+    weights = (log_probs - log_probs.max()).exp()
+    mean = float((weights * grid).sum() / weights.sum())
+    variance = float((weights * (grid - mean) ** 2).sum() / weights.sum())
+    res = laplace(model, torch.tensor(Y5), curvature=curvature, covariance=covariance)
+    (u,), (precision,) = res.map.values(), res.precision.values()
+    assert float(u) == pytest.approx(mean, abs=1e-6)
+    assert float(precision) == pytest.approx(1 / variance, rel=1e-6)
+    assert res.log_evidence == pytest.approx(evidence, abs=1e-6)
 
 
 def test_empirical_fisher_precision_is_the_squared_per_example_gradients_at_the_mode():

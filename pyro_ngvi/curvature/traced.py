@@ -15,7 +15,8 @@ and per source
 - ``"ef"``, ``"ggn"``, ``"ggn_mc"``: :math:`\\nabla^2 \\ell_{\\text{prior}} +
   \\sum_{\\text{observed}} \\frac{N}{B} \\sum_{i \\in B} C_i`, with :math:`C_i` the
   empirical Fisher :math:`g_i g_i^\\top`, the GGN :math:`J_i^\\top F_i J_i` or its
-  Monte-Carlo estimate, over each observed site's data plate.
+  Monte-Carlo estimate, over each observed site's data plate (its ``poutine.mask`` and
+  scale applied, as in ``log_prob_sum``).
 
 The same estimators serve both guide families through their coordinates:
 :class:`Diagonal` (one leaf per mean-field site, diagonals by :mod:`.autograd`) and
@@ -133,20 +134,34 @@ def _price(terms: Terms, coordinates, grads, mc_samples: int) -> List[Tensor]:
     return coordinates.price(grads)
 
 
+def _exact(loss: Optional[Tensor], coordinates) -> List[Tensor]:
+    """:math:`\\nabla^2` ``loss`` (zeros where there is none, or it is constant: a masked prior)."""
+    if loss is None or not loss.requires_grad:
+        return coordinates.zeros()
+    return coordinates.hessian(loss)
+
+
+def masked_likelihood(site):
+    """An observed site's ``fn`` with the site's ``poutine.mask`` applied (``fn.mask(m)``), as
+    ``log_prob_sum`` has it: per-example terms are read off ``fn``, which does not carry it."""
+    mask = site["mask"]
+    return site["fn"] if mask is None or mask is True else site["fn"].mask(mask)
+
+
 def _hessian(terms: Terms, coordinates, grads, mc_samples: int) -> List[Tensor]:
-    return coordinates.zeros() if terms.objective is None else coordinates.hessian(terms.objective)
+    return _exact(terms.objective, coordinates)
 
 
 def _per_example(source: str, terms: Terms, coordinates, grads, mc_samples: int) -> List[Tensor]:
-    curvatures = coordinates.zeros() if terms.prior is None else coordinates.hessian(terms.prior)
+    curvatures = _exact(terms.prior, coordinates)
     for site in terms.observed:
-        dim, scale = data_dim(site, source), scalar_scale(site)
+        dim, scale, fn = data_dim(site, source), scalar_scale(site), masked_likelihood(site)
         if source == "ef":
-            site_curvature = coordinates.empirical_fisher(-per_example_log_prob(site["fn"], site["value"], dim))
+            site_curvature = coordinates.empirical_fisher(-per_example_log_prob(fn, site["value"], dim))
         elif source == "ggn":
-            site_curvature = coordinates.ggn(site["fn"], dim)
+            site_curvature = coordinates.ggn(fn, dim)
         else:
-            site_curvature = coordinates.mc_ggn(site["fn"], dim, mc_samples)
+            site_curvature = coordinates.mc_ggn(fn, dim, mc_samples)
         curvatures = [c + scale * h for c, h in zip(curvatures, site_curvature)]
     return curvatures
 

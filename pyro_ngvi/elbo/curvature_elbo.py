@@ -34,7 +34,10 @@ class CurvatureELBO(ELBO):
     A prior that is Normal in ``u`` (:func:`~pyro_ngvi.priors.conjugate_normal`)
     is handed over as :math:`(m_0, \\lambda_0)` and enters the update exactly;
     every other prior term (and ``log|det J|``) stays in :math:`\\ell`. Terms of a
-    site under a subsampled plate are divided by its plate scale :math:`N/B`. A
+    site under a subsampled plate are divided by its plate scale :math:`N/B`; model
+    terms keep their ``poutine.scale`` and ``poutine.mask`` as in Pyro's ELBO (the
+    guide is not scaled with them: a scaled prior enters as :math:`c\\lambda_0`, a
+    masked one stays in :math:`\\ell`). A
     prior whose ``loc`` or ``scale`` is a ``pyro.param`` of the model is learned
     by the evidence in closed form (:mod:`pyro_ngvi.elbo.learned_priors`).
 

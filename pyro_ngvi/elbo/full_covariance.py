@@ -7,8 +7,10 @@ deterministic), with :math:`g = \\nabla_z \\ell` and a dense ``(D, D)`` curvatur
 (:class:`~pyro_ngvi.curvature.traced.Dense`; ``"reparam"``: the Price estimate
 of :math:`\\mathrm{tril}(g\\epsilon^\\top)`, the one NGVI recovers from
 Trace_ELBO's gradients, handed over whitened). Priors that are Gaussian in ``u``
-(:func:`~pyro_ngvi.priors.conjugate_gaussian`, with scale 1) are handed over as the
-blocks of :math:`(m_0, S_0)`; the other sites' blocks of :math:`S_0` are zero.
+(:func:`~pyro_ngvi.priors.conjugate_gaussian`, not masked) are handed over as the
+blocks of :math:`(m_0, S_0)`, :math:`S_0` times the site's scale :math:`c` (Pyro's ELBO has
+:math:`c \\log p_0`; the guide, and so :math:`\\log|\\det J|`, is not scaled); the other
+sites' blocks of :math:`S_0` are zero.
 Deterministic, the loss is :math:`\\ell(\\mu) - \\mathcal{H}(q) - E_q[\\log p_0]`
 (the Gaussian parts in expectation, in closed form). Learned prior params are not
 recognised here (such a prior is an ordinary non-conjugate one), and ``BatchNorm``
@@ -26,6 +28,7 @@ import pyro.poutine as poutine
 from ..curvature.traced import Dense, scalar_scale, traced_curvature
 from ..family import SiteCurvature, _full_covariance_site, _is_automultivariatenormal, attach_curvature
 from ..priors import conjugate_gaussian
+from .learned_priors import masked
 from .sites import gradients, minibatch_sites, negative_log_joint, other_params, replayed, run_once, split_terms
 
 
@@ -77,17 +80,18 @@ def _particle(elbo, model, guide, args, kwargs):
     prior_loc, prior_precision = z.new_zeros(size), z.new_zeros(size, size)
     conjugate = []
 
-    def prior_term(name, node):
+    def prior_term(name, node):  # c log p0 (c the site's scale, poutine.mask applied); log|det J| unscaled
         block, u, transform, support = blocks[name]
-        prior = conjugate_gaussian(node["fn"], support)
-        if prior is not None and not (prior[0].requires_grad or prior[1].requires_grad) \
-                and scalar_scale(node) == 1.0:
+        prior = None if masked(node) else conjugate_gaussian(node["fn"], support)
+        log_det = transform.log_abs_det_jacobian(u, node["value"]).sum()
+        if prior is not None and not (prior[0].requires_grad or prior[1].requires_grad):
+            scale = scalar_scale(node)
             prior_loc[block] = prior[0].detach()
-            prior_precision[block, block] = prior[1].detach()
-            conjugate.append(name)
-            return None
-        log_det = transform.log_abs_det_jacobian(u, node["value"])
-        return node["log_prob_sum"] + scalar_scale(node) * log_det.sum()
+            prior_precision[block, block] = scale * prior[1].detach()
+            conjugate.append((name, scale))
+            # c log p0(T(u)) + log|det J| = c log N(u; m0, S0^-1) + (1 - c) log|det J|
+            return (1.0 - scale) * log_det if scale != 1.0 else None
+        return node["log_prob_sum"] + log_det
 
     terms = split_terms(model_trace, blocks, elbo.max_plate_nesting, prior_term)
     others = other_params(model_trace, guide_trace, guide)
@@ -105,7 +109,7 @@ def _particle(elbo, model, guide, args, kwargs):
             loss -= float(posterior.entropy())
             if conjugate:
                 loss += float(_gaussian_cross_entropy(loc, factor, prior_loc, prior_precision,
-                                                      [blocks[n][0] for n in conjugate]))
+                                                      [(blocks[n][0], c) for n, c in conjugate]))
         else:
             loss = negative_log_joint(model_trace)
             loss += float(posterior.log_prob(z))
@@ -116,14 +120,15 @@ def _particle(elbo, model, guide, args, kwargs):
 
 
 def _gaussian_cross_entropy(loc, factor, prior_loc, prior_precision, blocks) -> torch.Tensor:
-    """:math:`-E_q[\\log p_0(u_c)]` summed over the conjugate blocks ``c``:
-    :math:`\\tfrac12[\\mathrm{tr}(S_0 \\Sigma_{cc}) + (\\mu_c - m_0)^\\top S_0 (\\mu_c - m_0)
-    - \\log\\det S_0 + d_c \\log 2\\pi]`."""
+    """:math:`-s\\,E_q[\\log p_0(u_b)]` summed over the conjugate blocks ``(b, s)`` (:math:`s` the
+    site's scale, :math:`S_0` the block of ``prior_precision``, which is :math:`s` times the prior's):
+    :math:`\\tfrac12[\\mathrm{tr}(S_0 \\Sigma_{bb}) + (\\mu_b - m_0)^\\top S_0 (\\mu_b - m_0)
+    - s \\log\\det (S_0 / s) + s\\,d_b \\log 2\\pi]`."""
     covariance = factor @ factor.T
     total = loc.new_zeros(())
-    for block in blocks:
+    for block, scale in blocks:
         precision = prior_precision[block, block]
         offset = loc[block] - prior_loc[block]
         total = total + 0.5 * ((precision * covariance[block, block]).sum() + offset @ precision @ offset
-                               - torch.logdet(precision) + offset.numel() * math.log(2 * math.pi))
+                               - scale * torch.logdet(precision / scale) + scale * offset.numel() * math.log(2 * math.pi))
     return total

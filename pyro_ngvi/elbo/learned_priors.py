@@ -31,6 +31,7 @@ from torch.distributions import constraints
 
 import pyro
 
+from ..curvature.traced import scalar_scale
 from ..family import PriorParam
 from ..priors import conjugate_normal_parts, learnable_constraint, prior_param_index
 from .sites import subsampled_dims
@@ -62,26 +63,38 @@ def without_shared_priors(elbo, particle, *args):
             )
 
 
-def conjugate_prior(site, support, leaf, scale, guide, candidates):
+def masked(site) -> bool:
+    """Whether a model site's prior is hidden, wholly or in part: a ``poutine.mask`` on it or a
+    scale of 0 (its ``log_prob_sum`` is then not :math:`c \\log p_0`; it stays in :math:`\\ell`)."""
+    return not (site["mask"] is None or site["mask"] is True) or scalar_scale(site) == 0.0
+
+
+def conjugate_prior(site, support, leaf, guide_scale, guide, candidates):
     """
-    The conjugate prior of a guided site as ``((m0, lam0), learned)``: :math:`m_0,
-    \\lambda_0` expanded to ``leaf``, and ``learned`` the dict of its learned
-    :class:`~pyro_ngvi.family.PriorParam` s (:func:`learned_prior`, with the
-    ``"weight"`` of each row's KL in the full-data ELBO) or ``None`` for a fixed
-    prior; ``None`` when the prior is not conjugate (or not recognised as learned).
-    ``candidates()`` gives the model's params a prior may be.
+    The conjugate prior of a guided site as ``((m0, lam0), learned)``: :math:`m_0`
+    and :math:`\\lambda_0` expanded to ``leaf``, :math:`\\lambda_0` times :math:`c / g`
+    (the model site's scale :math:`c`, a ``poutine.scale`` or a subsampled plate's
+    :math:`N/B`, over the guide site's :math:`g`: Pyro's ELBO has
+    :math:`c \\log p_0 - g \\log q`, and the statistics are divided by :math:`g`), and
+    ``learned`` the dict of its learned :class:`~pyro_ngvi.family.PriorParam` s
+    (:func:`learned_prior`, with the ``"weight"`` of each row's KL in the full-data
+    ELBO) or ``None`` for a fixed prior; ``None`` when the prior is not conjugate (or
+    not recognised as learned, or learned with :math:`c \\neq g`: then an ordinary
+    prior, its params trained by the point optimizer). ``candidates()`` gives the
+    model's params a prior may be.
     """
     parts = conjugate_normal_parts(site["fn"], support)
     if parts is None:
         return None
+    ratio = scalar_scale(site) / guide_scale
     hyper = None
     if parts[0].requires_grad or parts[1].requires_grad:
-        hyper = learned_prior(site["name"], *parts, candidates(), guide)
+        hyper = learned_prior(site["name"], *parts, candidates(), guide) if ratio == 1.0 else None
         if hyper is None:
             return None
-    prior = (parts[0].detach().expand_as(leaf), parts[1].detach().pow(-2).expand_as(leaf))
+    prior = (parts[0].detach().expand_as(leaf), ratio * parts[1].detach().pow(-2).expand_as(leaf))
     if hyper is not None:
-        hyper["weight"] = scale * leaf.numel() / hyper["full"][0].numel()
+        hyper["weight"] = guide_scale * leaf.numel() / hyper["full"][0].numel()
     return prior, hyper
 
 

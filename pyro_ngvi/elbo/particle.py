@@ -8,13 +8,16 @@ and per site
 .. math:: g = \\nabla_u \\ell, \\qquad h \\text{ (the source's, }
           :mod:`pyro_ngvi.curvature.traced`), \\qquad \\epsilon, \\ \\epsilon^2,
 
-divided by the site's plate scale and scattered into full-size rows, with the
+divided by the guide site's scale :math:`g` (a subsampled plate's :math:`N/B`; the model's
+terms keep their own scales, :math:`c` of a ``poutine.scale``, as in Pyro's ELBO: the guide
+is not scaled with the model) and scattered into full-size rows, with the
 conjugate prior :math:`(m_0, \\lambda_0)` and the value: Trace_ELBO's single-sample
 estimate, or at the mean :math:`\\ell(\\mu) + \\mathrm{KL}(q \\| p_0)` for
 conjugate sites (:math:`\\log q - \\log p` at the mean for others), and
 :math:`F(\\mu) = -\\log p(x, T(\\mu)) - \\log|\\det J_T(\\mu)|` for NGVI's safeguard.
 """
 
+import math
 from typing import Dict, List, NamedTuple
 
 import torch
@@ -24,7 +27,7 @@ import pyro.poutine as poutine
 
 from ..curvature import PER_EXAMPLE
 from ..curvature.traced import Diagonal, scalar_scale, traced_curvature
-from .learned_priors import check_not_shared, conjugate_prior, prior_param_candidates
+from .learned_priors import check_not_shared, conjugate_prior, masked, prior_param_candidates
 from .sites import (frozen_observed, gradients, minibatch_sites, negative_log_joint, other_params, replayed,
                     scatter_rows, split_terms, subsampled, torch_rng_state)
 
@@ -62,17 +65,20 @@ def particle(elbo, model, guide, args, kwargs, point_grads, mirror=None) -> Part
         return params[0]
 
     def prior_term(name, site):
-        scale = site_scale[name] = scalar_scale(site)
+        # the model's term is c log p0 (c its scale); the guide's entropy, log|det J| included, g times
+        guide_scale = site_scale[name] = scalar_scale(guide_trace.nodes[name])
         leaf = leaves[name]
         log_det = latents[name][2].log_abs_det_jacobian(leaf, site["value"])
         support = guide.prototype_trace.nodes[name]["fn"].support
-        prior = conjugate_prior(site, support, leaf, scale, guide, candidates)
+        prior = None if masked(site) else conjugate_prior(site, support, leaf, guide_scale, guide, candidates)
         if prior is None:
-            return site["log_prob_sum"] + scale * log_det.sum()
+            return site["log_prob_sum"] + guide_scale * log_det.sum()
         conjugate[name], hyper = prior
         if hyper is not None:
             learned[name] = hyper
-        return None
+        # c log p0(T(u)) + g log|det J| = c log N(u; m0, 1 / lam0) + (g - c) log|det J|
+        jacobian = guide_scale - scalar_scale(site)
+        return jacobian * log_det.sum() if jacobian else None
 
     terms = split_terms(model_trace, leaves, elbo.max_plate_nesting, prior_term)
     names = list(leaves)
@@ -139,30 +145,36 @@ def _draw(guide, guide_trace, deterministic, mirror):
 @torch.no_grad()
 def _value(model_trace, guide_trace, leaves, latents, site_scale, conjugate, deterministic):
     """
-    The particle's loss, :math:`-\\log p(x, z) + \\log q(z)` at the draw (at the mean,
-    a conjugate site's :math:`\\log q - \\log p` replaced by its expectation,
-    :math:`\\mathrm{KL}(q \\| p_0)` in closed form, as on a model's own fast path), and
-    :math:`F = -\\log p(x, T(u)) - \\log|\\det J_T(u)|` there.
+    The particle's loss, :math:`-\\log p(x, z) + \\log q(z)` with each site's scale (the
+    model's :math:`c`, the guide's :math:`g`) at the draw (at the mean, a conjugate site's
+    :math:`g \\log q - c \\log p` replaced by its expectation in closed form,
+    :math:`g\\,\\mathrm{KL}(q \\| p_0)` when :math:`c = g`, as on a model's own fast path), and
+    :math:`F = -\\log p(x, T(u)) - g \\log|\\det J_T(u)|` there.
     """
     loss = negative_log_joint(model_trace)
     objective = loss
     for name, (loc, scale, transform, aux) in latents.items():
-        s = site_scale.get(name, 1.0)
+        g = site_scale.get(name, 1.0)
         leaf = leaves[name]
-        log_det = transform.log_abs_det_jacobian(leaf, guide_trace.nodes[name]["value"]).sum()
-        objective -= s * float(log_det)
+        log_det = float(transform.log_abs_det_jacobian(leaf, guide_trace.nodes[name]["value"]).sum())
+        objective -= g * log_det
         if deterministic and name in conjugate:
-            loss += float(model_trace.nodes[name]["log_prob_sum"])
-            loss += s * float(_normal_kl(loc, scale, *conjugate[name]))
+            site = model_trace.nodes[name]
+            c = scalar_scale(site)
+            prior_loc, prior_precision = conjugate[name]  # (lam0 times c / g)
+            loss += float(site["log_prob_sum"]) + (c - g) * log_det  # E[log|det J|] at the mean
+            loss += float(_normal_cross_entropy(loc, scale, prior_loc, prior_precision * (g / c), c, g))
             continue
         log_q = aux["fn"].log_prob(leaf).sum()
-        loss += s * float(log_q - log_det)
+        loss += g * (float(log_q) - log_det)
     return loss, objective
 
 
-def _normal_kl(loc, scale, prior_loc, prior_precision) -> torch.Tensor:
-    """:math:`\\sum \\mathrm{KL}(\\mathcal{N}(\\mu, \\sigma^2) \\| \\mathcal{N}(m_0, \\lambda_0^{-1}))
-    = \\sum [\\tfrac12 \\lambda_0 (\\sigma^2 + (\\mu - m_0)^2) - \\tfrac12 \\log(\\lambda_0 \\sigma^2) - \\tfrac12]`."""
+def _normal_cross_entropy(loc, scale, prior_loc, prior_precision, c, g) -> torch.Tensor:
+    """:math:`c\\,\\mathrm{H}(q, p_0) - g\\,\\mathrm{H}(q)` for :math:`q = \\mathcal{N}(\\mu, \\sigma^2)`,
+    :math:`p_0 = \\mathcal{N}(m_0, \\lambda_0^{-1})`: :math:`\\sum [\\tfrac{c}{2} (\\lambda_0 (\\sigma^2 + (\\mu - m_0)^2)
+    - \\log \\lambda_0) - \\tfrac{g}{2} (\\log \\sigma^2 + 1) + \\tfrac{c - g}{2} \\log 2\\pi]`
+    (:math:`g\\,\\mathrm{KL}(q \\| p_0)` when :math:`c = g`)."""
     variance = scale.square()
-    return 0.5 * (prior_precision * (variance + (loc - prior_loc).square())
-                  - (prior_precision * variance).log() - 1.0).sum()
+    cross = prior_precision * (variance + (loc - prior_loc).square()) - prior_precision.log()
+    return 0.5 * (c * cross - g * (variance.log() + 1.0) + (c - g) * math.log(2 * math.pi)).sum()

@@ -64,8 +64,8 @@ def _add(a, b):
 def gradients(objective, inputs: List[Tensor], others: List[Tensor]) -> Tuple[List[Tensor], List]:
     """:math:`\\nabla\\ell` in each of ``inputs`` (zeros where it does not depend on one),
     and in each of ``others`` (``None`` there)."""
-    if objective is None:
-        return [torch.zeros_like(x) for x in inputs], []
+    if objective is None or not objective.requires_grad:  # none, or constant (every term masked)
+        return [torch.zeros_like(x) for x in inputs], [None] * len(others)
     all_grads = torch.autograd.grad(objective, inputs + others, allow_unused=True, retain_graph=True)
     grads = [torch.zeros_like(x) if g is None else g for g, x in zip(all_grads[: len(inputs)], inputs)]
     return grads, all_grads[len(inputs):]
