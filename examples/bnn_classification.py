@@ -153,6 +153,12 @@ def main(argv=None):
             ("elbo", "final ELBO", ".0f"),
             ("seconds", "train s", ".1f"),
         ]))
+        method = results["NGVI (ggn)"][0]
+        with method.active():
+            share = method.bnn.share_at_noise_limit(method.guide)
+        print(f"\nNGVI: {share:.0%} of the weights' standard deviations sit at the noise limit's cap "
+              "(BayesianNet.share_at_noise_limit): where that is most of them, the guide is a point "
+              "estimate with fixed jitter, not a spread the data shaped (docs: the BNN recipe, small data)")
         probs = {name: scores["probs"] for name, (_, scores) in results.items()}
         figures = [
             harness.plot_training({CURVE_LABELS.get(name, name): [scores["history"]]

@@ -490,3 +490,29 @@ def test_a_net_with_a_learned_prior_resumes_from_a_saved_param_store(tmp_path):
     assert set(uninterrupted) == set(resumed) and "0.weight.prior_scale" in resumed
     for name, value in uninterrupted.items():
         assert torch.equal(resumed[name], value), name
+
+
+def test_the_share_at_the_noise_limit_is_that_of_the_guide_s_scales():
+    """share_at_noise_limit counts the weights whose sigma is at sqrt(v / (L n)) (within the
+    tolerance), against the guide's scales read by hand; nan without a limit; bad tolerance named."""
+    x, y = classification(n=64)
+    bnn = BayesianNet(mlp(10, 16, 4), "categorical", num_data=64)
+    guide = bnn.guide()
+    svi = SVI(bnn, guide, NGVI(), CurvatureELBO("ggn"))
+    shares = []
+    for steps in (1, 300):
+        train(svi, x, y, steps, batch=64)
+        at = total = 0
+        for site in bnn.latent_sites:
+            scale, cap = guide._get_loc_and_scale(site)[1].detach(), bnn.max_scale(site)
+            if cap is not None:
+                at, total = at + int((scale >= 0.99 * cap).sum()), total + scale.numel()
+        shares.append(bnn.share_at_noise_limit(guide))
+        assert shares[-1] == pytest.approx(at / total, abs=1e-12)
+    assert shares[0] < 0.5 < shares[1]  # (64 examples: the cap binds after some training)
+    assert bnn.share_at_noise_limit(guide, tolerance=0.5) >= shares[1]
+    for bad in (0.0, -0.1, math.nan, "0.1"):
+        with pytest.raises(ValueError, match="tolerance"):
+            bnn.share_at_noise_limit(guide, tolerance=bad)
+    bnn.noise_limit = None
+    assert math.isnan(bnn.share_at_noise_limit(guide))

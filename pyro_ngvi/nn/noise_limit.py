@@ -165,3 +165,25 @@ class NoiseLimit:
         if site not in self.latent_sites:
             return {}
         return self._site_hints(self.latent_sites.index(site), deterministic)
+
+    @torch.no_grad()
+    def share_at_noise_limit(self, guide, tolerance: float = 0.01) -> float:
+        """
+        The share of the weights with a noise limit whose standard deviation in ``guide`` (this
+        net's :meth:`guide`, trained) sits at it, :math:`\\sigma \\ge (1 - \\text{tolerance})
+        \\,\\lambda_{\\min}^{-1/2}` (``nan`` without a limit). Near 1, the family is a point
+        estimate with fixed jitter: its spread is the limit's, not what the data left uncertain,
+        and longer training can over-fit as a MAP network does (the small-data pages of the docs).
+        """
+        tolerance = positive_finite("tolerance", tolerance)
+        means_scales = [guide._get_loc_and_scale(site) for site in self.latent_sites]
+        floors = (self._mean_floor([mean for mean, _ in means_scales]) if self.noise_limit_mode == "mean"
+                  else self._noise_floor())
+        if floors is None:
+            return math.nan
+        at, total = 0, 0
+        for (_, scale), floor in zip(means_scales, floors):
+            capped = floor > 0
+            at += int((scale.square() * floor >= (1 - tolerance) ** 2)[capped].sum())
+            total += int(capped.sum())
+        return at / total if total else math.nan
