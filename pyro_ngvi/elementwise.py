@@ -314,7 +314,7 @@ def _prepare(b: Branches, t: Inputs, n: Numbers, transform, w: Scratch):
         excess = t.excess
         in_place = excess is not None and not (b.branch_free or b.masked or t.mask is not None)
         target, new_excess = clip_target(target, precision, excess, out=excess if in_place else None,
-                                         scratch=(w.a, w.b))
+                                         scratch=(w.a, w.b), count=t.count)
         if new_excess is not None:  # carried only while averaging (n > 1/beta): a transient's is dropped
             new_excess.mul_(_flag(torch.gt, t.count, 1.0 / n.beta, w.flag3))
         if new_excess is not None and not in_place:  # (rows not touched, or a step not taken: kept)

@@ -268,7 +268,7 @@ class NGVI(PyroOptim):
             plan.newton.predicted = float(context.guarded.predicted)
         if cross is not None:  # the regression takes this step's gradients (not before: a skipped step)
             cross.state.cross = cross.new
-            couple_means(cross, coupled_start, self.max_step)
+            couple_means(cross, coupled_start, self.max_step, plan.subsampling)
         for site, ((step, direction, kept), rho) in zip(dense_sites, dense_steps):
             site.write(*step)
             state = state_of[site.key]

@@ -114,7 +114,9 @@ def test_diabetes_regression_ngvi_reaches_the_exact_means():
         if step % 100 == 99:
             errors.append(float(((regression_means() - mean) / sd).abs().max()))
     assert errors[-1] < 0.1 and errors[-2] < 0.1  # there and staying
-    assert errors[3] > 0.5  # ... and a slow problem at first: 400 steps are not enough
+    # ... and a slow problem at first: 100 steps are not enough (with the carried excess of the curvature
+    # targets at most n lambda / 2, 0.18 sd at step 400, 0.1 from step ~600; 1.28 and ~1,000 before)
+    assert errors[0] > 0.5
 
 
 # ------------------------------------------------------------------ the hierarchical model
