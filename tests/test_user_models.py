@@ -151,7 +151,7 @@ def hierarchical_exact(y):
 def test_hierarchical_subsampled_ngvi_reaches_the_exact_means():
     """Minibatches of 10 of 40 groups (each local latent updated one step in four): NGVI() at its
     defaults puts every mean within 0.1 sd of the exact posterior's (0.056 sd after 400 steps,
-    below 0.1 from step 300 on; at full size, 1,000 groups by 100, from step 1,490:
+    below 0.1 from step 300 on; at full size, 1,000 groups by 100, from step 1,830:
     benchmarks/user_models.py)."""
     y = hierarchical_data()
     mean, sd = hierarchical_exact(y)
