@@ -16,8 +16,8 @@ wrong says so instead of ending in a guide that predicts nothing (issue 19):
   :data:`ELBO_SIGNIFICANCE` standard errors in all (the minibatch and sampling
   noise of a window's mean is estimated from its own steps) and by more than
   :math:`10^{-6}` of its value (round-off of a deterministic run), or a window mean
-  above the best window's by more than :data:`ELBO_BLOWUP` times its standard deviation
-  plus its size (a run that blew up: one window suffices). Pyro's own losses feed it the
+  above the best window's (or the first step's loss) by more than :data:`ELBO_BLOWUP` times
+  its standard deviation plus its size (a run that blew up: one window suffices). Pyro's own losses feed it the
   loss ``SVI.step`` computed (:func:`~pyro_ngvi.family.step_loss`);
 * **a guide that can only produce non-finite predictions**: every step skipped
   for non-finite statistics, :data:`SKIPS_IN_A_ROW` times in a row; nothing can
@@ -145,8 +145,8 @@ class ElboWatch:
         mean = window.mean()
         variance = (window.square().mean() - mean.square()).clamp(min=0.0)
         self.windows = (self.windows + [(mean, variance / len(window))])[-(ELBO_RISES + 1):]
-        if self.best is None:
-            self.best = (mean, variance.sqrt())
+        if self.best is None:  # (the first step's loss too: a run can blow up within its first window)
+            self.best = (torch.minimum(mean, window[0]), variance.sqrt())
             return None
         best, spread = self.best
         blown = mean - best > ELBO_BLOWUP * (spread + best.abs())
