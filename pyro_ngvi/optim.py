@@ -251,7 +251,7 @@ class NGVI(PyroOptim):
         self._point_step(others, *args, **kwargs)  # before any guide write: it may still fail
         if guarded:  # the point to come back to
             plan.newton.keep(mean_field, objective)
-        coupled_start = None if cross is None else start_of(cross.sites)
+        coupled_start = None if cross is None else start_of(cross.sites, plan.subsampling)
         new_scales = {}  # sigma after the update, for the prior M-step
         for group, st, (grad, curvature) in zip(groups, group_stats, flats):
             group_states = [state_of[site.key] for site in group.sites]
@@ -268,7 +268,7 @@ class NGVI(PyroOptim):
             plan.newton.predicted = float(context.guarded.predicted)
         if cross is not None:  # the regression takes this step's gradients (not before: a skipped step)
             cross.state.cross = cross.new
-            couple_means(cross, coupled_start, self.max_step, plan.subsampling)
+            couple_means(cross, coupled_start, self.max_step)
         for site, ((step, direction, kept), rho) in zip(dense_sites, dense_steps):
             site.write(*step)
             state = state_of[site.key]

@@ -516,22 +516,25 @@ def dense_site(ctx: Context, site, stats, settings: Settings, tau: float, state,
 
 
 @torch.no_grad()
-def start_of(sites) -> tuple:
+def start_of(sites, subsampling: float = 0.0) -> Optional[tuple]:
     """The sites' means and standard deviations before the step (flat copies): what
-    :func:`couple_means` needs of them."""
+    :func:`couple_means` needs of them; ``None`` (no coupled step) where the model subsamples its
+    data (``subsampling`` :math:`= N/B - 1 > 0`): fitted to minibatch gradients of :math:`N/B`
+    times one draw's noise, the slope was 50 % off (50 of 2,000), :math:`D + \\tilde H` nearly
+    singular, and the coupled step of an averaged 0.01 sd step took 3 sd, step after step."""
+    if subsampling:
+        return None
     return _flat([site.loc for site in sites]).clone(), _flat([site.scale for site in sites]).clone()
 
 
 @torch.no_grad()
-def couple_means(cross, start: tuple, max_step: Optional[float], subsampling: float = 0.0) -> None:
+def couple_means(cross, start: Optional[tuple], max_step: Optional[float]) -> None:
     """Replace the element-wise mean step the chain took on the sites of the cross terms
     (``cross``: :class:`~pyro_ngvi.variance.CrossTerms`) by the coupled one,
     :func:`~pyro_ngvi.update.mean_field.coupled_mean_step` (written in place), within the
-    trust region of ``max_step`` standard deviations before the step; not where the model
-    subsamples its data (``subsampling`` :math:`= N/B - 1 > 0`): fitted to minibatch gradients of
-    :math:`N/B` times one draw's noise, the slope was 50 % off (50 of 2,000), :math:`D + \\tilde H`
-    nearly singular, and the coupled step of an averaged 0.01 sd step took 3 sd, step after step."""
-    if subsampling:
+    trust region of ``max_step`` standard deviations before the step (``start``, of
+    :func:`start_of`; ``None``: no coupled step)."""
+    if start is None:
         return
     mean, scale = start
     sites = cross.sites
