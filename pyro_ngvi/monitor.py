@@ -108,6 +108,14 @@ class SpreadWatch:
         )
 
 
+#: What the ELBO watch adds where each step's statistics come from one draw of the guide.
+ONE_DRAW_ADVICE = (
+    " Each step's statistics come from one draw of the guide: where the log joint is heavy-tailed "
+    "in those draws (a scale multiplying other latents, as in a non-centred hierarchical model) one "
+    "draw is too few, and averaging several is the remedy: "
+    "Trace_ELBO(num_particles=8, vectorize_particles=True).")
+
+
 class ElboWatch:
     """Window means of the negative ELBO handed over by accepted steps, and their standard errors."""
 
@@ -116,6 +124,7 @@ class ElboWatch:
         self.windows: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (mean, squared standard error)
         self.best: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # (mean, standard deviation) of the best
         self.warned = False
+        self.one_draw = False  # the steps' statistics come from one draw of the guide (the advice differs)
 
     @property
     def count(self) -> int:
@@ -171,8 +180,8 @@ class ElboWatch:
             "best (if the data or the model changed between steps, start a new NGVI). The steps "
             "overshoot: lower lr "
             "(or beta, or raise damping); for a BayesianNet, NGVI()'s defaults and bnn.guide() are "
-            "the documented recipe. (Watched only at temperature 1, where the loss is the ELBO NGVI "
-            "maximises.)"
+            "the documented recipe." + (ONE_DRAW_ADVICE if self.one_draw else "") + " (Watched only at "
+            "temperature 1, where the loss is the ELBO NGVI maximises.)"
         )
 
 

@@ -446,6 +446,7 @@ def watch_elbo(plan, stats, tau: float, svi) -> None:
     if tau != 1:
         plan.elbo_watch.reset()
         return
+    plan.elbo_watch.one_draw = svi is not None and one_draw(svi)
     flag = plan.elbo_watch.add(loss)
     if flag is not None:  # (kept until the host reads it: not every step does)
         plan.elbo_flag = flag
