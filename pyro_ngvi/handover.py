@@ -103,6 +103,9 @@ class SiteCurvature:
         returns; a 0-d tensor or a float, the same for every site of the
         evaluation), for :class:`~pyro_ngvi.NGVI`'s watch on a worsening ELBO, or
         ``None``.
+    :param bool watched: ``False`` where the evaluation's loss is not one family's ELBO (a
+        family that moves with its means, ``noise_limit_mode="mean"``): the watch is then not
+        fed, not even with the loss ``SVI.step`` computed.
     :param int handover: the ELBO evaluation that made these statistics
         (set by :func:`attach_curvature`).
     :param bool fitted: every tensor already has the dtype, device and shape of the
@@ -133,6 +136,7 @@ class SiteCurvature:
     num_data: Optional[int] = None
     min_precision: Optional[torch.Tensor] = None
     loss: Optional[torch.Tensor] = None
+    watched: bool = True
     fitted: bool = False
     gradients: bool = False
     draws: bool = False

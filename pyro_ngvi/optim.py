@@ -439,6 +439,8 @@ def watch_elbo(plan, stats, tau: float, svi) -> None:
     """Feed the ELBO watch (:mod:`pyro_ngvi.monitor`) the loss this step's ELBO handed over (a
     Pyro loss: the one ``SVI.step`` computed, :func:`~pyro_ngvi.family.step_loss`); at another
     temperature than 1 that loss is not the objective: start again."""
+    if not all(getattr(s, "watched", True) for s in stats.values()):  # (not one family's ELBO)
+        return
     loss = next((s.loss for s in stats.values() if getattr(s, "loss", None) is not None), None)
     loss = step_loss(svi) if loss is None and svi is not None else loss
     if loss is None:

@@ -219,6 +219,13 @@ def test_noise_limit_relative_to_the_means_keeps_each_weights_noise_below_its_ow
         assert float((scale >= 0.99 * bound).double().mean()) > 0.5, site  # the limit binds for most
         above_fixed += int((scale > 1.01 * bnn.max_scale(site)).sum())
     assert above_fixed > 0
+    watches = [plan.elbo_watch for plan in svi.optim._plans.values()]
+    # not one family's ELBO: the watch is not fed (not even with SVI's loss)
+    assert all(watch.count == 0 and watch.best is None for watch in watches)
+    bnn.noise_limit_mode = "fan_in"
+    svi.step(x, y)
+    assert sum(watch.count for watch in watches) == 1  # (one family: watched)
+    bnn.noise_limit_mode = "mean"
     with pytest.raises(ValueError, match="noise_limit_mode"):
         BayesianNet(mlp(10, 4), "categorical", num_data=100, noise_limit_mode="relative")
     with pytest.raises(NotImplementedError, match="fast path"):

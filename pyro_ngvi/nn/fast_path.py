@@ -142,6 +142,7 @@ class BackpackStep(BackpackTwin):
                 eps_mean=eps_means[j],
                 eps_sq_mean=eps_sq_means[j],
                 loss=loss,
+                watched=floors is None,
                 fitted=True,  # (the net's own tensors: the loc's shape, dtype and device)
                 **model._site_hints(j, deterministic, floors),
             )
