@@ -256,3 +256,13 @@ class Workspace:
         """Rows ``start:stop`` of the buffers :meth:`take` hands out, as one ``(stop - start, n)`` view."""
         self.take(n, like, count)
         return self._buffers[(like.dtype, like.device, count)][start:stop, :n]
+
+    def kept(self, n: int, like: torch.Tensor, count: int, name: str, make):
+        """``make()`` (views of the buffers :meth:`take` hands out: a step's scratch set), made once
+        per ``name`` and length and kept while those buffers are (a longer group's grows them anew)."""
+        key = (like.dtype, like.device, count, name, n)
+        found = self._views.get(key)
+        if found is None:
+            found = make()
+            self._views[key] = found  # (after make: a buffer it grew dropped the views of the old one)
+        return found

@@ -23,6 +23,7 @@ from .kronecker import KroneckerSite
 from .low_rank import low_rank_step, marginal_variance, solve
 from .low_rank_guide import LowRankSite
 from .policies import NoiseState, Settings, dense_count, dense_rates, first_count, noise_constants, pooled_levels
+from .scalars import scalar
 from .scales import FastExp, known_scale, remember_scale
 from .update import full_covariance
 from .update import fused
@@ -264,7 +265,8 @@ def _scratch(workspace: Optional[Workspace], n: int, like: torch.Tensor) -> Scra
     if workspace is None:
         return Scratch()
     rows = Scratch._fields.index("a")  # (a and b are adjacent rows: one (2, n) view of both)
-    return Scratch(*workspace.take(n, like, SCRATCH_FLOATS), ab=workspace.rows(n, like, SCRATCH_FLOATS, rows, rows + 2))
+    return workspace.kept(n, like, SCRATCH_FLOATS, "scratch", lambda: Scratch(
+        *workspace.take(n, like, SCRATCH_FLOATS), ab=workspace.rows(n, like, SCRATCH_FLOATS, rows, rows + 2)))
 
 
 def _scales(group: Group, stats: List[SiteCurvature]) -> Optional[torch.Tensor]:
@@ -387,7 +389,7 @@ def _keep(ctx: Context, group: Group, states, mask, out, run, rho: float, own_sc
             far = out.far * 2 > torch.count_nonzero(mask)
     spreading = None
     if out.spread is not None:
-        spreading = ctx.spread_watch.flag(group, out.spread / out.mean.numel(), ctx.step)
+        spreading = ctx.spread_watch.flag(group, out.spread / scalar(float(out.mean.numel()), out.spread), ctx.step)
     if mask is None:
         if out.mean is not group.locs[0]:
             torch._foreach_copy_(group.locs, out.mean.split_with_sizes(group.sizes))

@@ -128,6 +128,19 @@ def test_finite_tells_an_overflowing_sum_from_a_non_finite_value():
     assert bool(finite(torch.tensor([1.0, float("inf")]), mask=mask))  # untouched rows do not count
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_finite_is_isfinite_of_the_sum(dtype):
+    """finite's two kernels (x - x equal to itself) give what torch.isfinite gives on the sums, as a 0-d bool."""
+    for values in ([1.0, -2.0], [0.0, -0.0], [float("inf"), 1.0], [-float("inf"), 1.0], [float("nan"), 1.0],
+                   [float("inf"), -float("inf")], [3e38, 3e38]):
+        t = torch.tensor(values, dtype=dtype)
+        for exact in (False, True):
+            flag = finite(t, t.flip(0), exact=exact)
+            total = t.sum(dtype=torch.float64 if exact else None) + t.flip(0).sum(dtype=torch.float64 if exact else None)
+            assert flag.dtype == torch.bool and flag.dim() == 0
+            assert bool(flag) == bool(torch.isfinite(total))
+
+
 def test_finite_reads_only_the_masked_rows():
     t = torch.tensor([[1.0, 2.0], [float("nan"), float("inf")], [3.0, -4.0]])
     rows = torch.tensor([[True, True], [False, False], [True, True]])

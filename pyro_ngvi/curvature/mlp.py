@@ -46,6 +46,8 @@ from torch.nn import functional as F
 
 from backpack import hook_run_extensions, hook_store_io
 
+from ..scalars import scalar
+
 #: Sources computed here (the rest need BackPACK).
 SOURCES = ("ef", "ggn", "ggn_mc", "kflr", "kfac", "reparam", "none")
 
@@ -229,7 +231,8 @@ class OutputHessian:
         elif self.diagonal is not None:
             square = self.diagonal
         else:
-            square = self.p * (1 - self.p) if self.categorical else self.p
+            # (1 - p with 1 a 0-d tensor of p's dtype: no cast of a Python number)
+            square = self.p * (scalar(1.0, self.p) - self.p) if self.categorical else self.p
         return square if self.scale is None else square * self.scale.square()
 
     def linear(self, weight: torch.Tensor, last: bool) -> None:

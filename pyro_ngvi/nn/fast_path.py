@@ -21,6 +21,7 @@ import pyro
 from ..curvature.backpack import network_curvature
 from ..family import SiteCurvature, attach_curvature, scale_transform
 from ..kronecker import KroneckerNormal
+from ..scalars import scalar
 from ..scales import known_scale, sum_log_scale
 from .kronecker_step import KroneckerStep
 from .twin import LOSS_MODULES, BackpackTwin, accumulate_grad
@@ -69,7 +70,8 @@ class BackpackStep(BackpackTwin):
             noises = self._sample_into_net(model, locs, stddevs, deterministic)
             if curvature == "reparam":
                 if draws is None:  # (one particle: the draws themselves, not changed below)
-                    draws = [[n.clone() if num_particles > 1 else n for n in noises], [n.square() for n in noises]]
+                    draws = [[n.clone() if num_particles > 1 else n for n in noises],
+                             torch._foreach_mul(noises, noises)]  # (eps^2: one call for all sites)
                 else:
                     torch._foreach_add_(draws[0], noises)
                     torch._foreach_addcmul_(draws[1], noises, noises)
@@ -94,24 +96,35 @@ class BackpackStep(BackpackTwin):
                 torch._foreach_add_(curvatures, site_curvatures)
                 if point_grads:
                     torch._foreach_add_(point_grads, site_point_grads)
-            nll = nll + result.loss
+            # (the first particle's terms as they are: no 0-d kernel adding them to 0)
+            nll = result.loss if particle == 0 else nll + result.loss
             if not deterministic:
-                sample_log_ratio = sample_log_ratio + log_ratio(prior, model._latent_params, noises)
+                ratio = log_ratio(prior, model._latent_params, noises)
+                sample_log_ratio = ratio if particle == 0 else sample_log_ratio + ratio
 
         # full-data scale N/B and particle average
         factor = model.effective_num_data / len(x) / num_particles
-        torch._foreach_mul_(grads, factor)
-        torch._foreach_mul_(curvatures, factor)
+        # (by a 0-d tensor of their dtype, where they share one: a Python float is cast for every tensor)
+        same = all(t.dtype == grads[0].dtype for t in grads + curvatures) if grads else False
+        by = scalar(factor, grads[0]) if same else factor
+        torch._foreach_mul_(grads, by)
+        torch._foreach_mul_(curvatures, by)
         if draws is not None and num_particles > 1:
             for d in draws:
                 torch._foreach_div_(d, num_particles)
-        nll = full_nll(model.effective_num_data, nll / num_particles, loss_scale, noise_scale, target, len(x))
-        log_scale = sum(sum_log_scale(raw, stddev, transform)
-                        for raw, stddev, (_, transform) in zip(raws, stddevs, self._guide_names[id(guide)][3]))
+        mean_nll = nll / num_particles if num_particles > 1 else nll
+        nll = full_nll(model.effective_num_data, mean_nll, loss_scale, noise_scale, target, len(x))
+        log_scales = [sum_log_scale(raw, stddev, transform)
+                      for raw, stddev, (_, transform) in zip(raws, stddevs, self._guide_names[id(guide)][3])]
+        log_scale = log_scales[0] if log_scales else 0.0  # (summed from the first: no 0-d kernel adding it to 0)
+        for term in log_scales[1:]:
+            log_scale = log_scale + term
         if deterministic:
             loss = (nll + kl(prior, locs, stddevs, log_scale)).detach()
         else:  # the particle average of sum [lambda_0 (w - m_0)^2 - eps^2] / 2 - log sigma + log s_0
-            sample_log_ratio = sample_log_ratio / num_particles - log_scale + prior.log_scale_total
+            if num_particles > 1:
+                sample_log_ratio = sample_log_ratio / num_particles
+            sample_log_ratio = sample_log_ratio - log_scale + prior.log_scale_total
             loss = (nll + sample_log_ratio).detach()
         self._hand_over(model, locs, stddevs, grads, curvatures, draws, prior, curvature, deterministic, loss)
         for value, grad in zip(points, point_grads):

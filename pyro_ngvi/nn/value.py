@@ -16,6 +16,8 @@ from typing import Optional
 
 import torch
 
+from ..scalars import scalar
+
 _HALF_LOG_TWO_PI = 0.5 * math.log(2 * math.pi)
 
 
@@ -26,8 +28,8 @@ def full_nll(num_data, nll, loss_scale, noise_scale, target, batch_size) -> torc
     also sets its ``.grad`` to :math:`\\partial \\ell / \\partial` (unconstrained).
     """
     scale = num_data / batch_size
-    if noise_scale is None:
-        return scale * nll
+    if noise_scale is None:  # (a 0-d tensor of nll's dtype: no cast of a Python float)
+        return (scalar(scale, nll) if isinstance(nll, torch.Tensor) else scale) * nll
     # l = N/B [sse / (2 sigma^2) + B D (log sigma + log(2 pi) / 2)], sse = nll / c
     events = target.numel()
     if isinstance(noise_scale, torch.Tensor):
