@@ -29,6 +29,7 @@ from .family import (FullCovarianceSite, GaussianSite, SiteCurvature, calling_st
                      gaussian_sites, split_params, step_loss)
 from .groups import Group, Workspace, group_sites, statistics_kind
 from .guide_trace import subsampling
+from .hot_path import no_grad
 from .kronecker import KroneckerSite
 from .low_rank_guide import LowRankSite
 from .monitor import ElboWatch, NGVIWarning, SpreadWatch, power_of_two
@@ -193,8 +194,7 @@ class NGVI(PyroOptim):
         states = [self._state(site) for site in sites]  # may refuse: before any write
         check_point_states(self._state_waiting_to_be_consumed, self.optim_objs, others, self.pt_optim_constructor,
                            self.pt_optim_args)
-        with torch.no_grad():
-            stats = self._statistics(sites, svi)
+        stats = self._statistics(sites, svi)  # (without gradients)
         learned = {id(p.unconstrained) for s in stats.values() if isinstance(s, SiteCurvature)
                    for p in s.prior_params()}
         if learned:  # prior params set in closed form below, not by the point optimizer
@@ -288,6 +288,7 @@ class NGVI(PyroOptim):
             read_checks(self, plan, [], {}, [], [], [], [])  # the deferred steps' checks
         return True
 
+    @no_grad
     def _statistics(self, sites, svi) -> Dict:
         """Each site's statistics (:func:`~pyro_ngvi.statistics.site_statistics`), counted only
         when this step's ELBO made them (else they are stale)."""

@@ -23,7 +23,7 @@ from .kronecker import KroneckerSite
 from .low_rank import low_rank_step, marginal_variance, solve
 from .low_rank_guide import LowRankSite
 from .policies import NoiseState, Settings, dense_count, dense_rates, first_count, noise_constants, pooled_levels
-from .scalars import scalar
+from .hot_path import no_grad, scalar
 from .scales import FastExp, known_scale, remember_scale
 from .update import full_covariance
 from .update import fused
@@ -95,7 +95,7 @@ def adaptive_for(stats: SiteCurvature, options: Options) -> bool:
     return stats.sampled and options.adaptive and stats.num_data is None
 
 
-@torch.no_grad()
+@no_grad
 def mean_field_group(ctx: Context, group: Group, stats: List[SiteCurvature], grad: torch.Tensor,
                      curvature: torch.Tensor, settings: Settings, tau: float, states: list):
     """

@@ -46,7 +46,7 @@ from torch.nn import functional as F
 
 from backpack import hook_run_extensions, hook_store_io
 
-from ..scalars import scalar
+from ..hot_path import no_grad, scalar
 
 #: Sources computed here (the rest need BackPACK).
 SOURCES = ("ef", "ggn", "ggn_mc", "kflr", "kfac", "reparam", "none")
@@ -256,7 +256,7 @@ class OutputHessian:
         self.scale = None
 
 
-@torch.no_grad()
+@no_grad
 def mlp_curvature(mlp: Plan, loss_module: nn.Module, x: torch.Tensor, y: torch.Tensor, source: str,
                   check_output: Optional[Callable[[torch.Tensor], None]] = None, mc_samples: int = 1):
     """

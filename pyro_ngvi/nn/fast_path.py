@@ -21,7 +21,7 @@ import pyro
 from ..curvature.backpack import network_curvature
 from ..family import SiteCurvature, attach_curvature, scale_transform
 from ..kronecker import KroneckerNormal
-from ..scalars import scalar
+from ..hot_path import no_grad, scalar
 from ..scales import known_scale, sum_log_scale
 from .kronecker_step import KroneckerStep
 from .twin import LOSS_MODULES, BackpackTwin, accumulate_grad
@@ -201,22 +201,22 @@ class BackpackStep(BackpackTwin):
             stddevs.append(stddev)
         return [pyro.param(name).unconstrained() for name in locs], raws, stddevs
 
+    @no_grad
     def _sample_into_net(self, model, locs, stddevs, deterministic) -> Optional[List[torch.Tensor]]:
         """
         Draw :math:`\\epsilon` site by site, write :math:`w = \\mu + \\sigma\\epsilon`
         (:math:`\\mu` when ``deterministic``) straight into the net's weights; return
         the draws (``None`` when ``deterministic``).
         """
-        with torch.no_grad():
-            if deterministic:
-                torch._foreach_copy_(model._latent_params, locs)
-                return None
-            noises = []
-            for j, (param, loc, stddev) in enumerate(zip(model._latent_params, locs, stddevs)):
-                noise = self._buffer("noise", j, loc).normal_()
-                torch.addcmul(loc, stddev, noise, out=param)
-                noises.append(noise)
-            return noises
+        if deterministic:
+            torch._foreach_copy_(model._latent_params, locs)
+            return None
+        noises = []
+        for j, (param, loc, stddev) in enumerate(zip(model._latent_params, locs, stddevs)):
+            noise = self._buffer("noise", j, loc).normal_()
+            torch.addcmul(loc, stddev, noise, out=param)
+            noises.append(noise)
+        return noises
 
     def _buffer(self, name: str, index: int, like: torch.Tensor) -> torch.Tensor:
         """A tensor like ``like`` kept for the ``index``-th site's ``name`` (made once, written

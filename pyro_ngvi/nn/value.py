@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from ..scalars import scalar
+from ..hot_path import no_grad, scalar
 
 _HALF_LOG_TWO_PI = 0.5 * math.log(2 * math.pi)
 
@@ -43,7 +43,7 @@ def full_nll(num_data, nll, loss_scale, noise_scale, target, batch_size) -> torc
     return sigma_term + scale * events * _HALF_LOG_TWO_PI
 
 
-@torch.no_grad()
+@no_grad
 def log_ratio(prior, weights, noises) -> torch.Tensor:
     """
     The sample-dependent part of :math:`\\log q(w) - \\log p_0(w)` at
