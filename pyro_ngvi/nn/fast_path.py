@@ -71,7 +71,7 @@ class BackpackStep(BackpackTwin):
             if curvature == "reparam":
                 if draws is None:  # (one particle: the draws themselves, not changed below)
                     draws = [[n.clone() if num_particles > 1 else n for n in noises],
-                             torch._foreach_mul(noises, noises)]  # (eps^2: one call for all sites)
+                             list(torch._foreach_mul(noises, noises))]  # (eps^2: one call for all sites)
                 else:
                     torch._foreach_add_(draws[0], noises)
                     torch._foreach_addcmul_(draws[1], noises, noises)
