@@ -255,6 +255,16 @@ def network_curvature(
                         f"the {source!r} curvature needs BackPACK's {type(extension).__name__} for every "
                         f"module of this network and its loss, and BackPACK has none here ({error}); {instead}."
                     ) from error
+                except AttributeError as error:  # (a module called twice: BackPACK kept one call's tensors)
+                    if not any(f"attribute '{name}'" in str(error) for name in ("output", "input0")):
+                        raise
+                    raise NotImplementedError(
+                        f"the {source!r} curvature is computed by BackPACK from each module's input and "
+                        "output, which it keeps for one call only, and a module of this network ran more "
+                        f"than once in the forward pass (a layer used twice: shared or tied weights; {error}): "
+                        "use CurvatureELBO('reparam') (curvature from the ordinary gradients at one draw) "
+                        "or Pyro's Trace_ELBO."
+                    ) from error
                 except AssertionError as error:  # (a second-order quantity lost on its way back)
                     if "expects a backpropagation quantity" not in str(error):
                         raise
@@ -324,7 +334,8 @@ def _pop_curvature(net: nn.Module, param: torch.Tensor, savefield: str):
         delattr(param, savefield)
         return value
     module = next(
-        m for m in net.modules() if any(q is param for q in m.parameters(recurse=False))
+        (m for m in net.modules() if any(q is param for q in m.parameters(recurse=False))),
+        "the network (the tensor is no longer one of its parameters)",
     )
     raise RuntimeError(
         f"BackPACK computed no {savefield!r} for a parameter of {module!r}. Extend "

@@ -18,7 +18,6 @@ from typing import Dict, List, Optional, Union
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
 import pyro
 import pyro.distributions as dist
@@ -30,7 +29,7 @@ from .guide import GuideFactory
 from .noise_limit import NoiseLimit
 from .priors import PriorSpec, WeightPriors
 from .twin import LOSS_MODULES
-from .weights import RunningStatistics, Weight, network_weights
+from .weights import RunningStatistics, Weight, call_with, network_weights
 
 
 class BayesianNet(WeightPriors, NoiseLimit, GuideFactory, InputChecks, FastPath, nn.Module):
@@ -236,7 +235,7 @@ class BayesianNet(WeightPriors, NoiseLimit, GuideFactory, InputChecks, FastPath,
             params[weight.key] = value if value.dtype == weight.param.dtype else value.to(weight.param.dtype)
         for weight in self._point_estimates:
             params[weight.key] = self._point_estimate(weight)
-        output = self._likelihood_param(functional_call(self.net, params, (x,)))
+        output = self._likelihood_param(call_with(self.net, params, x))
         if y is not None:  # (the shape and dtype, as on the fast path; the values are the log_prob's to check)
             self._check_targets(y, output, values=False)
         likelihood = self._likelihood(output)

@@ -7,10 +7,11 @@ statistics of train-mode ``BatchNorm`` layers are kept until the optimizer accep
 the step (:class:`RunningStatistics`).
 """
 
-from typing import List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from ..family import live_handover, on_rejected
 
@@ -54,6 +55,23 @@ def network_weights(net: nn.Module, prefix: str) -> Tuple[List[Weight], List[Wei
             "parameter with requires_grad=True outside BatchNorm layers."
         )
     return latents, point_estimates
+
+
+def call_with(net: nn.Module, params: Dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``net(x)`` with ``params`` (by their names in the network) in place of its own tensors, as
+    :func:`torch.func.functional_call`, and every module's own tensors put back afterwards.
+    ``functional_call`` alone does not put them back where one module is registered under two
+    names (``nn.Sequential(layer, act, layer)``, a block repeated): it left the values drawn for
+    that layer in the network as plain tensors, so that the network lost its Parameters and
+    the steps after the first trained that layer on one stale draw, unwarned."""
+    held = [(module._parameters, name, value) for module in net.modules()
+            for name, value in module._parameters.items()]
+    try:
+        return functional_call(net, params, (x,))
+    finally:
+        for parameters, name, value in held:
+            if parameters.get(name) is not value:
+                parameters[name] = value
 
 
 def fan_in(module: nn.Module) -> Optional[int]:
