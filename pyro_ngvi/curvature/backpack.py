@@ -81,6 +81,10 @@ from .batch_norm import EmpiricalFisherBackprop, frozen_ggn, frozen_ggn_mc, has_
 from .embedding import sparse_embedding_rule
 
 _FIRST_LAYER_HOOK_WARNING = "Full backward hook is firing when gradients are computed"
+#: BackPACK's first-order extensions warn, on every pass, of a container module they have no
+#: extension for (a user's module whose forward its converter could not trace): its layers' own
+#: hooks compute their quantities; a parameter that gets none is refused after the pass.
+_CONTAINER_WARNING = r"Extension saving to \w+ does not have an extension for Module .* although the module has parameters"
 
 
 #: Curvature sources: name -> factory ``mc_samples -> BackPACK extension``
@@ -234,6 +238,7 @@ def network_curvature(
         # gradient, fires from the output gradient (as BackPACK expects); recent
         # torch warns about that on every backward pass.
         warnings.filterwarnings("ignore", _FIRST_LAYER_HOOK_WARNING, UserWarning)
+        warnings.filterwarnings("ignore", _CONTAINER_WARNING, UserWarning)
         if extension is None:
             loss = loss_module(_checked(net(x), check_output), y)
             loss.backward()
@@ -341,5 +346,7 @@ def _pop_curvature(net: nn.Module, param: torch.Tensor, savefield: str):
         f"BackPACK computed no {savefield!r} for a parameter of {module!r}. Extend "
         "the network with backpack.extend(net), use layers BackPACK supports (a "
         "PyroModule with PyroSample weights gets nothing from BackPACK) and only "
-        "parameters the forward pass uses."
+        "parameters the forward pass uses; a layer BackPACK has no extension for (e.g. LayerNorm) "
+        "or a parameter used outside a layer: CurvatureELBO('reparam') (curvature from the ordinary "
+        "gradients at one draw) or Pyro's Trace_ELBO."
     )
