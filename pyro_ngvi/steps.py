@@ -281,7 +281,13 @@ def _scales(group: Group, stats: List[SiteCurvature]) -> Optional[torch.Tensor]:
     views = group.cached("scale views", lambda: group.views(own))
     if all(scale is view for scale, view in zip(scales, views)):
         return own
-    return _flat(scales, out=own) if not group.one else _flat(scales)
+    if group.one:
+        return _flat(scales)
+    if any(scale.untyped_storage().data_ptr() == own.untyped_storage().data_ptr() for scale in scales):
+        # (some sites' sigma still views this buffer, others' another group's: a guide whose
+        # structure changes between steps; torch refuses a cat into memory it reads from)
+        return own.copy_(_flat(scales))
+    return _flat(scales, out=own)
 
 
 def compiled(ctx: Context, group: Group, size: int) -> bool:
