@@ -550,7 +550,8 @@ def couple_means(cross, start: Optional[tuple], max_step: Optional[float]) -> No
     denominator = _flat([site.scale for site in sites]).pow(-2)
     radius = scale * max_step if max_step is not None else torch.full_like(scale, math.inf)
     radius = torch.maximum(radius, step.abs())  # never tighter than the step the chain took
-    new_mean = mean - coupled_mean_step(step, denominator, cross.off_diagonal.to(step), radius)
+    diagonal = None if cross.diagonal is None else cross.diagonal.to(step)
+    new_mean = mean - coupled_mean_step(step, denominator, cross.off_diagonal.to(step), radius, diagonal)
     for site, piece in zip(sites, new_mean.split([site.loc.numel() for site in sites])):
         site.loc.copy_(piece.view_as(site.loc))
 

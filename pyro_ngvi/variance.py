@@ -41,6 +41,11 @@ CROSS_RATE = 0.01
 #: The regression restarts where its line misses a step's g by more than CROSS_MISFIT current
 #: sds (the miss times sigma; 0 on a quadratic log joint; tests/test_wide_start.py).
 CROSS_MISFIT = 100.0
+#: The regression's own diagonal stands in for a precision below it in the coupled step only
+#: where its line met this step's g within CROSS_FIT current sds: a log joint quadratic here (the
+#: miss is then 0 up to rounding). On a funnel's heavy tails the slope is noise, and a looser 1 sd
+#: let it take s 1 sd further astray (benchmarks/funnel.py under CurvatureELBO with 8 draws).
+CROSS_FIT = 0.01
 #: The rate of the running level of a full-covariance site's one-draw curvature, the
 #: coefficient of its control variate (:func:`dense_control_variate`).
 LEVEL_RATE = 0.2
@@ -91,6 +96,7 @@ class CrossTerms(NamedTuple):
     off_diagonal: torch.Tensor
     state: object
     new: torch.Tensor
+    diagonal: Optional[torch.Tensor] = None  # the regression's diagonal of H, plus the prior's (0 until usable)
 
 
 def _takes_cross_terms(stats: SiteCurvature) -> bool:
@@ -162,11 +168,16 @@ def cross_terms(sites: List[GaussianSite], stats: Dict[str, SiteCurvature],
         # how far this step's g is from the regression's line, in the current sds (taken after use)
         misfit = (raw_grad - mean_g - (point - mean_w) @ slope).mul_(sigma).abs_().amax()
         off = slope.add_(slope.T.clone()).mul_(0.5)
+        diagonal = off.diagonal().clone()
         off.diagonal().zero_()
         correction = off @ z
         usable = (n > size) & (info == 0) & torch.isfinite(correction).all()
         correction = torch.where(usable, correction, 0.0)
         off = torch.where(usable, off, 0.0)
+        # (plus the conjugate prior's precision, which the regressed gradient leaves out)
+        prior = [torch.zeros_like(s.grad) if s.prior_precision is None else s.prior_precision.expand_as(s.grad)
+                 for s in picked]
+        diagonal = torch.where(usable & (misfit <= CROSS_FIT), diagonal + flat(prior), 0.0)
         curvature_correction = correction * eps / sigma
         pieces = zip(correction.split([s.grad.numel() for s in picked]),
                      curvature_correction.split([s.grad.numel() for s in picked]))
@@ -189,7 +200,7 @@ def cross_terms(sites: List[GaussianSite], stats: Dict[str, SiteCurvature],
         fresh = torch.zeros_like(packed)
         fresh[0], fresh[1], fresh[2] = 1.0, point, raw_grad
         new = torch.where(refit, fresh, new)
-    return CrossTerms([site for site, _ in chosen], off, state, new)
+    return CrossTerms([site for site, _ in chosen], off, state, new, diagonal)
 
 
 def dense_control_variate(factor: torch.Tensor, stats: SiteCurvature, state):

@@ -90,7 +90,7 @@ def trusted_mean_step(mean, direction, pull, denominator, lr, radius, out=None, 
 
 
 def coupled_mean_step(step: torch.Tensor, denominator: torch.Tensor, off_diagonal: torch.Tensor,
-                      radius: torch.Tensor) -> torch.Tensor:
+                      radius: torch.Tensor, diagonal: Optional[torch.Tensor] = None) -> torch.Tensor:
     """
     The mean step of a few sites coupled by :math:`\\tilde H`, an estimate of the
     off-diagonal part of the Hessian (:func:`~pyro_ngvi.variance.cross_terms`): with
@@ -103,10 +103,20 @@ def coupled_mean_step(step: torch.Tensor, denominator: torch.Tensor, off_diagona
     quadratic log joint with :math:`\\tilde H` exact and :math:`\\alpha = 1`, the exact
     mean in one step). Its fixed point is the same (:math:`\\delta' = 0` iff
     :math:`\\delta = 0`): the mean-field optimum. Clipped to ``radius`` element-wise (the
-    trust region); where :math:`D + \\tilde H` is not positive definite, :math:`\\delta`.
+    trust region). Where :math:`D + \\tilde H` is not positive definite and the regression's own
+    ``diagonal`` :math:`\\hat H_{ii}` is given, :math:`\\max(D, \\mathrm{diag}\\,\\hat H) + \\tilde H`
+    takes its place: near a singular :math:`H` (latents seen only in a combination: a 4-vector
+    observed through its sum has :math:`H_{ii} = 32.25`, :math:`H_{ij} = 32`) the precision's noise
+    below :math:`H_{ii}` makes the first indefinite, and the element-wise step it would fall back to
+    leaves the directions only the prior holds all but still. Where neither is positive
+    definite, :math:`\\delta`.
     """
     matrix = off_diagonal + torch.diag(denominator)
     factor, info = torch.linalg.cholesky_ex(matrix)
+    if diagonal is not None:  # (both factored: no device sync; the second taken where the first failed)
+        lifted, lifted_info = torch.linalg.cholesky_ex(off_diagonal + torch.diag(torch.maximum(denominator, diagonal)))
+        swap = (info != 0) & (lifted_info == 0)
+        factor, info = torch.where(swap, lifted, factor), torch.where(swap, lifted_info, info)
     coupled = torch.cholesky_solve((denominator * step).unsqueeze(-1), factor).squeeze(-1)
     coupled = torch.minimum(torch.maximum(coupled, -radius), radius)
     usable = (info == 0) & torch.isfinite(coupled).all() & off_diagonal.any()
