@@ -27,7 +27,7 @@ from typing import List, NamedTuple
 import torch
 
 from .family import GaussianSite
-from .monitor import SKIPS_IN_A_ROW, NGVIWarning, stuck_message
+from .monitor import SKIPS_IN_A_ROW, NGVIWarning, power_of_two, stuck_message
 from .point import param_label
 from .safeguards import finite, report
 from .state import advance
@@ -109,7 +109,7 @@ def read_checks(optim, plan, sites, stats, groups, group_stats, flats, others) -
     if elbo_flag is not None and engaged[-1]:
         message = plan.elbo_watch.message(optim.num_steps)
         if message:
-            warnings.warn(message, NGVIWarning, stacklevel=4)
+            warnings.warn(message, NGVIWarning, stacklevel=5)
     if all(ok):
         if checked:
             plan.skips_in_a_row = 0
@@ -122,8 +122,8 @@ def read_checks(optim, plan, sites, stats, groups, group_stats, flats, others) -
     if plan.skips_in_a_row >= SKIPS_IN_A_ROW:
         largest = max((float(site.mean.abs().max()) for site in sites), default=math.nan)
         raise RuntimeError(stuck_message(plan.skips_in_a_row, ", ".join(repr(b) for b in bad), largest))
-    optim._skip(f"non-finite gradient or curvature at {', '.join(repr(b) for b in bad)}; the guide is "
-                "unchanged", f"{SKIPS_IN_A_ROW} in a row raise.", stacklevel=5)
+    warn_skip(optim, f"non-finite gradient or curvature at {', '.join(repr(b) for b in bad)}; the guide is "
+              "unchanged", f"{SKIPS_IN_A_ROW} in a row raise.", stacklevel=6)
     return False
 
 
@@ -142,6 +142,18 @@ def _deferred_skips(optim, plan, pending, engaged: List[bool]) -> List[bool]:
         bad = ", ".join(name for name, g in zip(step.names, good) if not g)
         if plan.skips_in_a_row >= SKIPS_IN_A_ROW:
             raise RuntimeError(stuck_message(plan.skips_in_a_row, bad, math.nan))
-        optim._skip(f"non-finite gradient or curvature at {bad} (read {len(pending)} steps late); the "
-                    "guide is unchanged", f"{SKIPS_IN_A_ROW} in a row raise.", stacklevel=6)
+        warn_skip(optim, f"non-finite gradient or curvature at {bad} (read {len(pending)} steps late); the "
+                  "guide is unchanged", f"{SKIPS_IN_A_ROW} in a row raise.", stacklevel=7)
     return engaged
+
+
+def warn_skip(optim, why: str, advice: str, every: bool = False, stacklevel: int = 4) -> None:
+    """Warn of a step of ``optim`` skipped (counted already) at the 1st, 2nd, 4th, ... skip
+    unless ``every``, the warning pointing at ``SVI.step`` (``stacklevel`` frames up)."""
+    if not (every or power_of_two(optim.num_skipped_steps)):
+        return
+    attempted = optim.num_steps + optim.num_skipped_steps + optim.num_rejected_steps
+    when = "" if every else "; warned at the 1st, 2nd, 4th, 8th, ..."
+    warnings.warn(f"NGVI skipped step {attempted} ({optim.num_steps} taken): {why} "
+                  f"({optim.num_skipped_steps} skipped so far{when}). {advice}", NGVIWarning,
+                  stacklevel=stacklevel)

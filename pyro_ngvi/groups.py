@@ -20,7 +20,7 @@ the element-wise pass writes its temporaries into a :class:`Workspace` made once
 optimizer: a step of an unchanged guide allocates no element-sized tensor.
 """
 
-from typing import Dict, List, NamedTuple, Optional
+from typing import Dict, List, Optional
 
 import torch
 from torch._utils import _flatten_dense_tensors

@@ -2,17 +2,16 @@
 :class:`NGVI`: the Bayesian learning rule for Gaussian guides as a
 :class:`pyro.optim.PyroOptim` that ``pyro.infer.SVI`` can drive.
 
-The shell: it finds the guide's Gaussian sites (:mod:`~pyro_ngvi.family`), takes their
-statistics (:mod:`~pyro_ngvi.statistics`), checks the step before any write
-(:mod:`~pyro_ngvi.safeguards`), hands each group of sites to the chain of
-:mod:`~pyro_ngvi.steps` (variance reduction, step sizes, the update, its safeguards),
-trains everything else with a torch optimizer, and keeps state per site for
+The shell: it finds the guide's Gaussian sites (:mod:`~pyro_ngvi.family`, kept per guide
+structure in a :class:`~pyro_ngvi.plan.Plan`), takes their statistics
+(:mod:`~pyro_ngvi.statistics`) and hands them to the chain of :mod:`~pyro_ngvi.chain` (the
+safeguards, variance reduction, step sizes, the update, the writes), whose point optimizer, a
+torch optimizer, trains everything else; it keeps state per site for
 :meth:`~NGVI.get_state` / :meth:`~NGVI.set_state`.
 """
 
 import copy
 import math
-import warnings
 import weakref
 from typing import Dict, List, Optional
 
@@ -22,26 +21,21 @@ from torch.utils.weak import WeakIdKeyDictionary
 import pyro
 from pyro.optim.optim import PyroOptim
 
+from .chain import Config, Request, take_step
 from .checkpoint import safe_load
-from .checks import DeferredChecks, check_step_arguments, read_checks, sync_every
+from .checks import check_step_arguments, read_checks
 from .distributed import all_reduce_stats, is_distributed, without_draws
-from .family import (FullCovarianceSite, GaussianSite, SiteCurvature, calling_step, calling_svi, end_handover,
-                     gaussian_sites, split_params, step_loss)
-from .groups import Group, Workspace, group_sites, statistics_kind
-from .guide_trace import subsampling
+from .family import GaussianSite, SiteCurvature, calling_svi, end_handover, split_params
+from .groups import Workspace
 from .hot_path import no_grad
-from .kronecker import KroneckerSite
-from .low_rank_guide import LowRankSite
-from .monitor import ElboWatch, NGVIWarning, SpreadWatch, power_of_two
+from .monitor import NGVIWarning, SpreadWatch
+from .plan import Plan, still_stored
 from .policies import (DENSE, DENSE_SAMPLED, FULL_BATCH, MINIBATCH, Schedule, Settings, check_schedule,
-                       defaults, resolve, scheduled)
+                       defaults, resolve)
 from .point import check_point_optim, check_point_states, decay_guide_part_lr, probe_point_step
-from .priors import update_learned_priors
-from .safeguards import NewtonGuard, Safeguards, finite
-from .state import SiteState, advance, check_state, restore_scales, schedule_clock
+from .state import SiteState, check_state, restore_scales
 from .statistics import Buffers, one_draw, site_statistics
-from .steps import Context, GuardedStep, Options, couple_means, dense_adaptive, dense_site, mean_field_group, start_of
-from .variance import cross_terms
+from .steps import Options
 
 __all__ = ["NGVI", "NGVIWarning", "Settings", "defaults", "FULL_BATCH", "DENSE", "DENSE_SAMPLED", "MINIBATCH"]
 
@@ -149,7 +143,7 @@ class NGVI(PyroOptim):
         self._pending_newton: List[Dict] = []  # Newton guards restored by set_state, not yet taken up
         self._states: Dict[int, SiteState] = {}  # id(loc) -> that site's state
         self._pending_states: Dict[str, Dict] = {}  # from set_state, by param name
-        self._plans: Dict[tuple, _Plan] = {}  # per guide structure
+        self._plans: Dict[tuple, Plan] = {}  # per guide structure
         self._spread_watch = SpreadWatch()  # means growing without bound (pyro_ngvi.monitor), per group
         self._point_checked = WeakIdKeyDictionary()  # params whose point-optimizer step was probed
         self._workspace = Workspace()  # scratch buffers of the element-wise pass (pyro_ngvi.groups)
@@ -188,6 +182,8 @@ class NGVI(PyroOptim):
         end_handover(accepted)
 
     def _step(self, params, svi, *args, **kwargs) -> bool:
+        """Find the sites and their state, take their statistics and hand them to the chain of
+        :func:`~pyro_ngvi.chain.take_step`."""
         plan = self._plan(params, svi)
         sites, others = plan.sites, plan.others
         _check_pending(self._pending_states, sites)  # every saved entry checked before any is taken
@@ -197,96 +193,13 @@ class NGVI(PyroOptim):
         stats = self._statistics(sites, svi)  # (without gradients)
         learned = {id(p.unconstrained) for s in stats.values() if isinstance(s, SiteCurvature)
                    for p in s.prior_params()}
-        if learned:  # prior params set in closed form below, not by the point optimizer
+        if learned:  # prior params set in closed form, not by the point optimizer
             others = [p for p in others if id(p) not in learned]
         stats = all_reduce_stats(stats, others)  # no-op without torch.distributed
-        objective = next((s.objective for s in stats.values()
-                          if isinstance(s, SiteCurvature) and s.objective is not None), None)
-        # F compares guide steps only: not while other parameters move with them
-        guarded = (self.safeguard and objective is not None and not callable(self.lr) and not learned
-                   and not any(p.grad is not None for p in others))
-        mean_field = plan.mean_field
-        if guarded and plan.newton.rejects(mean_field, objective, self.num_steps):
-            self.num_rejected_steps += 1
-            self._restart_momentum(sites)
-            return False
-        dense_sites = plan.dense_sites
-        cross = cross_terms(mean_field, stats, self._state) if self.control_variate else None
-        groups = plan.groups_for(mean_field, stats)
-        group_stats = [[stats[site.key] for site in group.sites] for group in groups]
-        flats = [(group.gather("grad", [s.grad for s in st]), group.gather("curvature", [s.curvature for s in st]))
-                 for group, st in zip(groups, group_stats)]
-        # on CUDA the host reads the checks every few steps (pyro_ngvi.checks): meanwhile a step
-        # with non-finite statistics writes nothing (masked)
-        every = sync_every(sites[0].loc.device, self.sync_every) if sites else 1
-        ok = None
-        if every > 1 and not (dense_sites or guarded or learned or cross is not None
-                              or any(p.grad is not None for p in others)):
-            checks = [finite(g, h, mask=st[0].mask, exact=True) for (g, h), st in zip(flats, group_stats)]
-            ok = plan.deferred.add(checks, [", ".join(repr(site.name) for site in group.sites) for group in groups],
-                                   states)
-        elif not read_checks(self, plan, sites, stats, groups, group_stats, flats, others):
-            return False
-        clock = schedule_clock(states)  # the guide's own step count (pyro_ngvi.state)
-        lr, beta, tau = scheduled(self.lr, self.beta, self.tau, clock)
-        state_of = {site.key: state for site, state in zip(sites, states)}
-        context = Context(self._options, clock, plan.signs, self._spread_watch, GuardedStep(plan.newton.factor)
-                          if guarded else None, self.compile, ok, self._workspace, plan.subsampling)
-        # full-covariance steps are computed before anything is written: one whose new
-        # precision is not positive definite skips the whole step
-        dense_steps = []
-        for site in dense_sites:
-            adaptive = dense_adaptive(site, stats[site.key], context.options)
-            # (a low-rank site's adaptive steps start from the constant ones: one draw's rank-2 target)
-            settings = self._settings(stats[site.key], lr, beta, dense=True,
-                                      sampled=adaptive and isinstance(site, FullCovarianceSite))
-            step = dense_site(context, site, stats[site.key], settings, tau, state_of[site.key], adaptive)
-            if step is None:
-                self.num_skipped_steps += 1
-                self._skip(f"the new precision of {site.name!r} is not numerically positive definite (or "
-                           "its eigen-decomposition did not converge); the guide is unchanged",
-                           "Lower beta or add damping.", every=True)
-                return False
-            dense_steps.append((step, settings.momentum))
-        self._point_step(others, *args, **kwargs)  # before any guide write: it may still fail
-        if guarded:  # the point to come back to
-            plan.newton.keep(mean_field, objective)
-        coupled_start = None if cross is None else start_of(cross.sites, plan.subsampling)
-        new_scales = {}  # sigma after the update, for the prior M-step
-        for group, st, (grad, curvature) in zip(groups, group_stats, flats):
-            group_states = [state_of[site.key] for site in group.sites]
-            settings = self._settings(st[0], lr, beta)
-            if guarded:  # the Newton step damped by the safeguard
-                settings = settings._replace(lr=settings.lr / plan.newton.factor)
-            clamped, far, sigma, spreading = mean_field_group(context, group, st, grad, curvature, settings, tau,
-                                                              group_states)
-            plan.safeguards.append(Safeguards(group, group_states, clamped, far, spreading))
-            if learned and sigma is not None:
-                new_scales.update((site.key, piece.view_as(site.loc))
-                                  for site, piece in zip(group.sites, sigma.split(group.sizes)))
-        if guarded:
-            plan.newton.predicted = float(context.guarded.predicted)
-        if cross is not None:  # the regression takes this step's gradients (not before: a skipped step)
-            cross.state.cross = cross.new
-            couple_means(cross, coupled_start, self.max_step)
-        for site, ((step, direction, kept), rho) in zip(dense_sites, dense_steps):
-            site.write(*step)
-            state = state_of[site.key]
-            state.started = True
-            if rho:
-                state.momentum = direction
-            for name, value in kept.items():  # the adaptive steps' count and drift test
-                setattr(state, name, value)
-        if learned:
-            update_learned_priors([(site.mean, new_scales[site.key] if site.key in new_scales else site.scale,
-                                    stats[site.key]) for site in mean_field if stats[site.key].prior_params()])
-        if self.watch_elbo:
-            watch_elbo(plan, stats, tau, svi)
-        self.num_steps += 1
-        advance(states)
-        if ok is not None and len(plan.deferred) >= every:
-            read_checks(self, plan, [], {}, [], [], [], [])  # the deferred steps' checks
-        return True
+        config = Config(self.lr, self.beta, self.tau, self.momentum, self.damping, self._options, self.safeguard,
+                        self.sync_every, self.compile, self.watch_elbo)
+        return take_step(self, config, Request(plan, states, stats, others, bool(learned), svi, self._state,
+                                               lambda point: self._point_step(point, *args, **kwargs)))
 
     @no_grad
     def _statistics(self, sites, svi) -> Dict:
@@ -298,17 +211,6 @@ class NGVI(PyroOptim):
         buffers = None if svi is None else self._buffers
         stats = {site.key: site_statistics(site, live, single, self.control_variate, buffers) for site in sites}
         return without_draws(stats, sites) if is_distributed() else stats
-
-    def _skip(self, why: str, advice: str, every: bool = False, stacklevel: int = 4) -> None:
-        """Warn of a skipped step, counted already (at the 1st, 2nd, 4th, ... unless ``every``),
-        the warning pointing at ``SVI.step`` (``stacklevel`` frames up)."""
-        if not (every or power_of_two(self.num_skipped_steps)):
-            return
-        attempted = self.num_steps + self.num_skipped_steps + self.num_rejected_steps
-        when = "" if every else "; warned at the 1st, 2nd, 4th, 8th, ..."
-        warnings.warn(f"NGVI skipped step {attempted} ({self.num_steps} taken): {why} "
-                      f"({self.num_skipped_steps} skipped so far{when}). {advice}", NGVIWarning,
-                      stacklevel=stacklevel)
 
     def _point_step(self, others: List[torch.Tensor], *args, **kwargs) -> None:
         """The point optimizer's step on the other parameters (probed once per parameter with a
@@ -330,21 +232,21 @@ class NGVI(PyroOptim):
         return optimizer
 
     # ---------------------------------------------------------------- sites and state
-    def _plan(self, params, svi=None) -> "_Plan":
+    def _plan(self, params, svi=None) -> "Plan":
         """The guide's sites and other parameters (:func:`~pyro_ngvi.family.split_params`), with
         what NGVI keeps per guide structure, remembered while the param store holds its tensors."""
         guide = _guide_of(self.guide, svi)
         key = (id(guide), frozenset(map(id, params)))
         plan = self._plans.get(key)
         store = pyro.get_param_store()._params
-        if plan is not None and all(_still_stored(site, store) for site in plan.sites):
+        if plan is not None and all(still_stored(site, store) for site in plan.sites):
             plan.reweigh(guide)  # (poutine.scale factors may change between steps: KL annealing)
             return plan
         sites, others, parts = split_params(guide, params)
         self._guide_parts.update((p, True) for p in parts)
         # plans whose tensors left the param store (pyro.clear_param_store()) leave no trace
-        self._plans = {k: p for k, p in self._plans.items() if all(_still_stored(s, store) for s in p.sites)}
-        plan = self._plans[key] = _Plan(sites, others, guide)
+        self._plans = {k: p for k, p in self._plans.items() if all(still_stored(s, store) for s in p.sites)}
+        plan = self._plans[key] = Plan(sites, others, guide)
         plan.take_newton(self._pending_newton)
         return plan
 
@@ -436,79 +338,6 @@ class NGVI(PyroOptim):
         self.set_state(safe_load(filename, map_location, what="NGVI state"))
 
 
-def watch_elbo(plan, stats, tau: float, svi) -> None:
-    """Feed the ELBO watch (:mod:`pyro_ngvi.monitor`) the loss this step's ELBO handed over (a
-    Pyro loss: the one ``SVI.step`` computed, :func:`~pyro_ngvi.family.step_loss`); at another
-    temperature than 1 that loss is not the objective: start again."""
-    if not all(getattr(s, "watched", True) for s in stats.values()):  # (not one family's ELBO)
-        return
-    loss = next((s.loss for s in stats.values() if getattr(s, "loss", None) is not None), None)
-    loss = step_loss(svi) if loss is None and svi is not None else loss
-    if loss is None:
-        return
-    if tau != 1:
-        plan.elbo_watch.reset()
-        return
-    plan.elbo_watch.one_draw = svi is not None and one_draw(svi)
-    flag = plan.elbo_watch.add(loss)
-    if flag is not None:  # (kept until the host reads it: not every step does)
-        plan.elbo_flag = flag
-
-
-class _Plan:
-    """What NGVI keeps per guide structure (a guide and the tensors SVI hands over): its sites
-    and other parameters, its groups by kind of statistics, the stall test's signs, the Newton
-    guard, the ELBO watch and the flags of its last step (read at its next step's sync), and how
-    much the model subsamples its data (:func:`~pyro_ngvi.guide_trace.subsampling`, read once)."""
-
-    def __init__(self, sites, others, guide=None):
-        self.sites, self.others = sites, others
-        found = None if guide is None or not sites else calling_step(guide)
-        self.subsampling = 0.0 if found is None or found.model is None else \
-            subsampling(found.model, *found.args, **found.kwargs)
-        self.mean_field = [site for site in sites if isinstance(site, GaussianSite)]
-        self.weighted = any(site.weight != 1.0 for site in self.mean_field)  # (read once: reweigh)
-        self.dense_sites = [site for site in sites if isinstance(site, (FullCovarianceSite, KroneckerSite, LowRankSite))]
-        self.groups: Dict[tuple, List[Group]] = {}
-        self.signs: Dict = {}  # id(group) -> (group, g > 0 at its last sampled step)
-        self.newton = NewtonGuard()
-        self.safeguards: List[Safeguards] = []
-        self.elbo_watch = ElboWatch()  # a training ELBO that keeps getting worse
-        self.elbo_flag: Optional[torch.Tensor] = None
-        self.skips_in_a_row = 0
-        self.deferred = DeferredChecks()  # steps whose checks the host has not read yet
-
-    def take_newton(self, pending: List[Dict]) -> None:
-        """Take the first of the ``pending`` Newton guards (restored by :meth:`NGVI.set_state`) that is
-        of these sites, off the list."""
-        for entry in pending:
-            if self.newton.restore(entry, self.mean_field):
-                pending.remove(entry)
-                return
-
-    def reweigh(self, guide) -> None:
-        """Read the ``poutine.scale`` factors of the sites again, if any was not 1 (a factor passed
-        to the guide as an argument, changed between steps: KL annealing), off a run of the guide
-        that leaves the random streams as they were (:func:`~pyro_ngvi.guide_trace.trace_guide`).
-        Sites of weight 1 cost nothing here."""
-        if not self.weighted:
-            return
-        found = calling_step(guide)
-        args, kwargs = (found.args, found.kwargs) if found is not None else ((), {})
-        weights = {site.key: site.weight for site in gaussian_sites(guide, *args, **kwargs)
-                   if isinstance(site, GaussianSite)}
-        for site in self.mean_field:
-            site.weight = weights.get(site.key, site.weight)
-
-    def groups_for(self, sites: List[GaussianSite], stats: Dict[str, SiteCurvature]) -> List[Group]:
-        """:func:`~pyro_ngvi.groups.group_sites` for these sites and kinds of statistics, remembered."""
-        key = tuple(statistics_kind(stats[site.key]) for site in sites)
-        groups = self.groups.get(key)
-        if groups is None:
-            groups = self.groups[key] = [Group.of(group) for group in group_sites(sites, stats)]
-        return groups
-
-
 def _number(name: str, value, low: float, high: float, what: str, low_open: bool = False,
             high_open: bool = False) -> float:
     """A number hyperparameter (no schedule) in its interval. :raises ValueError: naming it."""
@@ -550,12 +379,3 @@ def _checked_guide(guide):
     if guide is not None and not callable(guide):
         raise ValueError(f"guide must be the guide (a callable) NGVI steps, or None (SVI's), got {guide!r}")
     return guide
-
-
-def _still_stored(site, store) -> bool:
-    """Whether the param store still holds the site's tensors under their names."""
-    if isinstance(site, KroneckerSite):
-        return store.get(site.row_name) is site.raw_row_scale_tril and store.get(site.col_name) is site.raw_col_scale_tril
-    if isinstance(site, FullCovarianceSite) and store.get(site.scale_tril_name) is not site.raw_scale_tril:
-        return False
-    return store.get(site.scale_name) is site.raw_scale

@@ -155,7 +155,7 @@ def span_step(ctx: Context, group: Group, stats: List[SiteCurvature], grad: torc
         innovations and their count.
     """
     options = ctx.options
-    first, sites = stats[0], group.sites
+    first = stats[0]
     lr, beta, rho = settings.lr, settings.beta, settings.momentum
 
     def cut(flat):  # the span of a flat vector (all of it outside a run)

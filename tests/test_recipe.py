@@ -21,7 +21,9 @@ from pyro.infer.autoguide import AutoNormal
 from pyro_ngvi import NGVI, BayesianNet, CurvatureELBO, NGVIWarning, load_param_store
 from pyro_ngvi import monitor
 from pyro_ngvi.family import CURVATURE_PER_EXAMPLE, SiteCurvature, pop_curvature
-from pyro_ngvi.optim import FULL_BATCH, MINIBATCH, _Plan, defaults, watch_elbo
+from pyro_ngvi.chain import watch_elbo
+from pyro_ngvi.optim import FULL_BATCH, MINIBATCH, defaults
+from pyro_ngvi.plan import Plan
 
 
 @pytest.fixture(autouse=True)
@@ -330,7 +332,7 @@ def test_a_stationary_noisy_elbo_never_warns():
 
 def test_the_watches_ignore_a_tempered_objective():
     """At tau != 1 the handed loss is not the objective (the watch restarts)."""
-    plan = _Plan([], [])
+    plan = Plan([], [])
     watch_elbo(plan, {"s": SiteCurvature(torch.zeros(1), torch.zeros(1), loss=torch.tensor(1.0))}, 0.5, None)
     assert plan.elbo_watch.count == 0
     watch = monitor.ElboWatch()

@@ -1,0 +1,81 @@
+"""
+What :class:`~pyro_ngvi.NGVI` keeps per guide structure (a guide and the tensors ``SVI`` hands
+over): a :class:`Plan` of its sites and other parameters, built once and reused while the param
+store holds those tensors.
+"""
+
+from typing import Dict, List, Optional
+
+import torch
+
+from .checks import DeferredChecks
+from .family import FullCovarianceSite, GaussianSite, SiteCurvature, calling_step, gaussian_sites
+from .groups import Group, group_sites, statistics_kind
+from .guide_trace import subsampling
+from .kronecker import KroneckerSite
+from .low_rank_guide import LowRankSite
+from .monitor import ElboWatch
+from .safeguards import NewtonGuard, Safeguards
+
+
+class Plan:
+    """What NGVI keeps per guide structure (a guide and the tensors SVI hands over): its sites
+    and other parameters, its groups by kind of statistics, the stall test's signs, the Newton
+    guard, the ELBO watch and the flags of its last step (read at its next step's sync), and how
+    much the model subsamples its data (:func:`~pyro_ngvi.guide_trace.subsampling`, read once)."""
+
+    def __init__(self, sites, others, guide=None):
+        self.sites, self.others = sites, others
+        found = None if guide is None or not sites else calling_step(guide)
+        self.subsampling = 0.0 if found is None or found.model is None else \
+            subsampling(found.model, *found.args, **found.kwargs)
+        self.mean_field = [site for site in sites if isinstance(site, GaussianSite)]
+        self.weighted = any(site.weight != 1.0 for site in self.mean_field)  # (read once: reweigh)
+        self.dense_sites = [site for site in sites if isinstance(site, (FullCovarianceSite, KroneckerSite, LowRankSite))]
+        self.groups: Dict[tuple, List[Group]] = {}
+        self.signs: Dict = {}  # id(group) -> (group, g > 0 at its last sampled step)
+        self.newton = NewtonGuard()
+        self.safeguards: List[Safeguards] = []
+        self.elbo_watch = ElboWatch()  # a training ELBO that keeps getting worse
+        self.elbo_flag: Optional[torch.Tensor] = None
+        self.skips_in_a_row = 0
+        self.deferred = DeferredChecks()  # steps whose checks the host has not read yet
+
+    def take_newton(self, pending: List[Dict]) -> None:
+        """Take the first of the ``pending`` Newton guards (restored by :meth:`NGVI.set_state`) that is
+        of these sites, off the list."""
+        for entry in pending:
+            if self.newton.restore(entry, self.mean_field):
+                pending.remove(entry)
+                return
+
+    def reweigh(self, guide) -> None:
+        """Read the ``poutine.scale`` factors of the sites again, if any was not 1 (a factor passed
+        to the guide as an argument, changed between steps: KL annealing), off a run of the guide
+        that leaves the random streams as they were (:func:`~pyro_ngvi.guide_trace.trace_guide`).
+        Sites of weight 1 cost nothing here."""
+        if not self.weighted:
+            return
+        found = calling_step(guide)
+        args, kwargs = (found.args, found.kwargs) if found is not None else ((), {})
+        weights = {site.key: site.weight for site in gaussian_sites(guide, *args, **kwargs)
+                   if isinstance(site, GaussianSite)}
+        for site in self.mean_field:
+            site.weight = weights.get(site.key, site.weight)
+
+    def groups_for(self, sites: List[GaussianSite], stats: Dict[str, SiteCurvature]) -> List[Group]:
+        """:func:`~pyro_ngvi.groups.group_sites` for these sites and kinds of statistics, remembered."""
+        key = tuple(statistics_kind(stats[site.key]) for site in sites)
+        groups = self.groups.get(key)
+        if groups is None:
+            groups = self.groups[key] = [Group.of(group) for group in group_sites(sites, stats)]
+        return groups
+
+
+def still_stored(site, store) -> bool:
+    """Whether the param store still holds the site's tensors under their names."""
+    if isinstance(site, KroneckerSite):
+        return store.get(site.row_name) is site.raw_row_scale_tril and store.get(site.col_name) is site.raw_col_scale_tril
+    if isinstance(site, FullCovarianceSite) and store.get(site.scale_tril_name) is not site.raw_scale_tril:
+        return False
+    return store.get(site.scale_name) is site.raw_scale
