@@ -14,8 +14,12 @@ from .scales import known_scale, remember_scale
 
 #: The per-element buffers of :class:`SiteState` (saved by ``NGVI.get_state``).
 BUFFERS = ("momentum", "count", "drift", "hdrift", "excess")
-#: Per-site (not per-element) tensors of :class:`SiteState`, saved too.
+#: Per-site (not per-element) tensors of :class:`SiteState`, saved too ("cross": a dict of them).
 SITE_TENSORS = ("steps", "noise", "cross", "level", "prior")
+#: The key of a regression of the cross terms restored from a checkpoint of an earlier version,
+#: which did not say whose it was: the first structure of its total size takes it up, as that
+#: version did (pyro_ngvi.variance.cross_terms).
+CROSS_LEGACY = ""
 
 
 class SiteState:
@@ -39,9 +43,9 @@ class SiteState:
         self.excess: Optional[torch.Tensor] = None  # the curvature clipped off its targets, carried over
         self.steps: Optional[torch.Tensor] = None  # steps that fed the site's pooled noise
         self.noise: Optional[torch.Tensor] = None  # the two pooled variances (short, long memory)
-        # the regression of the cross terms of the control variate, of the small sites this site
-        # is the first of (pyro_ngvi.variance.cross_terms)
-        self.cross: Optional[torch.Tensor] = None
+        # the regressions of the cross terms of the control variate, of the small sites this site
+        # is the first of, by their structure (pyro_ngvi.variance.cross_terms), least recent first
+        self.cross: Optional[Dict[str, torch.Tensor]] = None
         # a full-covariance site's running level tr(C^T H C) / D of its one-draw curvature (the
         # control variate's coefficient, pyro_ngvi.full_covariance.controlled_price_statistics)
         self.level: Optional[torch.Tensor] = None
@@ -56,8 +60,7 @@ class SiteState:
         raw = None if self.raw is None else self.raw()
         scale = None if raw is None else known_scale(raw)
         return {"started": self.started, "taken": self.taken,
-                **{key: None if getattr(self, key) is None else getattr(self, key).clone()
-                   for key in BUFFERS + SITE_TENSORS},
+                **{key: _copied(getattr(self, key)) for key in BUFFERS + SITE_TENSORS},
                 "scale": None if scale is None else scale.clone(),
                 "scale_name": None if scale is None else store.param_name(raw)}
 
@@ -85,11 +88,21 @@ class SiteState:
         state = cls(weakref.ref(loc), None if raw is None else weakref.ref(raw))
         state.started, state.taken = entry["started"], entry.get("taken", 0)
         for name in BUFFERS + SITE_TENSORS:
-            buffer = entry.get(name)
-            setattr(state, name, None if buffer is None else buffer.to(loc).clone())
+            setattr(state, name, _copied(entry.get(name), loc))
+        if torch.is_tensor(state.cross):  # an earlier version's one regression, whose structure it did not say
+            state.cross = {CROSS_LEGACY: state.cross}
         if raw is not None:
             restore_scale(raw, entry.get("scale"), transform)
         return state
+
+
+def _copied(value, like: Optional[torch.Tensor] = None):
+    """A copy of a saved tensor, or of a dict of them (``cross``), as ``like``'s dtype and device."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        return {key: _copied(tensor, like) for key, tensor in value.items()}
+    return (value if like is None else value.to(like)).clone()
 
 
 def schedule_clock(states) -> int:
@@ -136,6 +149,9 @@ def check_state(state_dict) -> None:
     def count(value):
         return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
+    def float_tensor(value):
+        return torch.is_tensor(value) and value.is_floating_point()
+
     if not isinstance(state_dict, dict) or set(state_dict) != {"ngvi", "point"}:
         fail("the keys must be 'ngvi' and 'point'")
     ngvi, point = state_dict["ngvi"], state_dict["point"]
@@ -159,11 +175,14 @@ def check_state(state_dict) -> None:
             fail(f"site entry {name!r} needs a non-negative integer 'taken', got {entry['taken']!r}")
         if not (entry.get("scale_name") is None or isinstance(entry["scale_name"], str)):
             fail(f"site entry {name!r} needs a string 'scale_name' or None")
+        cross = entry.get("cross")  # (a dict by structure; one tensor from an earlier version)
         if not isinstance(entry["started"], bool) or not all(
-            entry.get(key) is None or (torch.is_tensor(entry[key]) and entry[key].is_floating_point())
-            for key in BUFFERS + SITE_TENSORS + ("scale",)
-        ):
-            fail(f"site entry {name!r} needs a bool 'started' and float tensors or None for the rest")
+            entry.get(key) is None or float_tensor(entry[key]) for key in BUFFERS + SITE_TENSORS + ("scale",)
+            if key != "cross"
+        ) or not (cross is None or float_tensor(cross) or (isinstance(cross, dict) and all(
+                isinstance(k, str) and float_tensor(v) for k, v in cross.items()))):
+            fail(f"site entry {name!r} needs a bool 'started', float tensors or None for the rest and for "
+                 "'cross' a dict of them by string")
     if not isinstance(point, dict):
         fail("state['point'] must be a dict")
     for name, entry in point.items():

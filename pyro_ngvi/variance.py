@@ -29,6 +29,7 @@ import torch
 from . import full_covariance, low_rank
 from .family import GaussianSite, SiteCurvature
 from .groups import flat
+from .state import CROSS_LEGACY
 
 #: The cross terms run where the mean-field sites with known draws have at most this many
 #: elements together (the state holds two D x D matrices); with more, only the diagonal
@@ -46,6 +47,10 @@ CROSS_MISFIT = 100.0
 #: miss is then 0 up to rounding). On a funnel's heavy tails the slope is noise, and a looser 1 sd
 #: let it take s 1 sd further astray (benchmarks/funnel.py under CurvatureELBO with 8 draws).
 CROSS_FIT = 0.01
+#: Each first site keeps the regressions of at most this many structures (the ordered keys and
+#: shapes of the sites they cover: a guide whose sites change between steps), the least recently
+#: taken dropped.
+CROSS_STRUCTURES = 4
 #: The rate of the running level of a full-covariance site's one-draw curvature, the
 #: coefficient of its control variate (:func:`dense_control_variate`).
 LEVEL_RATE = 0.2
@@ -87,14 +92,44 @@ def control_variate(grad, curvature, eps_mean, eps_sq_mean_minus_one, precision,
         curvature.sub_(torch.mul(baseline, known, out=product).mul_(eps_mean).div_(sigma))
 
 
+def structure_key(sites: List[GaussianSite]) -> str:
+    """The key of the regression of ``sites`` (in order) in their first one's state: their
+    keys and shapes (the layout of the packed regression)."""
+    return repr(tuple((site.key, tuple(site.loc.shape)) for site in sites))
+
+
+class CrossSlot:
+    """The regression of one structure (``key``) in the state of its first site (a dict by
+    structure, least recently kept first): ``cross`` reads it (``None``: none kept) and, set, keeps
+    it as the most recent. Beyond :data:`CROSS_STRUCTURES` the least recent is dropped, and so is an
+    earlier version's regression (:data:`~pyro_ngvi.state.CROSS_LEGACY`): this one took it up, or
+    that version would have overwritten it."""
+
+    __slots__ = ("site_state", "key")
+
+    def __init__(self, site_state, key: str):
+        self.site_state, self.key = site_state, key
+
+    @property
+    def cross(self) -> Optional[torch.Tensor]:
+        return (self.site_state.cross or {}).get(self.key)
+
+    @cross.setter
+    def cross(self, packed: torch.Tensor) -> None:
+        kept = {k: v for k, v in (self.site_state.cross or {}).items() if k not in (self.key, CROSS_LEGACY)}
+        kept[self.key] = packed
+        self.site_state.cross = dict(list(kept.items())[-CROSS_STRUCTURES:])
+
+
 class CrossTerms(NamedTuple):
     """What :func:`cross_terms` found for this step: the sites it covers (flat, in order),
     :math:`\\tilde H` (their symmetrised off-diagonal Hessian estimate, zero until it is
-    usable), the state to keep the regression in and its new value (kept once the step is taken)."""
+    usable), where to keep the regression (a :class:`CrossSlot`: ``state.cross = new``) and its
+    new value (kept once the step is taken)."""
 
     sites: List[GaussianSite]
     off_diagonal: torch.Tensor
-    state: object
+    state: CrossSlot
     new: torch.Tensor
     diagonal: Optional[torch.Tensor] = None  # the regression's diagonal of H, plus the prior's (0 until usable)
 
@@ -140,8 +175,14 @@ def cross_terms(sites: List[GaussianSite], stats: Dict[str, SiteCurvature],
     steps after. Before :math:`D + 1` steps, or where
     :math:`S_{ww}` is not positive definite or the term is not finite, it is 0 (no
     device sync). The state, one :math:`(2D + 3) \\times D` tensor (count, the two means,
-    :math:`S_{ww}`, :math:`S_{gw}`), is kept with the first of the sites (``state_of(site)``;
-    for another total size it starts afresh). Returns :class:`CrossTerms` (``None``: no
+    :math:`S_{ww}`, :math:`S_{gw}`), is kept with the first of the sites (``state_of(site)``)
+    under the structure of the sites it covers, their ordered keys and shapes
+    (:func:`structure_key`): a guide whose sites change between steps keeps one regression per
+    structure (at most :data:`CROSS_STRUCTURES` per first site, the least recently taken
+    dropped), each fitted to its own steps only and taken up again when its structure comes
+    back; a new structure starts afresh. (A regression shared by all restarted at every change,
+    never reaching :math:`D + 1` steps under a site present on every other step, and two
+    structures of one total size took each other's slopes.) Returns :class:`CrossTerms` (``None``: no
     cross terms this step); its :math:`\\tilde H` also couples the sites' mean step
     (:func:`~pyro_ngvi.update.mean_field.coupled_mean_step`).
     """
@@ -157,8 +198,10 @@ def cross_terms(sites: List[GaussianSite], stats: Dict[str, SiteCurvature],
         sigma = flat([site.scale if s.scale is None else s.scale for (site, _), s in zip(chosen, picked)])
         z = sigma * eps  # the draw's offset from the mean
         point = flat([site.loc for site, _ in chosen]) + z
-        state = chosen[0][1]
-        packed = state.cross
+        slot = CrossSlot(chosen[0][1], structure_key([site for site, _ in chosen]))
+        packed = slot.cross
+        if packed is None:  # (an earlier version's regression: the first structure of its size takes it up)
+            packed = (chosen[0][1].cross or {}).get(CROSS_LEGACY)
         if packed is None or packed.shape != (2 * size + 3, size):
             packed = raw_grad.new_zeros(2 * size + 3, size)
         n, mean_w, mean_g = packed[0, 0], packed[1], packed[2]
@@ -200,7 +243,7 @@ def cross_terms(sites: List[GaussianSite], stats: Dict[str, SiteCurvature],
         fresh = torch.zeros_like(packed)
         fresh[0], fresh[1], fresh[2] = 1.0, point, raw_grad
         new = torch.where(refit, fresh, new)
-    return CrossTerms([site for site, _ in chosen], off, state, new, diagonal)
+    return CrossTerms([site for site, _ in chosen], off, slot, new, diagonal)
 
 
 def dense_control_variate(factor: torch.Tensor, stats: SiteCurvature, state):

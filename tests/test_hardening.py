@@ -234,6 +234,8 @@ def valid_state():
         lambda s: s["ngvi"]["sites"]["AutoNormal.locs.a"].__setitem__("started", "yes"),
         lambda s: s["ngvi"]["sites"]["AutoNormal.locs.a"].__setitem__("momentum", [0.1, 0.2]),
         lambda s: s["ngvi"]["sites"]["AutoNormal.locs.a"].pop("momentum"),
+        lambda s: s["ngvi"]["sites"]["AutoNormal.locs.a"].__setitem__("cross", {"(('a', (2,)),)": [0.1]}),
+        lambda s: s["ngvi"]["sites"]["AutoNormal.locs.a"].__setitem__("cross", {1: torch.zeros(7, 2)}),
         lambda s: s["point"].__setitem__("s", {"state": 1}),
         lambda s: s.pop("point"),
     ],
