@@ -25,14 +25,14 @@ from .chain import Config, Request, take_step
 from .checkpoint import safe_load
 from .checks import check_step_arguments, read_checks
 from .distributed import all_reduce_stats, is_distributed, without_draws
-from .family import GaussianSite, SiteCurvature, calling_svi, end_handover, split_params
+from .family import GaussianSite, SiteCurvature, calling_svi, end_handover, guide_parts, split_params
 from .groups import Workspace
 from .hot_path import no_grad
 from .monitor import NGVIWarning, SpreadWatch
 from .plan import Plan, still_stored
 from .policies import (DENSE, DENSE_SAMPLED, FULL_BATCH, MINIBATCH, Schedule, Settings, check_schedule,
                        defaults, resolve)
-from .point import check_point_optim, check_point_states, decay_guide_part_lr, probe_point_step
+from .point import LowRankLocs, check_point_optim, check_point_states, decay_guide_part_lr, probe_point_step
 from .state import SiteState, check_state, restore_scales
 from .statistics import Buffers, one_draw, site_statistics
 from .steps import Options
@@ -136,6 +136,7 @@ class NGVI(PyroOptim):
         super().__init__(point_optim, check_point_optim(point_optim, point_optim_args))
         self._point_decay = point_optim is torch.optim.Adam and point_optim_args is None
         self._guide_parts = WeakIdKeyDictionary()  # params of guide parts that are not Gaussians
+        self._low_rank_locs = LowRankLocs()  # AutoLowRankMultivariateNormal locs: Adam in sd units
         self.guide = _checked_guide(guide)
         self.num_steps = 0
         self.num_skipped_steps = 0
@@ -221,6 +222,8 @@ class NGVI(PyroOptim):
             if p.grad is not None and p not in self.optim_objs and p not in self._point_checked:
                 probe_point_step(p, self.pt_optim_constructor, self.pt_optim_args)
                 self._point_checked[p] = True
+        if self._point_decay:  # a low-rank guide's loc steps in units of its marginal sd, as it stood
+            self._low_rank_locs.measure(others)
         super().__call__(others, *args, **kwargs)
 
     def _get_optim(self, param):
@@ -229,6 +232,7 @@ class NGVI(PyroOptim):
         optimizer = super()._get_optim(param)
         if self._point_decay and param in self._guide_parts:
             optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: decay_guide_part_lr(optimizer))
+            self._low_rank_locs.hook(param, optimizer)
         return optimizer
 
     # ---------------------------------------------------------------- sites and state
@@ -244,6 +248,7 @@ class NGVI(PyroOptim):
             return plan
         sites, others, parts = split_params(guide, params)
         self._guide_parts.update((p, True) for p in parts)
+        self._low_rank_locs.note(guide_parts(guide))
         # plans whose tensors left the param store (pyro.clear_param_store()) leave no trace
         self._plans = {k: p for k, p in self._plans.items() if all(still_stored(s, store) for s in p.sites)}
         plan = self._plans[key] = Plan(sites, others, guide)

@@ -16,22 +16,49 @@ variational family of their own, trained by it alone: there Adam's step size sta
 as fast at the start as the Adam Pyro's own tests train such guides with (0.05) and settling
 below the noise of a constant step (Robbins-Monro): at 0.0045 after 500 steps, below the 0.005
 that Pyro's exactness tests end on (with T = 100, 0.0083, an AutoGaussian missed their 5 %
-on 5 of 10 seeds; ``benchmarks/pyro_suite/misses.py tree``). Arguments given (``point_optim_args``)
-run as given, for every parameter.
+on 5 of 10 seeds; ``benchmarks/pyro_suite/misses.py tree``).
+
+The ``loc`` of an ``AutoLowRankMultivariateNormal`` (issue 23) takes that step in units of the
+guide's own marginal standard deviations :math:`\\sigma_i = s_i (1 + \\sum_j W_{ij}^2)^{1/2}`
+(its covariance is :math:`\\mathrm{diag}(s)(WW^\\top + I)\\mathrm{diag}(s)`), as they stood
+before the step, where Adam's is in the loc's own units (:class:`SdUnits`):
+
+.. math:: \\Delta_i = \\alpha_t\\, \\sigma_i \\max(1, \\sigma_i |\\hat m_i|)\\,
+    \\frac{\\hat m_i}{\\sqrt{\\hat v_i} + \\epsilon}, \\qquad |\\Delta_i| \\le \\sigma_i,
+
+with :math:`\\hat m, \\hat v` Adam's moments of the loc's gradient. Near the optimum the
+gradient is the draw's noise and Adam's :math:`\\hat m / \\sqrt{\\hat v}` is about
+:math:`\\pm 1` in its first steps: a step of :math:`\\alpha_t` in the loc's units is half a
+posterior sd of a site of sd 0.1 (Pyro's ``test_median_module`` failed for 5 of 100 seeds,
+``misses.py median --seeds 100``) and fifty of one of sd 0.001, where :math:`\\alpha_t \\sigma_i`
+is 0.05 of the guide's sd at any scale (0 of 100; Pyro's test's own Adam at 0.005 is 0.05 of
+its initial sd 0.1). Far from the optimum :math:`\\sigma_i^2 |\\hat m_i|` (the diagonal
+natural-gradient step of the averaged gradient) estimates the distance to it, so that the loc
+closes a fraction :math:`\\alpha_t` of it per step instead of :math:`\\alpha_t \\sigma_i` (in plain
+sd units the decaying step travels at most :math:`\\alpha_0 T \\log(1 + t/T)` sds: a 200-point
+regression's mean, 70 posterior sds away, was still 69 away after 500 steps); one sd per step
+bounds it where the guide is much wider than the posterior, which makes that estimate too large
+(as NGVI's ``max_step`` bounds its own sampled mean steps in sds).
+
+Arguments given (``point_optim_args``) run as given, for every parameter.
 """
 
 import math
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 import pyro
+from pyro.infer.autoguide import AutoLowRankMultivariateNormal
 
 #: Adam's step size for the model's parameters by default
 POINT_LR = 0.01
 #: :math:`\alpha_0` and :math:`T` of the decaying step size of guide parts' params by default
 GUIDE_PART_LR = 0.05
 GUIDE_PART_DECAY_STEPS = 50.0
+#: the most an ``AutoLowRankMultivariateNormal``'s loc moves in one step, in its own marginal sds
+LOW_RANK_LOC_TRUST = 1.0
 
 
 def decay_guide_part_lr(optimizer: torch.optim.Optimizer) -> None:
@@ -41,6 +68,101 @@ def decay_guide_part_lr(optimizer: torch.optim.Optimizer) -> None:
         steps = [optimizer.state[p].get("step", 0) for p in group["params"] if p in optimizer.state]
         t = float(max(steps)) if steps else 0.0
         group["lr"] = GUIDE_PART_LR / (1.0 + t / GUIDE_PART_DECAY_STEPS)
+
+
+def low_rank_locs(parts) -> Dict[torch.Tensor, Tuple[str, str]]:
+    """The (unconstrained) ``loc`` of each ``AutoLowRankMultivariateNormal`` among the leaf
+    guides ``parts``, with the param names of its ``scale`` and ``cov_factor``; a part stored
+    otherwise than pyro 1.9 stores it (``loc`` (D,), positive ``scale`` (D,), ``cov_factor``
+    (D, k)) is left out, and its loc takes Adam's plain step."""
+    store = pyro.get_param_store()
+    found = {}
+    for part in parts:
+        if not isinstance(part, AutoLowRankMultivariateNormal) or part.prototype_trace is None:
+            continue
+        prefix = part._pyro_name
+        names = (f"{prefix}.loc", f"{prefix}.scale", f"{prefix}.cov_factor")
+        if not all(name in store._params for name in names):
+            continue
+        loc, scale, factor = (store._params[name] for name in names)
+        if loc.dim() == 1 and scale.shape == loc.shape and factor.dim() == 2 and factor.shape[0] == loc.shape[0] \
+                and store._constraints[names[1]].event_dim == 0:
+            found[loc] = names[1:]
+    return found
+
+
+def low_rank_marginal_sd(scale_name: str, factor_name: str) -> torch.Tensor:
+    r"""The marginal standard deviations of an ``AutoLowRankMultivariateNormal``,
+    :math:`\sigma_i = s_i (1 + \sum_j W_{ij}^2)^{1/2}`: its covariance is
+    :math:`\mathrm{diag}(s) (WW^\top + I) \mathrm{diag}(s)` (``get_posterior``; Pyro's
+    ``_loc_scale``)."""
+    store = pyro.get_param_store()
+    with torch.no_grad():
+        return store[scale_name] * (1.0 + store._params[factor_name].pow(2).sum(-1)).sqrt()
+
+
+class SdUnits:
+    r"""
+    Adam's step on an ``AutoLowRankMultivariateNormal``'s ``loc`` measured in the guide's own
+    marginal standard deviations :math:`\sigma_i` (``sd``, :func:`low_rank_marginal_sd` as they
+    stood before the step): registered as the loc's Adam's step hooks, it rescales Adam's
+    :math:`\alpha_t \hat m_i / (\sqrt{\hat v_i} + \epsilon)` to
+
+    .. math:: \Delta_i = \alpha_t\, \sigma_i \max(1, \sigma_i |\hat m_i|)\,
+        \frac{\hat m_i}{\sqrt{\hat v_i} + \epsilon}, \qquad |\Delta_i| \le \sigma_i
+
+    (the module docstring says why).
+    """
+
+    def __init__(self):
+        self.sd: Optional[torch.Tensor] = None
+        self._start: List[Optional[torch.Tensor]] = []
+
+    def before(self, optimizer, args, kwargs) -> None:
+        self._start = [p.detach().clone() if self.sd is not None and self.sd.shape == p.shape else None
+                       for group in optimizer.param_groups for p in group["params"]]
+
+    def after(self, optimizer, args, kwargs) -> None:
+        with torch.no_grad():
+            starts = iter(self._start)
+            for group in optimizer.param_groups:
+                beta1 = group["betas"][0]
+                for p, start in zip(group["params"], starts):
+                    if start is None:
+                        continue
+                    state = optimizer.state[p]
+                    sd = self.sd.to(p.dtype)
+                    mean_grad = state["exp_avg"] / (1.0 - beta1 ** float(state["step"]))  # Adam's m-hat
+                    step = sd * torch.clamp(sd * mean_grad.abs(), min=1.0) * (p - start)
+                    bound = LOW_RANK_LOC_TRUST * sd
+                    p.copy_(start + torch.maximum(torch.minimum(step, bound), -bound))
+        self._start, self.sd = [], None
+
+
+class LowRankLocs:
+    """The ``loc`` params of the ``AutoLowRankMultivariateNormal`` parts NGVI has seen (by
+    tensor, weakly) and their :class:`SdUnits`."""
+
+    def __init__(self):
+        self._names = WeakIdKeyDictionary()  # loc -> (its scale's, its cov_factor's param name)
+        self._units = WeakIdKeyDictionary()
+
+    def note(self, parts) -> None:
+        """Take note of the low-rank guides among the leaf guides ``parts``."""
+        self._names.update(low_rank_locs(parts))
+
+    def measure(self, params) -> None:
+        """Set each low-rank loc's step units to its guide's marginal sds, as they stand."""
+        for p in params:
+            if p in self._names and p.grad is not None:
+                self._units.setdefault(p, SdUnits()).sd = low_rank_marginal_sd(*self._names[p])
+
+    def hook(self, param: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+        """Register the step hooks of ``param``'s units on its optimizer, if it is a low-rank loc."""
+        if param in self._names:
+            units = self._units.setdefault(param, SdUnits())
+            optimizer.register_step_pre_hook(units.before)
+            optimizer.register_step_post_hook(units.after)
 
 
 def check_point_optim(point_optim, point_optim_args) -> Dict:

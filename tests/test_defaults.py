@@ -17,7 +17,7 @@ import pyro
 import pyro.distributions as dist
 from pyro import poutine
 from pyro.infer import SVI, Predictive, Trace_ELBO, TraceEnum_ELBO, TraceGraph_ELBO, TraceMeanField_ELBO, config_enumerate
-from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
+from pyro.infer.autoguide import AutoDiagonalNormal, AutoLowRankMultivariateNormal, AutoNormal
 
 from pyro_ngvi import NGVI, CurvatureELBO, NGVIWarning, NotGaussianWarning
 from pyro_ngvi.family import pop_curvature
@@ -498,6 +498,93 @@ def test_a_resumed_run_keeps_the_guide_parts_decaying_step_size(tmp_path):
         assert torch.equal(value.detach(), expected[name]), name
     b_value = pyro.get_param_store().get_param("b_value").unconstrained()
     assert resumed.optim_objs[b_value].param_groups[0]["lr"] == pytest.approx(0.05 / (1 + 59 / 50), rel=1e-12)
+
+
+def _low_rank_median_errors(unit, seeds=5, steps=20):
+    """Pyro's test_median_module without its model param, in units scaled by ``unit``: a site
+    with prior N(2, 0.1) and no data, under AutoLowRankMultivariateNormal (init_scale 0.1, both
+    scaled); the largest |median - 2| after ``steps`` one-draw steps, per seed, in prior sds."""
+    def model():
+        pyro.sample("x", dist.Normal(1.0 * unit, 0.1 * unit))
+        pyro.sample("y", dist.Normal(2.0 * unit, 0.1 * unit))
+
+    errors = []
+    for seed in range(seeds):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(seed)
+        guide = AutoLowRankMultivariateNormal(model, init_scale=0.1 * unit)
+        svi = SVI(model, guide, NGVI(), Trace_ELBO())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", NotGaussianWarning)
+            for _ in range(steps):
+                svi.step()
+        median = guide.median()
+        errors.append(max(abs(float(median["x"]) / unit - 1.0), abs(float(median["y"]) / unit - 2.0)) / 0.1)
+    return errors
+
+
+def test_low_rank_guide_loc_steps_in_its_own_marginal_sds():
+    """An AutoLowRankMultivariateNormal's loc takes Adam's step in units of the guide's marginal
+    sd (issue 23): a pure-noise site stays within its prior sd for 20 steps, whatever the
+    model's units (with Adam's step in the loc's own units, 0.05 at first, a site of sd 0.001
+    wandered tens of sds; and at sd 0.1 Pyro's test_median_module failed for 5 of 100 seeds)."""
+    errors = _low_rank_median_errors(1.0)
+    assert max(errors) < 1.0
+    assert _low_rank_median_errors(0.01) == pytest.approx(errors, rel=1e-3, abs=1e-3)
+
+
+def test_low_rank_guide_loc_still_travels_many_sds():
+    """The loc's step in sd units grows with the natural-gradient distance estimate
+    sigma_i^2 |m_i| (within one sd a step): a regression's posterior mean, about 70 posterior sds
+    from the prior's median, is within about 10 of them after 500 steps, as with Adam's step in
+    the loc's own units (10.6). Adam's step in plain sd units, 0.05 / (1 + t / 50) sd, travels
+    at most 2.5 log(1 + t / 50) sds: it was still 69 sds away."""
+    torch.manual_seed(0)
+    X = torch.randn(200, 3)
+    y = X @ torch.tensor([3.0, -2.0, 1.0]) + torch.randn(200)
+
+    def model(X, y):
+        w = pyro.sample("w", dist.Normal(torch.zeros(3), 10.0).to_event(1))
+        with pyro.plate("data", len(y)):
+            pyro.sample("obs", dist.Normal(X @ w, 1.0), obs=y)
+
+    precision = X.T @ X + torch.eye(3) / 100
+    covariance = torch.linalg.inv(precision)
+    mean, sd = covariance @ X.T @ y, covariance.diag().sqrt()
+    guide = AutoLowRankMultivariateNormal(model)
+    svi = SVI(model, guide, NGVI(), Trace_ELBO())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotGaussianWarning)
+        svi.step(X, y)
+        start = ((guide.loc.detach() - mean) / sd).abs().max()
+        for _ in range(499):
+            svi.step(X, y)
+    assert start > 60
+    assert ((guide.loc.detach() - mean) / sd).abs().max() < 20
+
+
+@pytest.mark.parametrize("given", [None, {"lr": 0.05}])
+def test_low_rank_guide_first_loc_step_is_within_one_marginal_sd(given):
+    """The first step (Adam's is alpha_t sign(g)) moves the loc by at most one marginal sd of the
+    guide, sigma_i = s_i (1 + sum_j W_ij^2)^(1/2), and by alpha_0 sigma_i max(1, sigma_i |g_i|);
+    with point_optim_args given, Adam's step runs as given (0.05 on each coordinate)."""
+    def model():
+        pyro.sample("w", dist.Normal(torch.zeros(4), 0.001).to_event(1))
+
+    guide = AutoLowRankMultivariateNormal(model, init_scale=0.01)
+    svi = SVI(model, guide, NGVI(point_optim_args=given), Trace_ELBO())
+    guide()
+    start = guide.loc.detach().clone()
+    sigma = (guide.scale * (1 + guide.cov_factor.pow(2).sum(-1)).sqrt()).detach()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotGaussianWarning)
+        svi.step()
+    moved = (guide.loc.detach() - start).abs()
+    if given:
+        assert moved == pytest.approx(torch.full((4,), 0.05), rel=1e-4)
+    else:
+        assert (moved <= sigma * (1 + 1e-5)).all() and (moved > 0).all()
+        assert (moved < 0.05).all()
 
 
 def test_skipped_step_warnings_count_attempted_steps():

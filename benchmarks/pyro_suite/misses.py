@@ -1,5 +1,5 @@
 """
-How often the bodies of the Pyro tests that NGVI() misses fail, over seeds, with NGVI() and
+How often the bodies of the Pyro tests that NGVI() missed fail, over seeds, with NGVI() and
 with the optimizer the Pyro test uses (our own transcription of the two test bodies, Pyro
 1.9's tests/infer/test_autoguide.py: the models, guides, step counts and tolerances as there).
 
