@@ -32,7 +32,8 @@ from .monitor import NGVIWarning, SpreadWatch
 from .plan import Plan, still_stored
 from .policies import (DENSE, DENSE_SAMPLED, FULL_BATCH, MINIBATCH, Schedule, Settings, check_schedule,
                        defaults, resolve)
-from .point import LowRankLocs, check_point_optim, check_point_states, decay_guide_part_lr, probe_point_step
+from .point import (LowRankLocs, check_point_args, check_point_optim, check_point_states, decay_guide_part_lr,
+                    param_label, probe_point_step)
 from .state import SiteState, check_state, restore_scales
 from .statistics import Buffers, one_draw, site_statistics
 from .steps import Options
@@ -83,7 +84,8 @@ class NGVI(PyroOptim):
     :param bool control_variate: the control variate where draws are known (default: True)
     :param bool safeguard: the Newton-step safeguard for statistics at the mean (default: True)
     :param point_optim: torch optimizer class for the other parameters (default: Adam)
-    :param dict point_optim_args: its arguments (default: :mod:`pyro_ngvi.point`)
+    :param point_optim_args: its arguments, a dict or a callable of the param name returning one, as
+        Pyro's optimizers take (default: :mod:`pyro_ngvi.point`)
     :param guide: the guide whose sites to update, when NGVI runs outside ``SVI``, its arguments
         bound (``functools.partial``) (default: None, the calling ``SVI``'s guide)
     :param bool compile: the mean-field update compiled by :func:`torch.compile`, the same
@@ -190,7 +192,7 @@ class NGVI(PyroOptim):
         _check_pending(self._pending_states, sites)  # every saved entry checked before any is taken
         states = [self._state(site) for site in sites]  # may refuse: before any write
         check_point_states(self._state_waiting_to_be_consumed, self.optim_objs, others, self.pt_optim_constructor,
-                           self.pt_optim_args)
+                           self._point_args)
         stats = self._statistics(sites, svi)  # (without gradients)
         learned = {id(p.unconstrained) for s in stats.values() if isinstance(s, SiteCurvature)
                    for p in s.prior_params()}
@@ -220,11 +222,25 @@ class NGVI(PyroOptim):
             return
         for p in others:
             if p.grad is not None and p not in self.optim_objs and p not in self._point_checked:
-                probe_point_step(p, self.pt_optim_constructor, self.pt_optim_args)
+                probe_point_step(p, self.pt_optim_constructor, self._point_args(p))
                 self._point_checked[p] = True
         if self._point_decay:  # a low-rank guide's loc steps in units of its marginal sd, as it stood
             self._low_rank_locs.measure(others)
         super().__call__(others, *args, **kwargs)
+
+    def _point_args(self, p: torch.Tensor) -> Dict:
+        """The point optimizer's arguments for ``p``: ``point_optim_args``, or what that callable
+        returns for ``p``'s param name, asked as Pyro's optimizers ask it, and checked
+        (:func:`~pyro_ngvi.point.check_point_args`)."""
+        if not callable(self.pt_optim_args):
+            return self.pt_optim_args
+        what = f"point_optim_args({param_label(p)!r})"
+        try:
+            args = self._get_optim_args(p)
+        except AssertionError:  # (Pyro's check that it returned a dict)
+            raise ValueError(f"{what} must return a dict of {self.pt_optim_constructor.__name__}'s "
+                             "arguments") from None
+        return check_point_args(self.pt_optim_constructor, args, what)
 
     def _get_optim(self, param):
         """The point optimizer of ``param``; by default a guide part's sets its decaying step

@@ -44,7 +44,7 @@ Arguments given (``point_optim_args``) run as given, for every parameter.
 """
 
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -165,44 +165,56 @@ class LowRankLocs:
             optimizer.register_step_post_hook(units.after)
 
 
-def check_point_optim(point_optim, point_optim_args) -> Dict:
+def check_point_optim(point_optim, point_optim_args):
     """
-    The point optimizer's arguments, validated by building it on a probe tensor and
-    taking one step with a zero gradient: a bad value or an unknown key is refused
-    here, not at the first step (after the guide sites were updated).
+    The point optimizer's arguments: a dict, validated by building the optimizer on a probe
+    tensor and taking one step with a zero gradient (a bad value or an unknown key is refused
+    here, not at the first step, after the guide sites were updated); or a callable of the
+    param name that returns one, as Pyro's optimizers take (``Adam(per_param_args)``), whose
+    answer for each param is checked alike before that param's first step (:func:`check_point_args`).
     """
     if not (isinstance(point_optim, type) and issubclass(point_optim, torch.optim.Optimizer)):
         raise ValueError(f"point_optim must be a torch.optim.Optimizer class, got {point_optim!r}")
     if point_optim_args is None:
         point_optim_args = {"lr": POINT_LR}
-    if not isinstance(point_optim_args, dict):
-        raise ValueError(f"point_optim_args must be a dict of {point_optim.__name__}'s arguments, "
-                         f"got {point_optim_args!r}")
-    for key, value in point_optim_args.items():  # (a step with an infinite lr writes inf or nan)
+    if callable(point_optim_args) and not isinstance(point_optim_args, dict):
+        return point_optim_args
+    return check_point_args(point_optim, point_optim_args, "point_optim_args")
+
+
+def check_point_args(point_optim, args, what: str) -> Dict:
+    """``args`` (named ``what`` in errors) if ``point_optim`` can run with them: a dict of finite
+    values with which a step on a zero gradient writes finite values.
+
+    :raises ValueError: otherwise, naming ``what``."""
+    if not isinstance(args, dict):
+        raise ValueError(f"{what} must be a dict of {point_optim.__name__}'s arguments (or a callable of the "
+                         f"param name returning one), got {args!r}")
+    for key, value in args.items():  # (a step with an infinite lr writes inf or nan)
         numbers = value if isinstance(value, (tuple, list)) else (value,)
         if any(isinstance(v, float) and not math.isfinite(v) for v in numbers):
-            raise ValueError(f"point_optim_args[{key!r}] must be finite, got {value!r}")
+            raise ValueError(f"{what}[{key!r}] must be finite, got {value!r}")
     probe = torch.zeros(1, requires_grad=True)
     try:
-        optimizer = point_optim([probe], **point_optim_args)
+        optimizer = point_optim([probe], **args)
         probe.grad = torch.zeros(1)
         optimizer.step()
     except Exception as error:
         raise ValueError(
-            f"point_optim_args {point_optim_args!r} are not arguments {point_optim.__name__} "
+            f"{what} {args!r} are not arguments {point_optim.__name__} "
             f"can run with (SVI calls its step() without a closure): {error}"
         ) from error
     if not torch.isfinite(probe).all():
-        raise ValueError(f"point_optim_args {point_optim_args!r}: a step of {point_optim.__name__} with a zero "
+        raise ValueError(f"{what} {args!r}: a step of {point_optim.__name__} with a zero "
                          "gradient wrote a non-finite value")
-    return dict(point_optim_args)
+    return dict(args)
 
 
-def check_point_states(waiting: Dict, known, others: List[torch.Tensor], constructor, args: Dict) -> None:
+def check_point_states(waiting: Dict, known, others: List[torch.Tensor], constructor, args_of: Callable) -> None:
     """Refuse, before any write, a restored point-optimizer state whose tensors do
     not fit the parameter it would be loaded into (a checkpoint of another model):
     ``waiting`` holds the restored entries not yet loaded, by param name; ``known`` the
-    parameters that have their optimizer already."""
+    parameters that have their optimizer already; ``args_of(p)`` the point optimizer's arguments for ``p``."""
     if not waiting:
         return
     store = pyro.get_param_store()
@@ -211,7 +223,7 @@ def check_point_states(waiting: Dict, known, others: List[torch.Tensor], constru
         if p in known or name not in waiting:
             continue
         probe = torch.zeros_like(p, requires_grad=True)
-        optimizer = constructor([probe], **args)
+        optimizer = constructor([probe], **args_of(p))
         probe.grad = torch.zeros_like(probe)
         optimizer.step()
         template = {key: value.shape for key, value in optimizer.state[probe].items() if torch.is_tensor(value)}
