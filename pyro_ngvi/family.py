@@ -43,7 +43,7 @@ from pyro.distributions.transforms import SoftplusTransform
 from pyro.infer.autoguide import AutoDiagonalNormal, AutoGuideList, AutoMultivariateNormal, AutoNormal
 
 from . import full_covariance
-from .guide_trace import NotGaussian, model_params, read_trace, trace_guide
+from .guide_trace import NotGaussian, elbo_traces, model_params, read_trace, trace_guide
 from .handover import (  # noqa: F401 (re-exported: the ELBOs and NGVI import them from here)
     PriorParam,
     SiteCurvature,
@@ -267,11 +267,13 @@ def step_loss(svi) -> Optional[float]:
 
 
 class StepCall(NamedTuple):
-    """What the ``SVI.step`` running a call was given: its model and the step's arguments."""
+    """What the ``SVI.step`` running a call was given: its model and the step's arguments (and
+    its ELBO, where it is one: SVI keeps its bound ``loss_and_grads``)."""
 
     model: object
     args: tuple
     kwargs: dict
+    loss: object = None
 
 
 def calling_step(guide) -> Optional[StepCall]:
@@ -289,7 +291,8 @@ def calling_step(guide) -> Optional[StepCall]:
         owner = local.get("self")
         if (owner is not None and getattr(owner, "guide", None) is guide
                 and isinstance(local.get("args"), tuple) and isinstance(local.get("kwargs"), dict)):
-            return StepCall(getattr(owner, "model", None), local["args"], local["kwargs"])
+            return StepCall(getattr(owner, "model", None), local["args"], local["kwargs"],
+                            getattr(getattr(owner, "loss_and_grads", None), "__self__", None))
         frame = frame.f_back
     return None
 
@@ -394,7 +397,7 @@ def _structural_sites(guide, store) -> Tuple[List[Site], bool]:
     return sites, rest
 
 
-def guide_view(guide, args: Sequence = (), kwargs: Optional[dict] = None, model=None) -> GuideView:
+def guide_view(guide, args: Sequence = (), kwargs: Optional[dict] = None, model=None, elbo=None) -> GuideView:
     """
     The Gaussian sites of ``guide`` and its other parts. Parts whose storage is known are
     read from their structure; if any other part is left (or ``guide`` is not an
@@ -402,21 +405,32 @@ def guide_view(guide, args: Sequence = (), kwargs: Optional[dict] = None, model=
     :func:`~pyro_ngvi.guide_trace.trace_guide` (random streams untouched) and the rest is
     read off the trace (:func:`~pyro_ngvi.guide_trace.read_trace`); with ``model`` given,
     the model is replayed once against that trace too, and a Gaussian built from a param
-    the model also reads is not taken (:func:`~pyro_ngvi.guide_trace.model_params`).
+    the model also reads is not taken (:func:`~pyro_ngvi.guide_trace.model_params`). Where
+    those runs fail (a guide or model that asserts the shapes its ELBO's enumeration or
+    vectorised particles give it), both are run as ``elbo`` runs them
+    (:func:`~pyro_ngvi.guide_trace.elbo_traces`).
 
     :param guide: what ``SVI`` was handed as the guide.
     :param args: the arguments of the step (what the guide is run on).
     :param kwargs: its keyword arguments.
     :param model: the model (default: None, not checked).
+    :param elbo: the step's loss (default: None).
     """
     store = pyro.get_param_store()
     kwargs = kwargs or {}
     sites, rest = _structural_sites(guide, store)
     if not rest:
         return GuideView(sites, [])
-    trace = trace_guide(guide, *args, **kwargs)
+    try:
+        trace = trace_guide(guide, *args, **kwargs)
+        model_reads = model_params(model, trace, *args, **kwargs) if model is not None else ()
+    except Exception:  # (a run outside the ELBO's handlers: the guide or model asserts its enumerated shapes)
+        traces = elbo_traces(elbo, model, guide, *args, **kwargs)
+        if traces is None:
+            raise
+        model_trace, trace = traces
+        model_reads = {name for name, node in model_trace.nodes.items() if node["type"] == "param"}
     claimed = [t for site in sites for t in site.tensors]
-    model_reads = model_params(model, trace, *args, **kwargs) if model is not None else ()
     blocks, others = read_trace(trace, claimed, store, model_reads)
     for block in blocks:
         name = block.site
@@ -542,14 +556,16 @@ def split_params(guide, params, args: Optional[Sequence] = None, kwargs: Optiona
     :param model: the model, replayed to find guide params it reads too (default: that of
         the ``SVI.step`` on the call stack, if found with ``args``).
     """
+    elbo = None
     if args is None:
         found = calling_step(guide)
         if found is not None:
             model, args, kwargs = model if model is not None else found.model, found.args, found.kwargs
+            elbo = found.loss
         else:
             args = ()
     params = list(params)
-    view = guide_view(guide, args, kwargs, model)
+    view = guide_view(guide, args, kwargs, model, elbo)
     present = {id(p) for p in params}
     store = pyro.get_param_store()._params
     handed = [part for part in view.others if any(id(store.get(name)) in present for name in part.params)]

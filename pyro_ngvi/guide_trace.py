@@ -40,6 +40,7 @@ from torch.distributions import biject_to, transform_to
 import pyro
 import pyro.distributions as dist
 from pyro import poutine
+from pyro.infer import ELBO
 
 from .graph import graph_nodes
 
@@ -124,6 +125,20 @@ def model_params(model, guide_trace: poutine.Trace, *args, **kwargs) -> Set[str]
     with _untouched(model):
         trace = poutine.trace(poutine.replay(model, trace=guide_trace), param_only=True).get_trace(*args, **kwargs)
     return {name for name, site in trace.nodes.items() if site["type"] == "param"}
+
+
+def elbo_traces(elbo, model, guide, *args, **kwargs) -> Optional[Tuple[poutine.Trace, poutine.Trace]]:
+    """
+    One ``(model_trace, guide_trace)`` as the ELBO ``elbo`` makes them (its enumeration and
+    vectorised particles included: Pyro's ``ELBO._get_traces``), under :func:`trace_guide`'s
+    guarantees (random streams and the modules' buffers as they were); ``None`` where ``elbo`` is
+    not one of Pyro's ELBOs or ``model`` is unknown.
+    """
+    if model is None or not isinstance(elbo, ELBO) or not hasattr(elbo, "_get_traces"):
+        return None
+    with _untouched(model), _untouched(guide), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return next(iter(elbo._get_traces(model, guide, args, kwargs)))
 
 
 def subsampling(model, *args, **kwargs) -> float:
