@@ -84,8 +84,7 @@ class NGVI(PyroOptim):
     :param bool control_variate: the control variate where draws are known (default: True)
     :param bool safeguard: the Newton-step safeguard for statistics at the mean (default: True)
     :param point_optim: torch optimizer class for the other parameters (default: Adam)
-    :param point_optim_args: its arguments, a dict or a callable of the param name returning one, as
-        Pyro's optimizers take (default: :mod:`pyro_ngvi.point`)
+    :param point_optim_args: its arguments, or a callable of the param name (default: :mod:`pyro_ngvi.point`)
     :param guide: the guide whose sites to update, when NGVI runs outside ``SVI``, its arguments
         bound (``functools.partial``) (default: None, the calling ``SVI``'s guide)
     :param bool compile: the mean-field update compiled by :func:`torch.compile`, the same
