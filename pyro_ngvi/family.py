@@ -424,10 +424,13 @@ def guide_view(guide, args: Sequence = (), kwargs: Optional[dict] = None, model=
     try:
         trace = trace_guide(guide, *args, **kwargs)
         model_reads = model_params(model, trace, *args, **kwargs) if model is not None else ()
-    except Exception:  # (a run outside the ELBO's handlers: the guide or model asserts its enumerated shapes)
-        traces = elbo_traces(elbo, model, guide, *args, **kwargs)
+    except Exception as error:  # (a run outside the ELBO's handlers: the guide or model asserts its enumerated shapes)
+        try:
+            traces = elbo_traces(elbo, model, guide, *args, **kwargs)
+        except Exception:  # (the plain run's error is the one to report)
+            traces = None
         if traces is None:
-            raise
+            raise error
         model_trace, trace = traces
         model_reads = {name for name, node in model_trace.nodes.items() if node["type"] == "param"}
     claimed = [t for site in sites for t in site.tensors]
