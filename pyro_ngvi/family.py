@@ -421,18 +421,7 @@ def guide_view(guide, args: Sequence = (), kwargs: Optional[dict] = None, model=
     sites, rest = _structural_sites(guide, store)
     if not rest:
         return GuideView(sites, [])
-    try:
-        trace = trace_guide(guide, *args, **kwargs)
-        model_reads = model_params(model, trace, *args, **kwargs) if model is not None else ()
-    except Exception as error:  # (a run outside the ELBO's handlers: the guide or model asserts its enumerated shapes)
-        try:
-            traces = elbo_traces(elbo, model, guide, *args, **kwargs)
-        except Exception:  # (the plain run's error is the one to report)
-            traces = None
-        if traces is None:
-            raise error
-        model_trace, trace = traces
-        model_reads = {name for name, node in model_trace.nodes.items() if node["type"] == "param"}
+    trace, model_reads = _read_runs(guide, args, kwargs, model, elbo)
     claimed = [t for site in sites for t in site.tensors]
     blocks, others = read_trace(trace, claimed, store, model_reads)
     for block in blocks:
@@ -535,6 +524,28 @@ def warn_hidden(guide, sites: List[str], warned: Optional[set] = None) -> None:
         NGVIWarning,
         stacklevel=4,
     )
+
+
+def _read_runs(guide, args: Sequence, kwargs: dict, model, elbo):
+    """The guide's trace and the params the model reads (:func:`guide_view`): from plain runs, or,
+    where one fails (outside the ELBO's handlers a guide or model that asserts its enumerated or
+    vectorised shapes raises), from the run the ELBO makes of what failed: the guide's plain trace is
+    kept where only the model's replay failed (a vectorised run broadcasts the guide's params over
+    the particles). Where that fails too, the plain run's error is raised."""
+    trace = None
+    try:
+        trace = trace_guide(guide, *args, **kwargs)
+        return trace, model_params(model, trace, *args, **kwargs) if model is not None else ()
+    except Exception as error:
+        try:
+            traces = elbo_traces(elbo, model, guide, *args, **kwargs)
+        except Exception:
+            traces = None
+        if traces is None:
+            raise error
+    model_trace, elbo_guide_trace = traces
+    return (elbo_guide_trace if trace is None else trace,
+            {name for name, node in model_trace.nodes.items() if node["type"] == "param"})
 
 
 def split_params(guide, params, args: Optional[Sequence] = None, kwargs: Optional[dict] = None,
