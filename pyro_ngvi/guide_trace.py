@@ -46,6 +46,9 @@ from .graph import graph_nodes
 
 #: Distribution classes read as a Gaussian (subclasses may sample otherwise).
 _NORMALS = (dist.Normal, torch.distributions.Normal)
+#: The plate of vectorised particles (``ELBO(vectorize_particles=True)``): a Gaussian expanded
+#: along it is one Gaussian, drawn once per particle.
+_PARTICLES = "num_particles_vectorized"
 #: Probe points of a scale's bijection, and how exactly it must act as ``exp`` or ``softplus``.
 _PROBE = (-20.0, -3.0, -0.5, 0.0, 0.5, 3.0, 20.0)
 _PROBE_RTOL = 1e-9
@@ -287,7 +290,8 @@ def _gaussian_block(name, site, values, store) -> Tuple[Optional[GaussianBlock],
                       "curvature can be recovered from its gradients")
     if site["mask"] is not None and site["mask"] is not True:
         return None, "it is masked (poutine.mask): masked elements carry no entropy term"
-    loc = _param_of(base.loc, values, store)
+    particles = _particle_dims(site, base)
+    loc = _param_of(base.loc, values, store, particles)
     if loc is None and _is_broadcast_param(base.loc, values):
         return None, "its loc is a pyro.param broadcast over the site (one value shared by several elements)"
     hidden = [_hidden_param(t, values, store) for t in (base.loc, base.scale)]
@@ -297,7 +301,7 @@ def _gaussian_block(name, site, values, store) -> Tuple[Optional[GaussianBlock],
     if loc is None or not _is_identity(store, loc[0]):
         return None, ("its loc is not a pyro.param's unconstrained tensor itself (it is computed: a network's "
                       "output, a sum, a transform)")
-    scale = _param_of(base.scale, values, store)
+    scale = _param_of(base.scale, values, store, particles)
     if scale is None:
         return None, "its scale is not a pyro.param of the site's shape"
     bijection = _bijection(store._constraints[scale[0]])
@@ -338,11 +342,13 @@ def _family_reason(base) -> str:
     return f"it is a {type(base).__name__}, not a Normal"
 
 
-def _param_of(t, values: Dict[int, str], store) -> Optional[Tuple[str, bool]]:
+def _param_of(t, values: Dict[int, str], store, particles: Tuple[int, ...] = ()) -> Optional[Tuple[str, bool]]:
     """
     The param whose value ``t`` is: ``(name, subsampled)``, or ``None``. ``t`` is the
     param's (constrained) value as the trace recorded it, an expand view of it of the
-    same shape and layout, or its rows picked by subsampling plates.
+    same shape and layout, its rows picked by subsampling plates, or an expand view of
+    it along the dims ``particles`` of vectorised particles only (:func:`_particle_dims`:
+    every particle draws from the same Gaussian).
     """
     if not torch.is_tensor(t):
         return None
@@ -356,7 +362,36 @@ def _param_of(t, values: Dict[int, str], store) -> Optional[Tuple[str, bool]]:
         if id(candidate) in values:
             name = values[id(candidate)]
             return (name, False) if name in store._params else None
+    if particles and t._base is not None and id(t._base) in values and _expands_along(t, t._base, particles):
+        name = values[id(t._base)]
+        return (name, False) if name in store._params else None
     return None
+
+
+def _particle_dims(site, base) -> Tuple[int, ...]:
+    """The dims of ``base`` (the site's Normal, event dims included) that vectorised particles
+    (``Trace_ELBO(vectorize_particles=True)``'s plate) expand."""
+    event = len(base.batch_shape) - len(site["fn"].batch_shape)  # (the site's event dims, in base)
+    return tuple(frame.dim - event for frame in site["cond_indep_stack"]
+                 if frame.name == _PARTICLES and frame.dim is not None)
+
+
+def _expands_along(t: torch.Tensor, value: torch.Tensor, dims: Tuple[int, ...]) -> bool:
+    """Whether ``t`` is ``value`` expanded along ``dims`` (negative) and by new leading dims of
+    size 1 only: stride 0 there, ``value``'s own sizes, strides and offset elsewhere."""
+    if t.dim() < value.dim() or t.storage_offset() != value.storage_offset():
+        return False
+    pad = t.dim() - value.dim()
+    for d in range(t.dim()):
+        own = d - pad
+        if (d - t.dim()) in dims and t.stride(d) == 0 and (own < 0 or value.shape[own] == 1):
+            continue
+        if own < 0:
+            if t.shape[d] != 1:
+                return False
+        elif t.shape[d] != value.shape[own] or (t.shape[d] > 1 and t.stride(d) != value.stride(own)):
+            return False
+    return True
 
 
 def _is_broadcast_param(t, values) -> bool:
