@@ -68,3 +68,36 @@ def test_layer_without_extension_names_the_sources_that_need_none():
     svi = SVI(bnn, bnn.guide(), NGVI(), CurvatureELBO("ef"))
     with pytest.raises(RuntimeError, match="LayerNorm.*CurvatureELBO\\('reparam'\\)"):
         svi.step(x, y)
+
+
+class Shifted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.head = nn.Linear(4, 6), nn.Linear(6, 1)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.a(x)) + 0.1)
+
+
+def test_container_adding_a_number_gets_the_exact_empirical_fisher_and_a_clear_refusal_of_ggn():
+    """BackPACK's converter turns ``h + 0.1`` into its sum of tensors, which cannot run (an
+    AssertionError from inside BackPACK); the container is then left unconverted: the
+    empirical Fisher, which needs no pass through it, is exact, and ``ggn`` is refused by name."""
+    torch.manual_seed(0)
+    net = Shifted()
+    x, y = data()
+    twin = BackpackTwin(net, "gaussian")
+    result = network_curvature(twin.twin, twin.loss_module, x, y.unsqueeze(-1), "ef", params=twin.params)
+    params = {k: v.detach() for k, v in net.named_parameters()}
+
+    def loss(p, xi, yi):
+        return (functional_call(net, p, (xi.unsqueeze(0),)).squeeze() - yi).square()
+
+    per_example = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+    for (name, _), h in zip(net.named_parameters(), result.curvatures):
+        torch.testing.assert_close(h, per_example[name].square().sum(0), rtol=1e-4, atol=1e-6)
+    pyro.clear_param_store()
+    bnn = BayesianNet(net, "gaussian", num_data=16, noise_scale=0.5)
+    svi = SVI(bnn, bnn.guide(), NGVI(), CurvatureELBO("ggn"))
+    with pytest.raises(NotImplementedError, match="'ggn'.*CurvatureELBO\\('reparam'\\)"):
+        svi.step(x, y)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from backpack import extend
+from backpack.custom_module.branching import SumModule
 
 #: The BackPACK loss module of each likelihood (``reduction="sum"``).
 LOSS_MODULES = {
@@ -105,9 +106,17 @@ def _extended(twin: nn.Module) -> nn.Module:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return extend(activations_as_modules(torch.fx.symbolic_trace(twin)), use_converter=True)
+            converted = extend(activations_as_modules(torch.fx.symbolic_trace(twin)), use_converter=True)
     except Exception:  # (a forward torch.fx cannot trace)
         return extend(twin)
+    return extend(twin) if _sums_a_number(converted) else converted
+
+
+def _sums_a_number(graph: torch.fx.GraphModule) -> bool:
+    """Whether BackPACK's converter made a sum of tensors (``SumModule``, which takes tensors
+    only) of an addition with a number (``h + 0.1`` in ``forward``): that graph cannot run."""
+    return any(node.op == "call_module" and isinstance(graph.get_submodule(node.target), SumModule)
+               and not all(isinstance(arg, torch.fx.Node) for arg in node.args) for node in graph.graph.nodes)
 
 
 #: Activations called as functions or tensor methods, and the module BackPACK knows for each
