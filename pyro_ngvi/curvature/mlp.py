@@ -38,6 +38,7 @@ and :math:`A = \\frac1B \\sum_i a_i a_i^\\top`. :func:`plan` says whether a netw
 (anything else stays with BackPACK); :func:`mlp_curvature` runs the passes.
 """
 
+import math
 from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -60,7 +61,29 @@ ACTIVATIONS = {
     nn.Tanh: (lambda m, z: torch.tanh(z), lambda m, z, a: 1 - a * a),
     nn.Sigmoid: (lambda m, z: torch.sigmoid(z), lambda m, z, a: a * (1 - a)),
     nn.Identity: (lambda m, z: z, None),
+    nn.ELU: (lambda m, z: F.elu(z, m.alpha), lambda m, z, a: torch.where(z > 0, 1.0, a + m.alpha)),
+    nn.Softplus: (lambda m, z: F.softplus(z, m.beta, m.threshold),
+                  lambda m, z, a: torch.where(z * m.beta > m.threshold, 1.0, torch.sigmoid(z * m.beta))),
+    nn.SiLU: (lambda m, z: F.silu(z), lambda m, z, a: _silu_derivative(z)),
+    nn.GELU: (lambda m, z: F.gelu(z, approximate=m.approximate), lambda m, z, a: _gelu_derivative(z, m.approximate)),
 }
+
+
+def _silu_derivative(z: torch.Tensor) -> torch.Tensor:
+    """:math:`\\frac{d}{dz} z\\,s(z) = s(z)\\,(1 + z(1 - s(z)))`, :math:`s` the logistic sigmoid."""
+    s = torch.sigmoid(z)
+    return s * (1 + z * (1 - s))
+
+
+def _gelu_derivative(z: torch.Tensor, approximate: str) -> torch.Tensor:
+    """:math:`\\frac{d}{dz} z\\,\\Phi(z) = \\Phi(z) + z\\,\\varphi(z)`; with ``approximate="tanh"``,
+    :math:`\\frac{d}{dz} \\frac z2 (1 + t)` for :math:`t = \\tanh(c(z + k z^3))`,
+    :math:`c = \\sqrt{2/\\pi}`, :math:`k = 0.044715`: :math:`\\frac12(1 + t) + \\frac z2 (1 - t^2)\\,c\\,(1 + 3 k z^2)`."""
+    if approximate == "tanh":
+        c, k = math.sqrt(2 / math.pi), 0.044715
+        t = torch.tanh(c * (z + k * z**3))
+        return 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * c * (1 + 3 * k * z * z)
+    return 0.5 * (1 + torch.erf(z * math.sqrt(0.5))) + z * torch.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
 
 
 class Plan(NamedTuple):

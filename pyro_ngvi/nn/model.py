@@ -90,8 +90,9 @@ class BayesianNet(WeightPriors, NoiseLimit, GuideFactory, InputChecks, FastPath,
     :param torch.nn.Module net: the plain network; its output for a batch ``x``
         is ``(B, ...)``. BackPACK curvature needs layers it has an extension for
         (``Linear``, ``Conv*``, ``ReLU`` / ``Tanh`` / ``Sigmoid`` / ``ELU`` / ...,
-        ``Flatten``, pooling, ``Dropout``; not ``GELU`` or ``Softplus`` for ``ggn`` /
-        ``ggn_mc``) and, for ``ggn``/``ggn_mc``, a 2-d output; ``reparam`` needs none.
+        ``Flatten``, pooling, ``Dropout``; not ``GELU``, ``SiLU`` or ``Softplus`` for ``ggn`` /
+        ``ggn_mc``, except in an ``nn.Sequential`` MLP, whose curvature is computed in closed
+        form) and, for ``ggn``/``ggn_mc``, a 2-d output; ``reparam`` needs none.
     :param str likelihood: ``"categorical"``, ``"bernoulli"`` or ``"gaussian"``.
     :param int num_data: size of the training set (before augmentation).
     :param prior: the prior on the weights: a positive scale :math:`s_0` for all
