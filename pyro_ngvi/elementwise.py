@@ -364,7 +364,7 @@ def noise_pass(b: Branches, t: Inputs, n: Numbers, transform, w: Scratch = NO_SC
 
 def _write_state(b: Branches, t: Inputs, direction, steps):
     """The new momentum and adaptive counts written into the group's buffers they were read from
-    (what :func:`~pyro_ngvi.steps.span_step` would copy there after the pass)."""
+    (what :func:`~pyro_ngvi.group_io.keep_pass` would copy there after the pass)."""
     if b.momentum in ("average", "mixed") and direction is not t.momentum:
         direction = t.momentum.copy_(direction)
     if steps is not None:

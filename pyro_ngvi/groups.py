@@ -186,6 +186,24 @@ class Group:
         self.cache[("state", name)] = (buffer, views)
         return buffer
 
+    def sigma(self, scales: List[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
+        """The sites' sigma (``scales``, one each) as one flat vector: the group's own buffer when
+        every site's is the view of it that it remembers (the sigma the update wrote last), else
+        copied into that buffer; ``None`` when a site's is unknown (``None``)."""
+        if any(scale is None for scale in scales):
+            return None
+        own = self.owned("scale")
+        views = self.cached("scale views", lambda: self.views(own))
+        if all(scale is view for scale, view in zip(scales, views)):
+            return own
+        if self.one:
+            return flat(scales)
+        if any(scale.untyped_storage().data_ptr() == own.untyped_storage().data_ptr() for scale in scales):
+            # (some sites' sigma still views this buffer, others' another group's: a guide whose
+            # structure changes between steps; torch refuses a cat into memory it reads from)
+            return own.copy_(flat(scales))
+        return flat(scales, out=own)
+
     def owned(self, name: str, dtype=None) -> torch.Tensor:
         """A flat buffer of the group's length that the group alone holds (made once)."""
         key = ("owned", name)
