@@ -41,10 +41,8 @@ def data():
     return torch.randn(16, 4, generator=generator), torch.randn(16, generator=generator)
 
 
-def test_gated_container_empirical_fisher_is_exact_and_quiet():
-    torch.manual_seed(0)
-    net = Gated()
-    x, y = data()
+def assert_exact_empirical_fisher(net, x, y):
+    """BackPACK's 'ef' through the net's twin equals the squared per-example gradients (torch.func)."""
     twin = BackpackTwin(net, "gaussian")
     result = network_curvature(twin.twin, twin.loss_module, x, y.unsqueeze(-1), "ef", params=twin.params)
     params = {k: v.detach() for k, v in net.named_parameters()}
@@ -55,9 +53,20 @@ def test_gated_container_empirical_fisher_is_exact_and_quiet():
     per_example = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
     for (name, _), h in zip(net.named_parameters(), result.curvatures):
         torch.testing.assert_close(h, per_example[name].square().sum(0), rtol=1e-4, atol=1e-6)
+
+
+def svi_after_exact_empirical_fisher(net, curvature):
+    """:func:`assert_exact_empirical_fisher` on ``net``, then the recipe's SVI with ``curvature``."""
+    torch.manual_seed(0)
+    x, y = data()
+    assert_exact_empirical_fisher(net, x, y)
     pyro.clear_param_store()
     bnn = BayesianNet(net, "gaussian", num_data=16, noise_scale=0.5)
-    svi = SVI(bnn, bnn.guide(), NGVI(), CurvatureELBO("ef"))
+    return SVI(bnn, bnn.guide(), NGVI(), CurvatureELBO(curvature)), x, y
+
+
+def test_gated_container_empirical_fisher_is_exact_and_quiet():
+    svi, x, y = svi_after_exact_empirical_fisher(Gated(), "ef")
     for _ in range(2):  # (warnings are errors in this suite)
         svi.step(x, y)
 
@@ -83,21 +92,6 @@ def test_container_adding_a_number_gets_the_exact_empirical_fisher_and_a_clear_r
     """BackPACK's converter turns ``h + 0.1`` into its sum of tensors, which cannot run (an
     AssertionError from inside BackPACK); the container is then left unconverted: the
     empirical Fisher, which needs no pass through it, is exact, and ``ggn`` is refused by name."""
-    torch.manual_seed(0)
-    net = Shifted()
-    x, y = data()
-    twin = BackpackTwin(net, "gaussian")
-    result = network_curvature(twin.twin, twin.loss_module, x, y.unsqueeze(-1), "ef", params=twin.params)
-    params = {k: v.detach() for k, v in net.named_parameters()}
-
-    def loss(p, xi, yi):
-        return (functional_call(net, p, (xi.unsqueeze(0),)).squeeze() - yi).square()
-
-    per_example = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
-    for (name, _), h in zip(net.named_parameters(), result.curvatures):
-        torch.testing.assert_close(h, per_example[name].square().sum(0), rtol=1e-4, atol=1e-6)
-    pyro.clear_param_store()
-    bnn = BayesianNet(net, "gaussian", num_data=16, noise_scale=0.5)
-    svi = SVI(bnn, bnn.guide(), NGVI(), CurvatureELBO("ggn"))
+    svi, x, y = svi_after_exact_empirical_fisher(Shifted(), "ggn")
     with pytest.raises(NotImplementedError, match="'ggn'.*CurvatureELBO\\('reparam'\\)"):
         svi.step(x, y)
