@@ -38,6 +38,9 @@ from pyro_ngvi.distributed import (
 )
 from pyro_ngvi.family import SiteCurvature
 
+#: one worker runs every test that launches a process group (pyproject.toml: --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("distributed")
+
 D = torch.float64
 WORLD = 2
 SEED = 7
