@@ -34,12 +34,11 @@ from dataclasses import dataclass, replace
 from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
-from torch.distributions import biject_to, transform_to
+from torch.distributions import transform_to
 from torch.distributions.transforms import Transform
 
 import pyro
 from pyro.distributions import constraints
-from pyro.distributions.transforms import SoftplusTransform
 from pyro.infer.autoguide import AutoDiagonalNormal, AutoGuideList, AutoMultivariateNormal, AutoNormal
 
 from . import full_covariance
@@ -57,7 +56,7 @@ from .handover import (  # noqa: F401 (re-exported: the ELBOs and NGVI import th
 from .kronecker import KroneckerNormal, KroneckerSite
 from .low_rank_guide import LowRankPrecisionNormal, LowRankSite
 from .monitor import NGVIWarning
-from .scales import FastExp, FastSoftplus, is_exp, known_scale
+from .scales import SCALE_MAPS, known_scale, scale_transform
 
 #: The curvature of the negative log-likelihood per example assumed before the data say
 #: otherwise, in the units of a likelihood whose curvature in its output is of order one
@@ -119,10 +118,20 @@ class GaussianSite(_StoredGaussian):
     :param tuple blocks: the sizes of the model's latents the flat site is made of, in order
         (an ``AutoDiagonalNormal``'s), each pooling its own noise for the adaptive steps
         (default: empty, the site is one).
+    :param str scale_map: ``"exp"`` or ``"softplus"`` where the guide computes :math:`\\sigma`
+        from an unconstrained raw scale itself (``torch.exp(log_scale)``); ``None``: the bijection
+        of the raw scale's constraint.
     """
 
     weight: float = 1.0
     blocks: Tuple[int, ...] = ()
+    scale_map: Optional[str] = None
+
+    @property
+    def _scale_transform(self) -> Transform:
+        """:math:`\\sigma` of the raw scale: ``scale_map`` (``"exp"`` or ``"softplus"``) where the guide
+        computes it from an unconstrained param, else the bijection of the param's constraint."""
+        return super()._scale_transform if self.scale_map is None else SCALE_MAPS[self.scale_map]()
 
     @property
     def tensors(self) -> Tuple[torch.Tensor, ...]:
@@ -206,19 +215,6 @@ class FullCovarianceSite(_StoredGaussian):
         if factor is None:
             raise ValueError(f"the precision written into '{self.name}' is not positive definite")
         self.write(mean, factor.to(self.loc.dtype))
-
-
-def scale_transform(constraint) -> Transform:
-    """
-    The bijection from a raw (unconstrained) scale parameter with ``constraint``
-    to :math:`\\sigma`: :func:`~torch.distributions.biject_to`, with the softplus of
-    AutoNormal and AutoDiagonalNormal computed faster (:class:`~pyro_ngvi.scales.FastSoftplus`) and
-    the exponential of ``constraints.positive`` as :class:`~pyro_ngvi.scales.FastExp`.
-    """
-    transform = biject_to(constraint)
-    if type(transform) is SoftplusTransform:
-        return FastSoftplus()
-    return FastExp() if is_exp(transform) else transform
 
 
 # --------------------------------------------------------------------------- #
@@ -429,7 +425,7 @@ def guide_view(guide, args: Sequence = (), kwargs: Optional[dict] = None, model=
         if name.endswith("_unconstrained") and name[: -len("_unconstrained")] in trace.nodes:
             name = name[: -len("_unconstrained")]  # AutoNormal's: the site it is the Gaussian of
         sites.append(GaussianSite(name, store._params[block.loc], store._params[block.scale], block.scale,
-                                  weight=block.weight))
+                                  weight=block.weight, scale_map=block.bijection if block.computed else None))
     return GuideView(sites, others)
 
 

@@ -5,7 +5,7 @@ rather than one per site and operation): which sites may share a group
 hold their state between steps (:class:`Group`), the scratch buffers a step's
 temporaries go into (:class:`Workspace`), and the flat-vector helpers the update uses.
 
-Sites share a group when they share the scale constraint, dtype, device and the
+Sites share a group when they share the map to sigma (the scale constraint), dtype, device and the
 kind of their statistics, are not masked, and together hold at most
 :data:`FLAT_MAX` elements; a masked site (subsampled rows) or a large one is a group
 of its own, whose flat tensors are views (no copies).
@@ -87,7 +87,7 @@ def group_sites(sites: List[GaussianSite], stats: Dict[str, SiteCurvature]) -> L
         if s.mask is not None or site.loc.numel() > FLAT_MAX:
             key = ("alone", site.key)
         else:
-            constraint = id(pyro.get_param_store()._constraints[site.scale_name])
+            constraint = id(pyro.get_param_store()._constraints[site.scale_name]), site.scale_map
             key = (constraint, site.loc.dtype, site.loc.device) + statistics_kind(s)[1:]
             if sizes.get(key, 0) + site.loc.numel() > FLAT_MAX:  # start another group
                 groups[key + (len(groups),)] = groups.pop(key)

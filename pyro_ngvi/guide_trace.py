@@ -66,6 +66,9 @@ class GaussianBlock:
     :param bool subsampled: rows of the params were picked by a subsampling plate.
     :param float weight: the site's ``poutine.scale`` factor beyond its plates' subsampling
         factor (1 for a plain guide): the ELBO's entropy term of the site carries it.
+    :param bool computed: the guide computes :math:`\\sigma = T(\\theta_\\sigma)` itself from an
+        unconstrained param (``torch.exp(log_scale)``, ``F.softplus(rho)``), rather than the
+        param store by the param's constraint.
     """
 
     site: str
@@ -74,6 +77,7 @@ class GaussianBlock:
     bijection: str
     subsampled: bool = False
     weight: float = 1.0
+    computed: bool = False
 
 
 @dataclass(frozen=True)
@@ -302,9 +306,14 @@ def _gaussian_block(name, site, values, store) -> Tuple[Optional[GaussianBlock],
         return None, ("its loc is not a pyro.param's unconstrained tensor itself (it is computed: a network's "
                       "output, a sum, a transform)")
     scale = _param_of(base.scale, values, store, particles)
-    if scale is None:
-        return None, "its scale is not a pyro.param of the site's shape"
-    bijection = _bijection(store._constraints[scale[0]])
+    computed = _computed_scale(base.scale, values, store) if scale is None else None
+    if scale is None and computed is None:
+        return None, ("its scale is neither a positive pyro.param of the site's shape nor the exp or softplus "
+                      "of an unconstrained one")
+    if computed is not None:
+        scale, bijection = (computed[0], False), computed[1]
+    else:
+        bijection = _bijection(store._constraints[scale[0]])
     if bijection is None:
         return None, (f"its scale's constraint {store._constraints[scale[0]]} is not one whose bijection "
                       "is exp or softplus")
@@ -316,7 +325,7 @@ def _gaussian_block(name, site, values, store) -> Tuple[Optional[GaussianBlock],
     weight = _weight(site)
     if weight is None:
         return None, "it is scaled by a tensor (poutine.scale), not by a number"
-    return GaussianBlock(name, loc[0], scale[0], bijection, loc[1] or scale[1], weight), None
+    return GaussianBlock(name, loc[0], scale[0], bijection, loc[1] or scale[1], weight, computed is not None), None
 
 
 def _hidden_param(t, values: Dict[int, str], store) -> Optional[str]:
@@ -392,6 +401,24 @@ def _expands_along(t: torch.Tensor, value: torch.Tensor, dims: Tuple[int, ...]) 
         elif t.shape[d] != value.shape[own] or (t.shape[d] > 1 and t.stride(d) != value.stride(own)):
             return False
     return True
+
+
+def _computed_scale(t, values: Dict[int, str], store) -> Optional[Tuple[str, str]]:
+    """``(name, "exp")`` or ``(name, "softplus")`` if ``t`` is the exponential or the softplus
+    (``F.softplus`` at ``beta=1``, ``threshold >= 20``: the softplus to float precision) of an
+    unconstrained param of ``t``'s shape, computed in the guide; else ``None``."""
+    node = getattr(t, "grad_fn", None)
+    kind = {"ExpBackward0": "exp", "SoftplusBackward0": "softplus"}.get(type(node).__name__)
+    if kind is None or len(node.next_functions) != 1:
+        return None
+    if kind == "softplus" and not (getattr(node, "_saved_beta", None) == 1
+                                   and getattr(node, "_saved_threshold", 0) >= 20):
+        return None
+    leaf = getattr(node.next_functions[0][0], "variable", None)
+    name = values.get(id(leaf)) if leaf is not None else None
+    if name is None or store._params.get(name) is not leaf or leaf.shape != t.shape or not _is_identity(store, name):
+        return None
+    return name, kind
 
 
 def _is_broadcast_param(t, values) -> bool:

@@ -55,7 +55,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 from pyro.distributions.transforms import SoftplusTransform
-from torch.distributions.transforms import AffineTransform, ComposeTransform, ExpTransform
+from torch.distributions import biject_to
+from torch.distributions.transforms import AffineTransform, ComposeTransform, ExpTransform, Transform
 
 #: Above this :math:`r = \\sigma` in float32.
 _LINEAR = 17.0
@@ -218,6 +219,25 @@ def is_exp(transform) -> bool:
     return type(first) is ExpTransform and all(
         type(t) is AffineTransform and isinstance(t.loc, (int, float)) and isinstance(t.scale, (int, float))
         and t.loc == 0 and t.scale == 1 for t in rest)
+
+
+#: The maps from a raw scale to :math:`\sigma` that a guide may compute itself (``torch.exp(log_scale)``,
+#: ``F.softplus(rho)``), by name (:class:`~pyro_ngvi.family.GaussianSite`'s ``scale_map``).
+SCALE_MAPS = {"exp": FastExp, "softplus": FastSoftplus}
+
+
+def scale_transform(constraint) -> Transform:
+    """
+    The bijection from a raw (unconstrained) scale parameter with ``constraint``
+    to :math:`\\sigma`: :func:`~torch.distributions.biject_to`, with the softplus of
+    AutoNormal and AutoDiagonalNormal computed faster (:class:`~pyro_ngvi.scales.FastSoftplus`) and
+    the exponential of ``constraints.positive`` as :class:`~pyro_ngvi.scales.FastExp`.
+    """
+    transform = biject_to(constraint)
+    if type(transform) is SoftplusTransform:
+        return FastSoftplus()
+    return FastExp() if is_exp(transform) else transform
+
 
 
 def sum_log_scale(raw: torch.Tensor, sigma: torch.Tensor, transform) -> torch.Tensor:

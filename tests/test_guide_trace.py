@@ -446,7 +446,7 @@ def test_the_warning_names_the_sites_that_get_the_point_optimizer_once():
         svi.step(y)
     (warning,) = [w for w in record if w.category is NotGaussianWarning]
     message = str(warning.message)
-    for site, why in (("b", "Delta"), ("c", "scale is not"), ("r", "Gamma"), ("z", "loc is not")):
+    for site, why in (("b", "Delta"), ("c", "scale is neither"), ("r", "Gamma"), ("z", "loc is not")):
         assert f"'{site}' ({why}" in message.replace("it is a ", "").replace("its ", ""), site
     assert "'a'" not in message
     assert "encoder$$$net.weight" in message and "'z_scale'" in message
@@ -797,3 +797,65 @@ def test_a_vector_site_of_a_guide_that_asserts_its_vectorised_shape_reaches_the_
                                                          max_plate_nesting=1))
     with pytest.warns(NotGaussianWarning, match="'v'.*broadcast"):
         svi.step(2)
+
+
+def test_a_guide_computing_its_scales_by_exp_and_softplus_gets_exact_natural_gradient_steps():
+    """The hand-written idioms ``Normal(loc, torch.exp(log_scale))`` and ``Normal(loc,
+    F.softplus(rho))`` (Bayes-by-Backprop's) of unconstrained params: each site is read as a
+    Gaussian with the map its guide computes (two sites of one size and two maps: two groups), and
+    both reach the exact mean-field posterior; get_state / set_state resume them bit for bit. A
+    softplus of another sharpness, and the exp of a positive param, stay with the point optimizer."""
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(40, 3, generator=generator)
+    y = x @ torch.tensor([1.0, -2.0, 0.5]) + 0.5 * torch.randn(40, generator=generator)
+    precision = x.T @ x / 0.25 + torch.eye(3)
+    mean, sd = torch.linalg.solve(precision, x.T @ y / 0.25), precision.diag().rsqrt()
+
+    def model():
+        for name in ("u", "v"):
+            w = pyro.sample(name, dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+            with pyro.plate(f"data_{name}", len(y)):
+                pyro.sample(f"y_{name}", dist.Normal(x @ w, 0.5), obs=y)
+
+    def guide(beta=1.0, positive=False):
+        log_scale = pyro.param("u_log_scale", torch.zeros(3),
+                               constraint=constraints.positive if positive else constraints.real)
+        pyro.sample("u", dist.Normal(pyro.param("u_loc", torch.zeros(3)), log_scale.exp()).to_event(1))
+        rho = pyro.param("v_rho", torch.zeros(3))
+        pyro.sample("v", dist.Normal(pyro.param("v_loc", torch.zeros(3)),
+                                     torch.nn.functional.softplus(rho, beta=beta)).to_event(1))
+
+    def train(steps, optim=None, state=None):
+        svi = SVI(model, guide, optim or NGVI(), Trace_ELBO())
+        if state is not None:
+            svi.optim.set_state(state)
+        for _ in range(steps):
+            svi.step()
+        return svi.optim
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    assert [(s.name, s.scale_map) for s in guide_view(guide, (), {}).sites] == [("u", "exp"), ("v", "softplus")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NotGaussianWarning)
+        optim = train(300)
+    scales = {"u": pyro.param("u_log_scale").exp(), "v": torch.nn.functional.softplus(pyro.param("v_rho"))}
+    for name in ("u", "v"):
+        assert ((pyro.param(f"{name}_loc").detach() - mean).abs() / sd).max() < 0.15
+        assert (scales[name].detach() / sd - 1).abs().max() < 0.05
+
+    state, params = optim.get_state(), {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+    pyro.set_rng_seed(1)
+    train(20, optim)
+    after = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+    pyro.clear_param_store()
+    for k, v in params.items():
+        pyro.param(k, v.clone())
+    pyro.set_rng_seed(1)
+    train(20, state=state)
+    assert all(torch.equal(pyro.param(k).detach(), v) for k, v in after.items())
+
+    for kwargs, site in (({"beta": 2.0}, "'v'"), ({"positive": True}, "'u'")):
+        pyro.clear_param_store()
+        with pytest.warns(NotGaussianWarning, match=site + r" \(its scale is neither"):
+            SVI(model, functools.partial(guide, **kwargs), NGVI(), Trace_ELBO()).step()
