@@ -104,7 +104,10 @@ def shard(num_examples: int) -> torch.Tensor:
 def without_draws(stats: Dict, sites) -> Dict:
     """The statistics of ``sites`` for averaging across processes: each rank draws its own
     :math:`\\epsilon`, so no control variate (the draws dropped). Kronecker and low-rank sites are
-    refused (their factors are not averaged yet)."""
+    refused (their factors are not averaged yet). A no-op (returning ``stats``) without a process
+    group, as :func:`all_reduce_stats` is."""
+    if not is_distributed():
+        return stats
     if any(isinstance(site, (KroneckerSite, LowRankSite)) for site in sites):
         raise NotImplementedError("NGVI does not average Kronecker or low-rank factors across processes yet")
     return {key: replace(s, eps_mean=None, eps_sq_mean=None, draws=False) if isinstance(s, SiteCurvature) else s

@@ -24,18 +24,17 @@ from pyro.optim.optim import PyroOptim
 from .chain import Config, Request, take_step
 from .checkpoint import safe_load
 from .checks import check_step_arguments, read_checks
-from .distributed import all_reduce_stats, is_distributed, without_draws
+from .distributed import all_reduce_stats, without_draws
 from .family import GaussianSite, SiteCurvature, calling_svi, end_handover, guide_parts, split_params
 from .groups import Workspace
-from .hot_path import no_grad
 from .monitor import NGVIWarning, SpreadWatch
 from .plan import Plan, still_stored
 from .policies import (DENSE, DENSE_SAMPLED, FULL_BATCH, MINIBATCH, Schedule, Settings, check_schedule,
                        defaults, resolve)
 from .point import (LowRankLocs, check_point_args, check_point_optim, check_point_states, decay_guide_part_lr,
                     param_label, probe_point_step)
-from .state import SiteState, check_state, restore_scales
-from .statistics import Buffers, one_draw, site_statistics
+from .state import SiteState, check_pending, check_state, restore_scales
+from .statistics import Buffers, step_statistics
 from .steps import Options
 
 __all__ = ["NGVI", "NGVIWarning", "Settings", "defaults", "FULL_BATCH", "DENSE", "DENSE_SAMPLED", "MINIBATCH"]
@@ -188,11 +187,12 @@ class NGVI(PyroOptim):
         :func:`~pyro_ngvi.chain.take_step`."""
         plan = self._plan(params, svi)
         sites, others = plan.sites, plan.others
-        _check_pending(self._pending_states, sites)  # every saved entry checked before any is taken
+        check_pending(self._pending_states, sites)  # every saved entry checked before any is taken
         states = [self._state(site) for site in sites]  # may refuse: before any write
         check_point_states(self._state_waiting_to_be_consumed, self.optim_objs, others, self.pt_optim_constructor,
                            self._point_args)
-        stats = self._statistics(sites, svi)  # (without gradients)
+        stats = step_statistics(sites, svi, self.control_variate, self._buffers)  # (without gradients)
+        stats = without_draws(stats, sites)  # each process draws its own: no-op without torch.distributed
         learned = {id(p.unconstrained) for s in stats.values() if isinstance(s, SiteCurvature)
                    for p in s.prior_params()}
         if learned:  # prior params set in closed form, not by the point optimizer
@@ -202,17 +202,6 @@ class NGVI(PyroOptim):
                         self.sync_every, self.compile, self.watch_elbo)
         return take_step(self, config, Request(plan, states, stats, others, bool(learned), svi, self._state,
                                                lambda point: self._point_step(point, *args, **kwargs)))
-
-    @no_grad
-    def _statistics(self, sites, svi) -> Dict:
-        """Each site's statistics (:func:`~pyro_ngvi.statistics.site_statistics`), counted only
-        when this step's ELBO made them (else they are stale)."""
-        live = svi is None or getattr(getattr(svi.loss_and_grads, "__self__", None), "produces_curvature", False)
-        single = one_draw(svi)
-        # (SVI replaces the gradients after the step: the recovered statistics may be written over them)
-        buffers = None if svi is None else self._buffers
-        stats = {site.key: site_statistics(site, live, single, self.control_variate, buffers) for site in sites}
-        return without_draws(stats, sites) if is_distributed() else stats
 
     def _point_step(self, others: List[torch.Tensor], *args, **kwargs) -> None:
         """The point optimizer's step on the other parameters (probed once per parameter with a
@@ -385,13 +374,6 @@ def _guide_of(given, svi=None):
             "guide, NGVI(..., guide=guide), when calling it yourself."
         )
     return svi.guide
-
-
-def _check_pending(pending: Dict, sites) -> None:
-    """Refuse the :meth:`NGVI.set_state` entries of ``sites`` that do not fit them (none is taken)."""
-    for site in sites:
-        if site.key in pending:
-            SiteState.check(site.loc, site.key, pending[site.key])
 
 
 def _checked_guide(guide):

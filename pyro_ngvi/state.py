@@ -96,6 +96,14 @@ class SiteState:
         return state
 
 
+def check_pending(pending: Dict, sites) -> None:
+    """Refuse the saved entries of ``sites`` (``pending``: :meth:`~pyro_ngvi.NGVI.set_state`'s, by
+    param name) that do not fit them, all before any is taken (:meth:`SiteState.check`)."""
+    for site in sites:
+        if site.key in pending:
+            SiteState.check(site.loc, site.key, pending[site.key])
+
+
 def _copied(value, like: Optional[torch.Tensor] = None):
     """A copy of a saved tensor, or of a dict of them (``cross``), as ``like``'s dtype and device."""
     if value is None:

@@ -32,7 +32,7 @@ of the weighted objective, :math:`\\sigma^2 = w / \\nabla^2 f` for a Gaussian ta
 
 import weakref
 from dataclasses import replace
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 
@@ -41,6 +41,7 @@ from pyro.infer import (JitTrace_ELBO, JitTraceEnum_ELBO, JitTraceGraph_ELBO, Re
 
 from . import full_covariance
 from .family import FullCovarianceSite, GaussianSite, SiteCurvature, pop_curvature
+from .hot_path import no_grad
 from .kronecker import KroneckerCurvature, KroneckerSite
 from .low_rank_guide import LowRankCurvature, LowRankSite
 from .scales import FastExp
@@ -82,6 +83,19 @@ def tensors(stats) -> tuple:
     if isinstance(stats, (KroneckerCurvature, LowRankCurvature)):
         return stats.tensors
     return stats.grad, stats.curvature
+
+
+@no_grad
+def step_statistics(sites, svi, control_variate: bool = True, buffers: Optional["Buffers"] = None) -> Dict:
+    """Each site's statistics for one step of ``svi`` (None: NGVI called directly), by site key
+    (:func:`site_statistics`): the ELBO's counted only when this step's ELBO made them (else they
+    are stale), the draws recovered for the control variate when ``control_variate``, and under
+    ``svi`` written over its gradients and into ``buffers``."""
+    live = svi is None or getattr(getattr(svi.loss_and_grads, "__self__", None), "produces_curvature", False)
+    single = one_draw(svi)
+    # (SVI replaces the gradients after the step: the recovered statistics may be written over them)
+    buffers = None if svi is None else buffers
+    return {site.key: site_statistics(site, live, single, control_variate, buffers) for site in sites}
 
 
 def site_statistics(site, live: bool = True, one_draw: bool = False, recover_draws: bool = True,
