@@ -69,6 +69,9 @@ class GaussianBlock:
     :param bool computed: the guide computes :math:`\\sigma = T(\\theta_\\sigma)` itself from an
         unconstrained param (``torch.exp(log_scale)``, ``F.softplus(rho)``), rather than the
         param store by the param's constraint.
+    :param tuple piece: the flat indices of the elements of ``loc`` and ``scale`` the site
+        draws (``weights_loc[0]``), while the site is read alone; sites whose pieces cover the
+        params exactly once are one block (:func:`_join_pieces`), ``None``.
     """
 
     site: str
@@ -78,6 +81,7 @@ class GaussianBlock:
     subsampled: bool = False
     weight: float = 1.0
     computed: bool = False
+    piece: Optional[Tuple[int, ...]] = None
 
 
 @dataclass(frozen=True)
@@ -234,6 +238,7 @@ def read_trace(trace: poutine.Trace, claimed: Iterable[torch.Tensor] = (), store
             blocks[name] = block
         elif reason is not None:
             reasons[name] = reason
+    _join_pieces(blocks, reasons, store)
     _drop_shared(blocks, reasons)
     model_reads = set(model_reads)
     for name in [name for name, b in blocks.items() if b.loc in model_reads or b.scale in model_reads]:
@@ -269,7 +274,8 @@ def read_trace(trace: poutine.Trace, claimed: Iterable[torch.Tensor] = (), store
                 params.append(param)
         if params:
             others.append(NotGaussian(name, reasons.get(name, "it depends on params"), tuple(sorted(params))))
-    return [blocks[name] for name, _ in sites if name in blocks], others
+    unique = {id(blocks[name]): blocks[name] for name, _ in sites if name in blocks}  # (a joined block once)
+    return list(unique.values()), others
 
 
 def _gaussian_block(name, site, values, store) -> Tuple[Optional[GaussianBlock], Optional[str]]:
@@ -296,6 +302,9 @@ def _gaussian_block(name, site, values, store) -> Tuple[Optional[GaussianBlock],
         return None, "it is masked (poutine.mask): masked elements carry no entropy term"
     particles = _particle_dims(site, base)
     loc = _param_of(base.loc, values, store, particles)
+    piece = _piece_of(base.loc, values) if loc is None else None
+    if piece is not None and _is_identity(store, piece[0]):
+        return _piece_block(name, site, base, piece, values, store)
     if loc is None and _is_broadcast_param(base.loc, values):
         return None, "its loc is a pyro.param broadcast over the site (one value shared by several elements)"
     hidden = [_hidden_param(t, values, store) for t in (base.loc, base.scale)]
@@ -421,6 +430,55 @@ def _computed_scale(t, values: Dict[int, str], store) -> Optional[Tuple[str, str
     return name, kind
 
 
+def _piece_of(t, values: Dict[int, str]) -> Optional[Tuple[str, Tuple[int, ...]]]:
+    """``(name, flat indices)`` if ``t`` is a view of some elements of a param's value, each once
+    (``weights_loc[0]``, ``weights_loc[1:]``: no dim broadcast), else ``None``."""
+    base = t._base if torch.is_tensor(t) else None
+    if base is None or id(base) not in values or base.shape == t.shape or t.numel() == 0 \
+            or any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride())):
+        return None
+    index = torch.arange(base.numel()).reshape(base.shape).as_strided(
+        t.shape, t.stride(), t.storage_offset() - base.storage_offset())
+    return values[id(base)], tuple(index.reshape(-1).tolist())
+
+
+def _piece_block(name, site, base, loc, values, store) -> Tuple[Optional[GaussianBlock], Optional[str]]:
+    """The :class:`GaussianBlock` of a site whose loc is the piece ``loc`` of a param
+    (:func:`_piece_of`), with its scale the same piece of a positive param, or why not."""
+    scale = _piece_of(base.scale, values)
+    if scale is None or scale[1] != loc[1]:
+        return None, "its loc is some elements of a pyro.param, and its scale not the same elements of one"
+    bijection = _bijection(store._constraints[scale[0]])
+    if bijection is None or loc[0] == scale[0] or base.loc.shape != base.batch_shape \
+            or base.scale.shape != base.batch_shape:
+        return None, "its loc and scale are elements of params, but not of a real and a positive one"
+    weight = _weight(site)
+    if weight is None:
+        return None, "it is scaled by a tensor (poutine.scale), not by a number"
+    return GaussianBlock(name, loc[0], scale[0], bijection, False, weight, piece=loc[1]), None
+
+
+def _join_pieces(blocks: Dict[str, GaussianBlock], reasons: Dict[str, str], store) -> None:
+    """Sites that each draw some elements of the same loc and scale params (:func:`_piece_of`; a
+    Pyro tutorial's ``Normal(weights_loc[i], weights_scale[i])``) are one mean-field block of those
+    params when together they draw every element exactly once: the block of the whole params,
+    under each site's name. Else none of them is a block."""
+    pieces: Dict[tuple, List[str]] = {}
+    for name, block in blocks.items():
+        if block.piece is not None:
+            pieces.setdefault((block.loc, block.scale, block.bijection, block.weight), []).append(name)
+    for (loc, scale, bijection, weight), names in pieces.items():
+        drawn = sorted(i for name in names for i in blocks[name].piece)
+        if drawn == list(range(store._params[loc].numel())) and store._params[scale].shape == store._params[loc].shape:
+            joined = GaussianBlock(", ".join(names), loc, scale, bijection, False, weight)
+            blocks.update({name: joined for name in names})
+            continue
+        for name in names:
+            del blocks[name]
+            reasons[name] = (f"its loc is some elements of the param '{loc}', and the guide's sites do not draw "
+                             "each of its elements exactly once")
+
+
 def _is_broadcast_param(t, values) -> bool:
     """Whether ``t`` is an expand view of a param's value of another shape (amortised over a plate)."""
     base = t._base if torch.is_tensor(t) else None
@@ -490,7 +548,7 @@ def _drop_shared(blocks: Dict[str, GaussianBlock], reasons: Dict[str, str]) -> N
         for param in (block.loc, block.scale):
             users.setdefault(param, []).append(name)
     for param, names in users.items():
-        if len(names) > 1:
+        if len({id(blocks[name]) for name in names if name in blocks}) > 1:  # (a joined block: one)
             for name in names:
                 if name in blocks:
                     del blocks[name]

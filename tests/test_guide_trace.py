@@ -859,3 +859,47 @@ def test_a_guide_computing_its_scales_by_exp_and_softplus_gets_exact_natural_gra
         pyro.clear_param_store()
         with pytest.warns(NotGaussianWarning, match=site + r" \(its scale is neither"):
             SVI(model, functools.partial(guide, **kwargs), NGVI(), Trace_ELBO()).step()
+
+
+def test_sites_drawing_elements_of_one_param_are_one_gaussian_when_they_cover_it():
+    """Pyro's Bayesian regression tutorial writes ``Normal(weights_loc[i], weights_scale[i])`` for
+    each weight: the sites together draw every element of the params once, so they are one
+    mean-field Gaussian of the whole params, and NGVI's steps reach the exact posterior (here with
+    a slice, ``weights_loc[1:]``, as a vector site). Elements left undrawn, drawn twice, or a scale
+    of other elements than the loc's leave the sites to the point optimizer, with the reason."""
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 3, generator=generator)
+    y = x @ torch.tensor([1.0, -2.0, 0.5]) + 0.5 * torch.randn(40, generator=generator)
+    precision = x.T @ x / 0.25 + torch.eye(3)
+    mean, sd = torch.linalg.solve(precision, x.T @ y / 0.25), precision.diag().rsqrt()
+
+    def model():
+        w0 = pyro.sample("w0", dist.Normal(0.0, 1.0))
+        rest = pyro.sample("rest", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+        with pyro.plate("data", len(y)):
+            pyro.sample("y", dist.Normal(x[:, 0] * w0 + x[:, 1:] @ rest, 0.5), obs=y)
+
+    def guide(pieces=((0,), slice(1, 3))):
+        loc = pyro.param("weights_loc", torch.zeros(3))
+        scale = pyro.param("weights_scale", torch.ones(3), constraint=constraints.positive)
+        (first,), rest = pieces[0], pieces[1]
+        pyro.sample("w0", dist.Normal(loc[first], scale[pieces[2] if len(pieces) > 2 else first]))
+        pyro.sample("rest", dist.Normal(loc[rest], scale[rest]).to_event(1))
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    (site,) = guide_view(guide, (), {}).sites
+    assert site.name == "w0, rest" and site.scale_name == "weights_scale"
+    svi = SVI(model, guide, NGVI(), Trace_ELBO())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NotGaussianWarning)
+        for _ in range(300):
+            svi.step()
+    assert ((pyro.param("weights_loc").detach() - mean).abs() / sd).max() < 0.15
+    assert (pyro.param("weights_scale").detach() / sd - 1).abs().max() < 0.05
+
+    for pieces, why in ((((0,), slice(1, 2)), "exactly once"), (((1,), slice(1, 3)), "exactly once"),
+                        (((0,), slice(1, 3), 2), "scale not the same elements")):
+        pyro.clear_param_store()
+        view = guide_view(functools.partial(guide, pieces), (), {})
+        assert not view.sites and why in str(view.others)
