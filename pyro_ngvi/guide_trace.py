@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
-from torch.distributions import biject_to, transform_to
+from torch.distributions import transform_to
 
 import pyro
 import pyro.distributions as dist
@@ -43,15 +43,13 @@ from pyro import poutine
 from pyro.infer import ELBO
 
 from .graph import graph_nodes
+from .scales import scale_bijection
 
 #: Distribution classes read as a Gaussian (subclasses may sample otherwise).
 _NORMALS = (dist.Normal, torch.distributions.Normal)
 #: The plate of vectorised particles (``ELBO(vectorize_particles=True)``): a Gaussian expanded
 #: along it is one Gaussian, drawn once per particle.
 _PARTICLES = "num_particles_vectorized"
-#: Probe points of a scale's bijection, and how exactly it must act as ``exp`` or ``softplus``.
-_PROBE = (-20.0, -3.0, -0.5, 0.0, 0.5, 3.0, 20.0)
-_PROBE_RTOL = 1e-9
 
 
 @dataclass(frozen=True)
@@ -322,7 +320,7 @@ def _gaussian_block(name, site, values, store) -> Tuple[Optional[GaussianBlock],
     if computed is not None:
         scale, bijection = (computed[0], False), computed[1]
     else:
-        bijection = _bijection(store._constraints[scale[0]])
+        bijection = scale_bijection(store._constraints[scale[0]])
     if bijection is None:
         return None, (f"its scale's constraint {store._constraints[scale[0]]} is not one whose bijection "
                       "is exp or softplus")
@@ -448,7 +446,7 @@ def _piece_block(name, site, base, loc, values, store) -> Tuple[Optional[Gaussia
     scale = _piece_of(base.scale, values)
     if scale is None or scale[1] != loc[1]:
         return None, "its loc is some elements of a pyro.param, and its scale not the same elements of one"
-    bijection = _bijection(store._constraints[scale[0]])
+    bijection = scale_bijection(store._constraints[scale[0]])
     if bijection is None or loc[0] == scale[0] or base.loc.shape != base.batch_shape \
             or base.scale.shape != base.batch_shape:
         return None, "its loc and scale are elements of params, but not of a real and a positive one"
@@ -504,25 +502,6 @@ def _is_identity(store, name: str) -> bool:
     """Whether the param's constrained value is its unconstrained tensor (constraint real)."""
     unconstrained = store._params[name]
     return transform_to(store._constraints[name])(unconstrained) is unconstrained
-
-
-def _bijection(constraint) -> Optional[str]:
-    """``"exp"`` or ``"softplus"``: what ``biject_to(constraint)`` computes, element-wise,
-    probed on a few points; ``None`` for anything else."""
-    try:
-        transform = biject_to(constraint)
-        if transform.domain.event_dim or transform.codomain.event_dim:
-            return None
-        x = torch.tensor(_PROBE, dtype=torch.float64)
-        y = transform(x)
-    except (NotImplementedError, TypeError, RuntimeError, ValueError):
-        return None
-    if not torch.is_tensor(y) or y.shape != x.shape:
-        return None
-    for kind, reference in (("exp", x.exp()), ("softplus", torch.nn.functional.softplus(x))):
-        if torch.allclose(y, reference, rtol=_PROBE_RTOL, atol=0.0):
-            return kind
-    return None
 
 
 def _weight(site) -> Optional[float]:

@@ -221,6 +221,30 @@ def is_exp(transform) -> bool:
         and t.loc == 0 and t.scale == 1 for t in rest)
 
 
+#: Probe points of a scale's bijection, and how exactly it must act as ``exp`` or ``softplus``.
+PROBE = (-20.0, -3.0, -0.5, 0.0, 0.5, 3.0, 20.0)
+PROBE_RTOL = 1e-9
+
+
+def scale_bijection(constraint) -> Optional[str]:
+    """``"exp"`` or ``"softplus"``: what ``biject_to(constraint)`` computes, element-wise,
+    probed on a few points; ``None`` for anything else."""
+    try:
+        transform = biject_to(constraint)
+        if transform.domain.event_dim or transform.codomain.event_dim:
+            return None
+        x = torch.tensor(PROBE, dtype=torch.float64)
+        y = transform(x)
+    except (NotImplementedError, TypeError, RuntimeError, ValueError):
+        return None
+    if not torch.is_tensor(y) or y.shape != x.shape:
+        return None
+    for kind, reference in (("exp", x.exp()), ("softplus", torch.nn.functional.softplus(x))):
+        if torch.allclose(y, reference, rtol=PROBE_RTOL, atol=0.0):
+            return kind
+    return None
+
+
 #: The maps from a raw scale to :math:`\sigma` that a guide may compute itself (``torch.exp(log_scale)``,
 #: ``F.softplus(rho)``), by name (:class:`~pyro_ngvi.family.GaussianSite`'s ``scale_map``).
 SCALE_MAPS = {"exp": FastExp, "softplus": FastSoftplus}
