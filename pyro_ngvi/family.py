@@ -114,7 +114,7 @@ class GaussianSite(_StoredGaussian):
 
     :param float weight: the ``poutine.scale`` factor of the guide site beyond its
         plates' subsampling (1 for a plain guide; see
-        :class:`~pyro_ngvi.guide_trace.GaussianBlock`).
+        :class:`~pyro_ngvi.param_views.GaussianBlock`).
     :param tuple blocks: the sizes of the model's latents the flat site is made of, in order
         (an ``AutoDiagonalNormal``'s), each pooling its own noise for the adaptive steps
         (default: empty, the site is one).

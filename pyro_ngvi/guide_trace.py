@@ -14,8 +14,9 @@ where :math:`\\theta_\\mu` *is* the unconstrained tensor of a ``pyro.param`` (co
 real: the distribution's ``loc`` is the param-store tensor itself), :math:`\\theta_\\sigma`
 that of a positive param whose bijection :math:`T` acts as ``exp`` or ``softplus``
 (recognised by what it computes, not by ``==``), both of the site's batch shape (no
-broadcasting), or rows of them picked by a subsampling plate (Pyro's own protocol: the
-value carries ``_pyro_unconstrained_param``). A site whose value is then transformed to a
+broadcasting), in any form :mod:`~pyro_ngvi.param_views` reads (rows a subsampling plate picks,
+elements that several sites draw once each, a scale the guide computes as ``exp`` or
+``softplus``). A site whose value is then transformed to a
 constrained support (AutoNormal's ``<name>_unconstrained``, then a ``Delta``) is the
 Gaussian on ``u``; the ``Delta`` trains nothing of its own.
 
@@ -35,7 +36,6 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
-from torch.distributions import transform_to
 
 import pyro
 import pyro.distributions as dist
@@ -43,43 +43,12 @@ from pyro import poutine
 from pyro.infer import ELBO
 
 from .graph import graph_nodes
+from .param_views import (GaussianBlock, computed_scale, is_broadcast_param, is_identity, join_pieces, param_of,
+                          particle_dims, picked_block, piece_block, piece_of, site_weight)
 from .scales import scale_bijection
 
 #: Distribution classes read as a Gaussian (subclasses may sample otherwise).
 _NORMALS = (dist.Normal, torch.distributions.Normal)
-#: The plate of vectorised particles (``ELBO(vectorize_particles=True)``): a Gaussian expanded
-#: along it is one Gaussian, drawn once per particle.
-_PARTICLES = "num_particles_vectorized"
-
-
-@dataclass(frozen=True)
-class GaussianBlock:
-    """
-    A mean-field Gaussian site of a guide's trace, in the param store's names.
-
-    :param str site: the guide's sample site.
-    :param str loc: param-store name of :math:`\\mu` (its unconstrained tensor is the loc).
-    :param str scale: param-store name of the raw scale :math:`\\theta_\\sigma`.
-    :param str bijection: ``"exp"`` or ``"softplus"``, what :math:`T` computes.
-    :param bool subsampled: rows of the params were picked by a subsampling plate.
-    :param float weight: the site's ``poutine.scale`` factor beyond its plates' subsampling
-        factor (1 for a plain guide): the ELBO's entropy term of the site carries it.
-    :param bool computed: the guide computes :math:`\\sigma = T(\\theta_\\sigma)` itself from an
-        unconstrained param (``torch.exp(log_scale)``, ``F.softplus(rho)``), rather than the
-        param store by the param's constraint.
-    :param tuple piece: the flat indices of the elements of ``loc`` and ``scale`` the site
-        draws (``weights_loc[0]``), while the site is read alone; sites whose pieces cover the
-        params exactly once are one block (:func:`_join_pieces`), ``None``.
-    """
-
-    site: str
-    loc: str
-    scale: str
-    bijection: str
-    subsampled: bool = False
-    weight: float = 1.0
-    computed: bool = False
-    piece: Optional[Tuple[int, ...]] = None
 
 
 @dataclass(frozen=True)
@@ -224,11 +193,13 @@ def read_trace(trace: poutine.Trace, claimed: Iterable[torch.Tensor] = (), store
     store = pyro.get_param_store() if store is None else store
     claimed_ids = {id(t) for t in claimed}
     values = {id(site["value"]): name for name, site in trace.nodes.items() if site["type"] == "param"}
+    producers = {site["value"].grad_fn: name for name, site in trace.nodes.items()  # (a constrained value's)
+                 if site["type"] == "param" and getattr(site["value"], "grad_fn", None) is not None}
     sites = [(name, site) for name, site in trace.nodes.items() if site["type"] == "sample"]
     blocks: Dict[str, GaussianBlock] = {}
     reasons: Dict[str, str] = {}
     for name, site in sites:
-        block, reason = _gaussian_block(name, site, values, store)
+        block, reason = _gaussian_block(name, site, values, store, producers)
         if block is not None and (id(store._params[block.loc]) in claimed_ids
                                   or id(store._params[block.scale]) in claimed_ids):
             block, reason = None, None  # found otherwise
@@ -236,7 +207,7 @@ def read_trace(trace: poutine.Trace, claimed: Iterable[torch.Tensor] = (), store
             blocks[name] = block
         elif reason is not None:
             reasons[name] = reason
-    _join_pieces(blocks, reasons, store)
+    join_pieces(blocks, reasons, store)
     _drop_shared(blocks, reasons)
     model_reads = set(model_reads)
     for name in [name for name, b in blocks.items() if b.loc in model_reads or b.scale in model_reads]:
@@ -276,7 +247,7 @@ def read_trace(trace: poutine.Trace, claimed: Iterable[torch.Tensor] = (), store
     return list(unique.values()), others
 
 
-def _gaussian_block(name, site, values, store) -> Tuple[Optional[GaussianBlock], Optional[str]]:
+def _gaussian_block(name, site, values, store, producers) -> Tuple[Optional[GaussianBlock], Optional[str]]:
     """The :class:`GaussianBlock` of a sample site, or ``None`` and why not."""
     fn = site["fn"]
     base = fn
@@ -298,22 +269,25 @@ def _gaussian_block(name, site, values, store) -> Tuple[Optional[GaussianBlock],
                       "curvature can be recovered from its gradients")
     if site["mask"] is not None and site["mask"] is not True:
         return None, "it is masked (poutine.mask): masked elements carry no entropy term"
-    particles = _particle_dims(site, base)
-    loc = _param_of(base.loc, values, store, particles)
-    piece = _piece_of(base.loc, values) if loc is None else None
-    if piece is not None and _is_identity(store, piece[0]):
-        return _piece_block(name, site, base, piece, values, store)
-    if loc is None and _is_broadcast_param(base.loc, values):
+    particles = particle_dims(site, base)
+    loc = param_of(base.loc, values, store, particles)
+    piece = piece_of(base.loc, values) if loc is None else None
+    if piece is not None and is_identity(store, piece[0]):
+        return piece_block(name, site, base, piece, values, store)
+    picked = picked_block(name, site, base, values, store, producers) if loc is None else None
+    if picked is not None:
+        return picked
+    if loc is None and is_broadcast_param(base.loc, values):
         return None, "its loc is a pyro.param broadcast over the site (one value shared by several elements)"
     hidden = [_hidden_param(t, values, store) for t in (base.loc, base.scale)]
     for part, param in zip(("loc", "scale"), hidden):
         if param is not None:
             return None, f"its {part} is the param '{param}', hidden from SVI (poutine.block): held fixed"
-    if loc is None or not _is_identity(store, loc[0]):
+    if loc is None or not is_identity(store, loc[0]):
         return None, ("its loc is not a pyro.param's unconstrained tensor itself (it is computed: a network's "
                       "output, a sum, a transform)")
-    scale = _param_of(base.scale, values, store, particles)
-    computed = _computed_scale(base.scale, values, store) if scale is None else None
+    scale = param_of(base.scale, values, store, particles)
+    computed = computed_scale(base.scale, values, store) if scale is None else None
     if scale is None and computed is None:
         return None, ("its scale is neither a positive pyro.param of the site's shape nor the exp or softplus "
                       "of an unconstrained one")
@@ -329,7 +303,7 @@ def _gaussian_block(name, site, values, store) -> Tuple[Optional[GaussianBlock],
         return None, "its loc and scale are broadcast to the site's shape"
     if loc[0] == scale[0]:
         return None, "its loc and scale are the same param"
-    weight = _weight(site)
+    weight = site_weight(site)
     if weight is None:
         return None, "it is scaled by a tensor (poutine.scale), not by a number"
     return GaussianBlock(name, loc[0], scale[0], bijection, loc[1] or scale[1], weight, computed is not None), None
@@ -356,168 +330,6 @@ def _family_reason(base) -> str:
         return ("its LowRankMultivariateNormal covariance is not closed under the natural-gradient step; "
                 "pyro_ngvi.LowRankPrecisionNormal is (low-rank-plus-diagonal precision)")
     return f"it is a {type(base).__name__}, not a Normal"
-
-
-def _param_of(t, values: Dict[int, str], store, particles: Tuple[int, ...] = ()) -> Optional[Tuple[str, bool]]:
-    """
-    The param whose value ``t`` is: ``(name, subsampled)``, or ``None``. ``t`` is the
-    param's (constrained) value as the trace recorded it, an expand view of it of the
-    same shape and layout, its rows picked by subsampling plates, or an expand view of
-    it along the dims ``particles`` of vectorised particles only (:func:`_particle_dims`:
-    every particle draws from the same Gaussian).
-    """
-    if not torch.is_tensor(t):
-        return None
-    for candidate in (t, t._base):  # the tensor, or an expand view of it of the same layout
-        if candidate is None or not (candidate.shape == t.shape and candidate.stride() == t.stride()
-                                     and candidate.storage_offset() == t.storage_offset()):
-            continue
-        param = getattr(candidate, "_pyro_unconstrained_param", None)
-        if param is not None:  # rows picked by subsampling plates
-            return _subsampled(candidate, param, store)
-        if id(candidate) in values:
-            name = values[id(candidate)]
-            return (name, False) if name in store._params else None
-    if particles and t._base is not None and id(t._base) in values and _expands_along(t, t._base, particles):
-        name = values[id(t._base)]
-        return (name, False) if name in store._params else None
-    return None
-
-
-def _particle_dims(site, base) -> Tuple[int, ...]:
-    """The dims of ``base`` (the site's Normal, event dims included) that vectorised particles
-    (``Trace_ELBO(vectorize_particles=True)``'s plate) expand."""
-    event = len(base.batch_shape) - len(site["fn"].batch_shape)  # (the site's event dims, in base)
-    return tuple(frame.dim - event for frame in site["cond_indep_stack"]
-                 if frame.name == _PARTICLES and frame.dim is not None)
-
-
-def _expands_along(t: torch.Tensor, value: torch.Tensor, dims: Tuple[int, ...]) -> bool:
-    """Whether ``t`` is ``value`` expanded along ``dims`` (negative) and by new leading dims of
-    size 1 only: stride 0 there, ``value``'s own sizes, strides and offset elsewhere."""
-    if t.dim() < value.dim() or t.storage_offset() != value.storage_offset():
-        return False
-    pad = t.dim() - value.dim()
-    for d in range(t.dim()):
-        own = d - pad
-        if (d - t.dim()) in dims and t.stride(d) == 0 and (own < 0 or value.shape[own] == 1):
-            continue
-        if own < 0:
-            if t.shape[d] != 1:
-                return False
-        elif t.shape[d] != value.shape[own] or (t.shape[d] > 1 and t.stride(d) != value.stride(own)):
-            return False
-    return True
-
-
-def _computed_scale(t, values: Dict[int, str], store) -> Optional[Tuple[str, str]]:
-    """``(name, "exp")`` or ``(name, "softplus")`` if ``t`` is the exponential or the softplus
-    (``F.softplus`` at ``beta=1``, ``threshold >= 20``: the softplus to float precision) of an
-    unconstrained param of ``t``'s shape, computed in the guide; else ``None``."""
-    node = getattr(t, "grad_fn", None)
-    kind = {"ExpBackward0": "exp", "SoftplusBackward0": "softplus"}.get(type(node).__name__)
-    if kind is None or len(node.next_functions) != 1:
-        return None
-    if kind == "softplus" and not (getattr(node, "_saved_beta", None) == 1
-                                   and getattr(node, "_saved_threshold", 0) >= 20):
-        return None
-    leaf = getattr(node.next_functions[0][0], "variable", None)
-    name = values.get(id(leaf)) if leaf is not None else None
-    if name is None or store._params.get(name) is not leaf or leaf.shape != t.shape or not _is_identity(store, name):
-        return None
-    return name, kind
-
-
-def _piece_of(t, values: Dict[int, str]) -> Optional[Tuple[str, Tuple[int, ...]]]:
-    """``(name, flat indices)`` if ``t`` is a view of some elements of a param's value, each once
-    (``weights_loc[0]``, ``weights_loc[1:]``: no dim broadcast), else ``None``."""
-    base = t._base if torch.is_tensor(t) else None
-    if base is None or id(base) not in values or base.shape == t.shape or t.numel() == 0 \
-            or any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride())):
-        return None
-    index = torch.arange(base.numel()).reshape(base.shape).as_strided(
-        t.shape, t.stride(), t.storage_offset() - base.storage_offset())
-    return values[id(base)], tuple(index.reshape(-1).tolist())
-
-
-def _piece_block(name, site, base, loc, values, store) -> Tuple[Optional[GaussianBlock], Optional[str]]:
-    """The :class:`GaussianBlock` of a site whose loc is the piece ``loc`` of a param
-    (:func:`_piece_of`), with its scale the same piece of a positive param, or why not."""
-    scale = _piece_of(base.scale, values)
-    if scale is None or scale[1] != loc[1]:
-        return None, "its loc is some elements of a pyro.param, and its scale not the same elements of one"
-    bijection = scale_bijection(store._constraints[scale[0]])
-    if bijection is None or loc[0] == scale[0] or base.loc.shape != base.batch_shape \
-            or base.scale.shape != base.batch_shape:
-        return None, "its loc and scale are elements of params, but not of a real and a positive one"
-    weight = _weight(site)
-    if weight is None:
-        return None, "it is scaled by a tensor (poutine.scale), not by a number"
-    return GaussianBlock(name, loc[0], scale[0], bijection, False, weight, piece=loc[1]), None
-
-
-def _join_pieces(blocks: Dict[str, GaussianBlock], reasons: Dict[str, str], store) -> None:
-    """Sites that each draw some elements of the same loc and scale params (:func:`_piece_of`; a
-    Pyro tutorial's ``Normal(weights_loc[i], weights_scale[i])``) are one mean-field block of those
-    params when together they draw every element exactly once: the block of the whole params,
-    under each site's name. Else none of them is a block."""
-    pieces: Dict[tuple, List[str]] = {}
-    for name, block in blocks.items():
-        if block.piece is not None:
-            pieces.setdefault((block.loc, block.scale, block.bijection, block.weight), []).append(name)
-    for (loc, scale, bijection, weight), names in pieces.items():
-        drawn = sorted(i for name in names for i in blocks[name].piece)
-        if drawn == list(range(store._params[loc].numel())) and store._params[scale].shape == store._params[loc].shape:
-            joined = GaussianBlock(", ".join(names), loc, scale, bijection, False, weight)
-            blocks.update({name: joined for name in names})
-            continue
-        for name in names:
-            del blocks[name]
-            reasons[name] = (f"its loc is some elements of the param '{loc}', and the guide's sites do not draw "
-                             "each of its elements exactly once")
-
-
-def _is_broadcast_param(t, values) -> bool:
-    """Whether ``t`` is an expand view of a param's value of another shape (amortised over a plate)."""
-    base = t._base if torch.is_tensor(t) else None
-    return base is not None and id(base) in values and base.shape != t.shape
-
-
-def _subsampled(t, param, store) -> Optional[Tuple[str, bool]]:
-    """``(name, True)`` if ``t`` is rows of the param ``param`` picked by subsampling plates
-    (Pyro's protocol: ``param._pyro_subsample`` maps each dim to the rows picked)."""
-    name = store.param_name(param)
-    picked = getattr(param, "_pyro_subsample", None)
-    if name is None or store._params.get(name) is not param or not picked:
-        return None
-    shape = list(param.shape)
-    for dim, indices in picked.items():
-        if -dim > len(shape):
-            return None
-        shape[dim] = indices.numel()
-    return (name, True) if tuple(t.shape) == tuple(shape) else None
-
-
-def _is_identity(store, name: str) -> bool:
-    """Whether the param's constrained value is its unconstrained tensor (constraint real)."""
-    unconstrained = store._params[name]
-    return transform_to(store._constraints[name])(unconstrained) is unconstrained
-
-
-def _weight(site) -> Optional[float]:
-    """The site's scale over its plates' subsampling factor (``None``: a tensor scale)."""
-    scale = site["scale"]
-    if torch.is_tensor(scale):
-        if scale.numel() != 1:
-            return None
-        scale = float(scale)
-    plates = 1.0
-    for frame in site["cond_indep_stack"]:
-        full = frame.full_size if frame.full_size is not None else frame.size
-        if frame.size:
-            plates *= full / frame.size
-    weight = scale / plates
-    return 1.0 if math.isclose(weight, 1.0, rel_tol=1e-12) else weight
 
 
 def _drop_shared(blocks: Dict[str, GaussianBlock], reasons: Dict[str, str]) -> None:

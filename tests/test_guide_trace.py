@@ -903,3 +903,54 @@ def test_sites_drawing_elements_of_one_param_are_one_gaussian_when_they_cover_it
         pyro.clear_param_store()
         view = guide_view(functools.partial(guide, pieces), (), {})
         assert not view.sites and why in str(view.others)
+
+
+def test_local_latents_indexed_by_the_subsample_get_exact_natural_gradient_steps():
+    """``Normal(loc[ind], scale[ind])`` inside ``pyro.plate(..., subsample_size=B) as ind`` (and
+    ``index_select``, and a scale computed as ``exp(log_scale)[ind]``): the rows the plate picks, as
+    when the plate subsamples the params itself; every row reaches its exact posterior. Rows
+    picked with repeats (a gather, not a subsample) stay with the point optimizer, with the reason."""
+    generator = torch.Generator().manual_seed(4)
+    n = 60
+    y = 2.0 + 1.5 * torch.randn(n, generator=generator)
+    mean, sd = y / 1.25, 1.25**-0.5  # z ~ N(0, 2^2), y ~ N(z, 1)
+
+    def model():
+        with pyro.plate("data", n, subsample_size=15) as ind:
+            z = pyro.sample("z", dist.Normal(0.0, 2.0))
+            pyro.sample("y", dist.Normal(z, 1.0), obs=y[ind])
+
+    def indexed():
+        loc = pyro.param("loc", torch.zeros(n))
+        scale = pyro.param("scale", torch.ones(n), constraint=constraints.positive)
+        with pyro.plate("data", n, subsample_size=15) as ind:
+            pyro.sample("z", dist.Normal(loc[ind], scale[ind]))
+
+    def selected():
+        loc = pyro.param("loc", torch.zeros(n))
+        log_scale = pyro.param("log_scale", torch.zeros(n))
+        with pyro.plate("data", n, subsample_size=15) as ind:
+            pyro.sample("z", dist.Normal(loc.index_select(0, ind), log_scale.exp()[ind]))
+
+    for guide in (indexed, selected):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        svi = SVI(model, guide, NGVI(), Trace_ELBO())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", NotGaussianWarning)
+            for _ in range(400):
+                svi.step()
+        scale = pyro.param("scale") if guide is indexed else pyro.param("log_scale").exp()
+        assert ((pyro.param("loc").detach() - mean).abs() / sd).max() < 0.1, guide.__name__
+        assert (scale.detach() / sd - 1).abs().max() < 0.05, guide.__name__
+
+    def gathered():
+        loc = pyro.param("loc", torch.zeros(n))
+        scale = pyro.param("scale", torch.ones(n), constraint=constraints.positive)
+        first = torch.zeros(15, dtype=torch.long)
+        with pyro.plate("data", n, subsample_size=15):
+            pyro.sample("z", dist.Normal(loc[first], scale[first]))
+
+    pyro.clear_param_store()
+    view = guide_view(gathered, (), {})
+    assert not view.sites and "not the subsample of the plate" in str(view.others)
