@@ -799,17 +799,23 @@ def test_a_vector_site_of_a_guide_that_asserts_its_vectorised_shape_reaches_the_
         svi.step(2)
 
 
+def regression(seed):
+    """A 3-weight linear regression (40 rows, noise 0.5, prior N(0, 1)): ``x``, ``y`` and its exact
+    mean-field posterior's means and sds."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(40, 3, generator=generator)
+    y = x @ torch.tensor([1.0, -2.0, 0.5]) + 0.5 * torch.randn(40, generator=generator)
+    precision = x.T @ x / 0.25 + torch.eye(3)
+    return x, y, torch.linalg.solve(precision, x.T @ y / 0.25), precision.diag().rsqrt()
+
+
 def test_a_guide_computing_its_scales_by_exp_and_softplus_gets_exact_natural_gradient_steps():
     """The hand-written idioms ``Normal(loc, torch.exp(log_scale))`` and ``Normal(loc,
     F.softplus(rho))`` (Bayes-by-Backprop's) of unconstrained params: each site is read as a
     Gaussian with the map its guide computes (two sites of one size and two maps: two groups), and
     both reach the exact mean-field posterior; get_state / set_state resume them bit for bit. A
     softplus of another sharpness, and the exp of a positive param, stay with the point optimizer."""
-    generator = torch.Generator().manual_seed(2)
-    x = torch.randn(40, 3, generator=generator)
-    y = x @ torch.tensor([1.0, -2.0, 0.5]) + 0.5 * torch.randn(40, generator=generator)
-    precision = x.T @ x / 0.25 + torch.eye(3)
-    mean, sd = torch.linalg.solve(precision, x.T @ y / 0.25), precision.diag().rsqrt()
+    x, y, mean, sd = regression(2)
 
     def model():
         for name in ("u", "v"):
@@ -867,11 +873,7 @@ def test_sites_drawing_elements_of_one_param_are_one_gaussian_when_they_cover_it
     mean-field Gaussian of the whole params, and NGVI's steps reach the exact posterior (here with
     a slice, ``weights_loc[1:]``, as a vector site). Elements left undrawn, drawn twice, or a scale
     of other elements than the loc's leave the sites to the point optimizer, with the reason."""
-    generator = torch.Generator().manual_seed(3)
-    x = torch.randn(40, 3, generator=generator)
-    y = x @ torch.tensor([1.0, -2.0, 0.5]) + 0.5 * torch.randn(40, generator=generator)
-    precision = x.T @ x / 0.25 + torch.eye(3)
-    mean, sd = torch.linalg.solve(precision, x.T @ y / 0.25), precision.diag().rsqrt()
+    x, y, mean, sd = regression(3)
 
     def model():
         w0 = pyro.sample("w0", dist.Normal(0.0, 1.0))
