@@ -283,7 +283,10 @@ def _gaussian_block(name, site, values, store, producers) -> Tuple[Optional[Gaus
     for part, param in zip(("loc", "scale"), hidden):
         if param is not None:
             return None, f"its {part} is the param '{param}', hidden from SVI (poutine.block): held fixed"
-    if loc is None or not is_identity(store, loc[0]):
+    if loc is not None and not is_identity(store, loc[0]):
+        return None, (f"its loc is the param '{loc[0]}' of constraint {store._constraints[loc[0]]}: a Gaussian's "
+                      "loc must be an unconstrained (real) param")
+    if loc is None:
         return None, ("its loc is not a pyro.param's unconstrained tensor itself (it is computed: a network's "
                       "output, a sum, a transform)")
     scale = param_of(base.scale, values, store, particles)

@@ -956,3 +956,16 @@ def test_local_latents_indexed_by_the_subsample_get_exact_natural_gradient_steps
     pyro.clear_param_store()
     view = guide_view(gathered, (), {})
     assert not view.sites and "not the subsample of the plate" in str(view.others)
+
+
+def test_a_constrained_param_as_a_loc_is_named_with_its_constraint():
+    """Pyro's regression tutorial draws its noise from ``Normal(sigma_loc, 0.05)`` with a positive
+    ``sigma_loc``: the point optimizer trains it, and the reason names the param and its
+    constraint (it said the loc was computed: a network's output, a sum, a transform)."""
+    def guide():
+        sigma_loc = pyro.param("sigma_loc", torch.tensor(1.0), constraint=constraints.positive)
+        pyro.sample("sigma", dist.Normal(sigma_loc, 0.05))
+
+    pyro.clear_param_store()
+    view = guide_view(guide, (), {})
+    assert not view.sites and "the param 'sigma_loc' of constraint GreaterThan" in str(view.others)
