@@ -57,7 +57,8 @@ def make_bnn(likelihood, batch_norm=False, noise_scale=NOISE, prior=None, seed=0
             for name, p in net.named_parameters()
             if not name.startswith("1.") or not batch_norm
         }
-    return BayesianNet(net, likelihood, num_data=N, prior=prior, noise_scale=noise_scale)
+    return BayesianNet(net, likelihood, num_data=N, prior=prior,
+                       noise_scale=noise_scale if likelihood == "gaussian" else None)
 
 
 def make_guide(bnn, x, y, seed=1):
@@ -400,6 +401,15 @@ def test_ngvi_follows_a_scale_replaced_in_the_param_store():
 def test_unknown_likelihood_lists_supported_ones():
     with pytest.raises(ValueError, match="'categorical', 'bernoulli', 'gaussian'"):
         BayesianNet(nn.Linear(2, 1), "poisson", num_data=10)
+
+
+@pytest.mark.parametrize("likelihood", ["categorical", "bernoulli"])
+@pytest.mark.parametrize("argument", [{"noise_scale": 0.1}, {"init_noise_scale": 2.0}])
+def test_a_noise_scale_for_a_likelihood_without_noise_is_refused(likelihood, argument):
+    # (it was stored and never used: a user who believed it applied got no sign it did not)
+    with pytest.raises(ValueError, match=f"{next(iter(argument))} is the scale of the 'gaussian' likelihood"):
+        BayesianNet(nn.Linear(2, 1), likelihood, num_data=10, **argument)
+    assert BayesianNet(nn.Linear(2, 1), "gaussian", num_data=10, **argument).likelihood == "gaussian"
 
 
 @pytest.mark.parametrize("curvature", ["hessian", "none", "fisher"])

@@ -101,8 +101,9 @@ class BayesianNet(WeightPriors, NoiseLimit, GuideFactory, InputChecks, FastPath,
         ``Normal`` distribution (e.g. a previous posterior), one entry per latent
         site (default: 1.0).
     :param noise_scale: fixed :math:`\\sigma` of the Gaussian likelihood, or
-        ``None`` to learn it (default: None).
-    :param float init_noise_scale: initial :math:`\\sigma` when learned (default: 1.0).
+        ``None`` to learn it (default: None); only for ``"gaussian"``.
+    :param float init_noise_scale: initial :math:`\\sigma` when learned (default: 1.0); only
+        for ``"gaussian"``.
     :param str name: prefix of every site and param name (default: "").
     :param bool learn_prior: learn each weight tensor's prior scale by the
         evidence, starting at ``prior`` (default: False).
@@ -148,6 +149,10 @@ class BayesianNet(WeightPriors, NoiseLimit, GuideFactory, InputChecks, FastPath,
         if noise_scale is not None:
             noise_scale = positive_finite("noise_scale", noise_scale)
         init_noise_scale = positive_finite("init_noise_scale", init_noise_scale)
+        if likelihood != "gaussian" and (noise_scale is not None or init_noise_scale != 1.0):
+            given = "noise_scale" if noise_scale is not None else "init_noise_scale"
+            raise ValueError(f"{given} is the scale of the 'gaussian' likelihood; the {likelihood!r} "
+                             "likelihood has no noise scale: leave it out")
         if not isinstance(name, str):
             raise ValueError(f"name must be a string, got {name!r}")
         self.net = net
