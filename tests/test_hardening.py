@@ -734,6 +734,24 @@ def test_targets_that_are_not_tensors_are_a_type_error_naming_them():
 
 
 @pytest.mark.parametrize("curvature", ["ggn", "reparam"])
+def test_a_stale_guide_param_of_another_shape_is_refused_and_the_net_left_whole(curvature):
+    """A guide named like one of a wider net (Pyro's param store outlives models): its loc of
+    another shape was written into the net's weight, resizing it (a bare size error after)."""
+    x, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+
+    def svi_of(width):
+        bnn = BayesianNet(nn.Sequential(nn.Linear(3, width), nn.ReLU(), nn.Linear(width, 2)), "categorical", 8)
+        return bnn.net, SVI(bnn, bnn.guide(), NGVI(), CurvatureELBO(curvature))
+
+    svi_of(4)[1].step(x, y)
+    net, svi = svi_of(5)
+    shapes = [p.shape for p in net.parameters()]
+    with pytest.raises(ValueError, match=r"'AutoNormal.locs.0.weight' has shape \(4, 3\).*clear_param_store"):
+        svi.step(x, y)
+    assert [p.shape for p in net.parameters()] == shapes
+
+
+@pytest.mark.parametrize("curvature", ["ggn", "reparam"])
 def test_a_net_converted_after_its_guide_ran_keeps_training(curvature):
     """bnn.double() after the guide was made: the guide stays float32 (its params are the param
     store's), the statistics are handed over in its dtype (a bare dtype error in the momentum before)."""

@@ -188,6 +188,14 @@ class BackpackStep(BackpackTwin):
                 for w in model._latents:
                     guide._get_loc_and_scale(w.site)
         raws = [params[name] for name in scales]
+        for w, loc_name, scale_name in zip(model._latents, locs, scales):  # (draws go into the net's tensors)
+            for name in (loc_name, scale_name):
+                if params[name].shape != w.param.shape:
+                    raise ValueError(
+                        f"BayesianNet: the param store's '{name}' has shape {tuple(params[name].shape)}, the "
+                        f"weight {w.site!r} has {tuple(w.param.shape)}: a guide of another model named "
+                        f"{names[0]!r} (or a loaded param store) left it there. Call pyro.clear_param_store(), "
+                        "give this guide another name, or set it up with pyro_ngvi.start_task")
         constraints = [store._constraints[name] for name in scales]
         if transforms is None or any(c is not t[0] for c, t in zip(constraints, transforms)):
             transforms = [(c, scale_transform(c)) for c in constraints]
