@@ -78,6 +78,16 @@ def _check_probs(probs, name: str = "probs", dim: int = 2) -> torch.Tensor:
     return probs
 
 
+def _check_class_probs(probs, name: str = "probs") -> torch.Tensor:
+    """``probs`` ``(N, K)`` whose rows sum to 1 (to ``1e-4 + K eps``), else a ValueError naming it."""
+    probs = _check_probs(probs, name)
+    error = (probs.sum(-1) - 1).abs().max() if probs.numel() else 0.0
+    if error > 1e-4 + probs.shape[-1] * torch.finfo(probs.dtype).eps:
+        raise ValueError(f"{name} must sum to 1 over the classes (dim -1), off by up to {float(error):.3g}: "
+                         "class probabilities (N, K), e.g. predictive_probs_from_logits(logits)")
+    return probs
+
+
 def _check_labels(y, num_examples: int, num_classes: int, name: str = "y"):
     y = torch.as_tensor(y)
     if y.shape != (num_examples,):
@@ -98,7 +108,7 @@ def _check_labels(y, num_examples: int, num_classes: int, name: str = "y"):
 
 
 def _check_classification(probs, y):
-    probs = _check_probs(probs)
+    probs = _check_class_probs(probs)
     if probs.shape[0] == 0:
         raise ValueError("probs must hold at least one example")
     y = _check_labels(y, probs.shape[0], probs.shape[1]).to(probs.device)
@@ -106,7 +116,8 @@ def _check_classification(probs, y):
 
 
 def _check_num_bins(num_bins: int) -> int:
-    if isinstance(num_bins, bool) or not isinstance(num_bins, numbers.Real) or int(num_bins) != num_bins or num_bins < 1:
+    if (isinstance(num_bins, bool) or not isinstance(num_bins, numbers.Real) or not math.isfinite(num_bins)
+            or int(num_bins) != num_bins or num_bins < 1):
         raise ValueError(f"num_bins must be a positive integer, got {num_bins}")
     return int(num_bins)
 
@@ -309,7 +320,7 @@ def predictive_entropy(probs) -> torch.Tensor:
     :returns: entropies in nats, ``(N,)``.
     :rtype: torch.Tensor
     """
-    probs = _check_probs(probs)
+    probs = _check_class_probs(probs)
     return -torch.special.xlogy(probs, probs).sum(-1)
 
 
@@ -352,7 +363,7 @@ def auroc(scores_negative, scores_positive) -> torch.Tensor:
 #: OOD scores of :func:`ood_auroc`: name -> (predictive probs ``(N, K)`` -> score, higher = more OOD).
 OOD_SCORES: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "entropy": lambda probs: predictive_entropy(probs),
-    "max_prob": lambda probs: -_check_probs(probs).max(-1).values,
+    "max_prob": lambda probs: -_check_class_probs(probs).max(-1).values,
 }
 
 
@@ -386,6 +397,7 @@ def ood_auroc(probs_in, probs_out, score: str = "entropy") -> torch.Tensor:
             f"probs_in and probs_out must have the same number of classes, got "
             f"{probs_in.shape[1]} and {probs_out.shape[1]}"
         )
+    probs_in, probs_out = _check_class_probs(probs_in, "probs_in"), _check_class_probs(probs_out, "probs_out")
     return auroc(OOD_SCORES[score](probs_in), OOD_SCORES[score](probs_out))
 
 
@@ -518,8 +530,10 @@ def interval_coverage(samples, y, level: float = 0.9) -> torch.Tensor:
     :param float level: interval probability mass, in ``(0, 1)`` (default: 0.9)
     :rtype: torch.Tensor
     """
-    if not 0 < level < 1:
-        raise ValueError(f"level must lie in (0, 1), got {level}")
+    if torch.is_tensor(level) and level.numel() == 1:
+        level = level.item()
+    if isinstance(level, bool) or not isinstance(level, numbers.Real) or not 0 < level < 1:
+        raise ValueError(f"level must lie in (0, 1), got {level!r}")
     samples, y = _check_regression(samples, y, "samples")
     alpha = 1 - level
     q = torch.tensor(

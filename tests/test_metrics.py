@@ -303,6 +303,17 @@ def test_probs_of_wrong_rank_raise(metric):
         metric(PROBS.unsqueeze(0), Y)
 
 
+@pytest.mark.parametrize("metric", CLASSIFICATION_METRICS + [lambda p, y: predictive_entropy(p),
+                                                       lambda p, y: metrics.ood_auroc(p, p, "max_prob")])
+def test_probs_whose_rows_do_not_sum_to_one_raise(metric):
+    """Rows of per-class sigmoids or unnormalised scores in [0, 1] gave a number (nll 0.105 for
+    rows (0.9, 0.9)); a float32 softmax of 1000 classes passes."""
+    with pytest.raises(ValueError, match=r"must sum to 1 over the classes"):
+        metric(torch.full((4, 3), 0.9), Y)
+    probs = torch.randn(4, 1000).softmax(-1)
+    metric(probs, torch.zeros(4, dtype=torch.long))
+
+
 def test_predictive_entropy_rejects_invalid_probs():
     with pytest.raises(ValueError, match=r"^probs must lie in \[0, 1\]"):
         predictive_entropy(torch.tensor([[1.5, -0.5]]))
@@ -310,7 +321,7 @@ def test_predictive_entropy_rejects_invalid_probs():
         predictive_entropy(torch.tensor([0.5, 0.5]))
 
 
-@pytest.mark.parametrize("num_bins", [0, -3, 2.5])
+@pytest.mark.parametrize("num_bins", [0, -3, 2.5, math.nan, math.inf])
 @pytest.mark.parametrize(
     "metric", [expected_calibration_error, reliability_diagram_data]
 )
@@ -365,7 +376,7 @@ def test_interval_coverage_rejects_non_finite_samples():
         interval_coverage(torch.randn(20, 3), torch.tensor([0.0, -math.inf, 0.0]))
 
 
-@pytest.mark.parametrize("level", [0.0, 1.0, -0.1, 1.5, math.nan])
+@pytest.mark.parametrize("level", [0.0, 1.0, -0.1, 1.5, math.nan, "0.9", None])
 def test_interval_coverage_rejects_level_outside_unit_interval(level):
     with pytest.raises(ValueError, match=r"^level must lie in \(0, 1\)"):
         interval_coverage(torch.zeros(5, 2), torch.zeros(2), level=level)
