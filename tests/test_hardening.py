@@ -727,6 +727,25 @@ def test_a_training_batch_larger_than_num_data_is_refused_and_prediction_is_not(
     assert pyro.infer.Predictive(svi.model, guide=svi.guide, num_samples=2)(x)["obs"].shape == (2, 30)
 
 
+@pytest.mark.parametrize("curvature", ["ggn", "trace"])
+def test_a_network_output_that_is_not_batch_first_is_refused_naming_the_shapes(curvature):
+    """One input x of shape (D,): the net returns (K,), taken for K examples ('Cannot remove event
+    dimensions from Categorical' on the model's path before); a (K, B) output of a transposing net."""
+    svi = fast_path_svi("categorical", 2, curvature)
+    with pytest.raises(ValueError, match=r"returned shape \(2,\) for a batch of 3 inputs.*batch first"):
+        svi.model(torch.randn(3))
+    with pytest.raises(ValueError, match=r"returned shape \(2,\) for a batch of 3 inputs"):
+        svi.step(torch.randn(3), torch.tensor([0, 1, 0]))
+
+    class Transposed(nn.Linear):
+        def forward(self, x):
+            return super().forward(x).T
+
+    svi = fast_path_svi("gaussian", 2, curvature, net=Transposed(3, 2))
+    with pytest.raises(ValueError, match=r"returned shape \(2, 4\) for a batch of 4 inputs"):
+        svi.step(torch.randn(4, 3), torch.randn(4, 2))
+
+
 def test_targets_that_are_not_tensors_are_a_type_error_naming_them():
     svi = fast_path_svi("gaussian", 1, "ggn")
     with pytest.raises(TypeError, match="y must be a torch.Tensor"):

@@ -61,6 +61,14 @@ class InputChecks:
                 "task's too)"
             )
 
+    def _check_output(self, output: torch.Tensor, batch: int) -> None:
+        """The network's output must be batch first, ``(B, ...)`` for a batch of ``B`` inputs."""
+        if output.dim() == 0 or output.shape[0] != batch:
+            raise ValueError(
+                f"BayesianNet ({self.likelihood}): the network returned shape {tuple(output.shape)} for a batch "
+                f"of {batch} inputs; it must return the batch first, (B, ...) (one input of shape (D,) is "
+                "x.unsqueeze(0), a batch of one)")
+
     def _check_targets(self, y: torch.Tensor, output: torch.Tensor, values: bool = True) -> None:
         """
         Refuse targets the model's likelihood would refuse, for a path that does not
@@ -77,6 +85,7 @@ class InputChecks:
         expected = param.shape[:-1] if self.likelihood == "categorical" else param.shape
         key = (y.shape, y.dtype, output.shape)
         if key not in self._checked_targets:
+            self._check_output(output, len(y))
             if y.shape != expected:
                 raise ValueError(
                     f"BayesianNet ({self.likelihood}): targets y of shape {tuple(y.shape)} for a "

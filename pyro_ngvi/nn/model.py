@@ -242,6 +242,7 @@ class BayesianNet(WeightPriors, NoiseLimit, GuideFactory, InputChecks, FastPath,
         for weight in self._point_estimates:
             params[weight.key] = self._point_estimate(weight)
         output = self._likelihood_param(call_with(self.net, params, x))
+        self._check_output(output, len(x))
         if y is not None:  # (the shape and dtype, as on the fast path; the values are the log_prob's to check)
             self._check_targets(y, output, values=False)
         likelihood = self._likelihood(output)
