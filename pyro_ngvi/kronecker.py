@@ -223,8 +223,16 @@ class KroneckerNormal(AutoGuide):
 
     def get_layer(self, name: str) -> MatrixNormal:
         """The matrix normal of layer ``name``."""
-        return MatrixNormal(attrgetter(name)(self.locs), attrgetter(name)(self.row_scale_tril),
-                            attrgetter(name)(self.col_scale_tril))
+        loc, row, col = (attrgetter(name)(part) for part in (self.locs, self.row_scale_tril, self.col_scale_tril))
+        layer = next(layer for layer in self.layers if layer.name == name)
+        n, p = layer.out_features, layer.in_features + (layer.bias_site is not None)
+        if (loc.shape, row.shape, col.shape) != ((n, p), (n, n), (p, p)):
+            raise ValueError(
+                f"KroneckerNormal: the param store holds layer {name!r}'s mean of shape {tuple(loc.shape)}, "
+                f"factors {tuple(row.shape)} and {tuple(col.shape)}; the layer needs ({n}, {p}), ({n}, {n}) and "
+                f"({p}, {p}): a guide of another model named {self._pyro_name!r} (or a loaded param store) left "
+                "them there. Call pyro.clear_param_store() or give this guide another name")
+        return MatrixNormal(loc, row, col)
 
     def forward(self, *args, **kwargs):
         if self.prototype_trace is None:

@@ -388,3 +388,19 @@ def test_a_checkpoint_restored_in_place_on_the_live_guide_retakes_the_same_steps
     assert again == first
     for name, value in pyro.get_param_store().items():
         assert torch.equal(value.detach(), first_params[name]), name
+
+
+@pytest.mark.parametrize("loss", ["ggn", "trace"])
+def test_a_stale_guide_param_of_another_layer_shape_is_refused_naming_the_layer(loss):
+    """A KroneckerNormal named like one of a narrower net: an IndexError deep in the step before."""
+    x, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+
+    def svi_of(width):
+        bnn = BayesianNet(nn.Sequential(nn.Linear(3, width), nn.ReLU(), nn.Linear(width, 2)), "categorical", 8)
+        if loss == "ggn":
+            return SVI(bnn, KroneckerNormal(bnn), NGVI(), CurvatureELBO("ggn"))
+        return SVI(bnn, KroneckerNormal(bnn), pyro.optim.Adam({"lr": 0.01}), Trace_ELBO())
+
+    svi_of(4).step(x, y)
+    with pytest.raises(ValueError, match=r"layer '0''s mean of shape \(4, 4\).*needs \(5, 4\).*clear_param_store"):
+        svi_of(5).step(x, y)
