@@ -195,6 +195,8 @@ def predictive_probs_from_logits(logits) -> torch.Tensor:
     if logits.dim() == 2:
         p1 = torch.sigmoid(logits).mean(0)
         return torch.stack([1 - p1, p1], dim=-1)
+    if bool(torch.isneginf(logits).all(-1).any()):  # (its softmax is NaN)
+        raise ValueError("logits must not be -inf for every class of an example (no class has a probability)")
     return torch.softmax(logits, dim=-1).mean(0)
 
 

@@ -314,6 +314,13 @@ def test_probs_whose_rows_do_not_sum_to_one_raise(metric):
     metric(probs, torch.zeros(4, dtype=torch.long))
 
 
+def test_logits_of_minus_inf_for_every_class_raise():
+    """softmax of such a row is NaN: the predictive was NaN with no error."""
+    with pytest.raises(ValueError, match=r"^logits must not be -inf for every class"):
+        predictive_probs_from_logits(torch.tensor([[[0.0, 1.0], [-math.inf, -math.inf]]]))
+    assert_close(predictive_probs_from_logits(torch.tensor([[[0.0, -math.inf]]])), torch.tensor([[1.0, 0.0]]))
+
+
 def test_predictive_entropy_rejects_invalid_probs():
     with pytest.raises(ValueError, match=r"^probs must lie in \[0, 1\]"):
         predictive_entropy(torch.tensor([[1.5, -0.5]]))
