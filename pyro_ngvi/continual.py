@@ -85,7 +85,7 @@ def posterior_as_prior(guide, sites=None) -> Dict[str, torch.distributions.Distr
         return _full_posterior_as_prior(guide, sites)
     if not isinstance(guide, AutoNormal):
         raise NotImplementedError(
-            f"posterior_as_prior supports AutoNormal guides; got {type(guide).__name__}."
+            f"posterior_as_prior supports AutoNormal and AutoMultivariateNormal (of one site) guides; got {type(guide).__name__}."
         )
     if guide.prototype_trace is None:
         raise ValueError(

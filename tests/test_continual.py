@@ -21,7 +21,7 @@ from pyro import poutine
 from pyro.infer import SVI
 from pyro.infer.autoguide import AutoNormal
 
-from pyro_ngvi import BayesianNet, CurvatureELBO, NGVI, PriorMessenger
+from pyro_ngvi import BayesianNet, CurvatureELBO, KroneckerNormal, NGVI, PriorMessenger
 from pyro_ngvi import posterior_as_prior, with_priors
 from pyro_ngvi import start_task
 
@@ -501,3 +501,10 @@ def test_example_quick_run_writes_table_and_figures(tmp_path, capsys):
     for row in rows:
         accuracy = float(row.split("|")[3].strip().rstrip(" %"))
         assert 0.0 <= accuracy <= 100.0
+
+
+def test_posterior_as_prior_of_another_guide_names_both_guides_it_reads():
+    """The message said 'supports AutoNormal guides' though an AutoMultivariateNormal of one site is read too."""
+    bnn = BayesianNet(nn.Linear(3, 2), "categorical", 8)
+    with pytest.raises(NotImplementedError, match="AutoNormal and AutoMultivariateNormal .*got KroneckerNormal"):
+        posterior_as_prior(KroneckerNormal(bnn))
