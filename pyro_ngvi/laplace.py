@@ -269,6 +269,11 @@ def laplace(
     elif covariance == "full" and isinstance(guide, AutoNormal):
         raise ValueError("covariance='full' needs an AutoMultivariateNormal guide (a given guide decides), got AutoNormal")
     sites = _guide_sites(guide, args, kwargs)
+    rows = len(args[0]) if args and torch.is_tensor(args[0]) and args[0].dim() else None
+    if isinstance(getattr(model, "num_data", None), int) and rows is not None and rows != model.num_data:
+        warnings.warn(f"laplace: x has {rows} rows, the model's num_data is {model.num_data}: the likelihood is "
+                      f"scaled by {model.num_data / rows:.3g}, so mode, precision and evidence are estimates from a "
+                      "subset (they are the full data's only when x is the whole data set)", LaplaceWarning, stacklevel=2)
     elbo = CurvatureELBO(curvature, deterministic=True)
 
     step_size = {"lr": float(lr)}
@@ -336,18 +341,10 @@ def laplace(
             LaplaceWarning,
             stacklevel=2,
         )
-    return LaplaceResult(
-        guide=guide,
-        log_evidence=log_evidence,
-        log_joint=log_joint,
-        map={site.name: site.mean.clone() for site in sites},
-        precision=precision,
-        curvature=curvature,
-        num_steps=steps,
-        newton_step=newton_step,
-        converged=converged,
-        full_covariance=full,
-    )
+    return LaplaceResult(guide=guide, log_evidence=log_evidence, log_joint=log_joint,
+                         map={site.name: site.mean.clone() for site in sites}, precision=precision,
+                         curvature=curvature, num_steps=steps, newton_step=newton_step, converged=converged,
+                         full_covariance=full)
 
 
 def negative_log_joint(model: Callable, guide: AutoNormal, *args, **kwargs) -> float:

@@ -584,3 +584,23 @@ def test_laplace_on_a_network_raises_no_warning_of_ngvi_s_elbo_watch():
         warnings.simplefilter("always")
         laplace(bnn, x, y, curvature="ggn", num_steps=1000)
     assert not [w for w in caught if issubclass(w.category, NGVIWarning) and "ELBO" in str(w.message)]
+
+
+def test_laplace_of_a_subset_of_a_bayesian_nets_data_warns_and_scales_to_num_data():
+    """A BayesianNet scales its minibatch likelihood by num_data / len(x): laplace on 20 of its 40
+    rows is the Laplace approximation of that scaled likelihood, not of the data set (said, not silent)."""
+    x, y = orthogonal_design()
+    torch.manual_seed(0)
+    bnn = BayesianNet(nn.Linear(x.shape[1], 1, bias=False).double(), "gaussian", num_data=len(x), prior=2.0,
+                      noise_scale=0.5)
+    pyro.clear_param_store()
+    with pytest.warns(LaplaceWarning, match=f"x has 20 rows, the model's num_data is {len(x)}"):
+        subset = laplace(bnn, x[:20], y[:20], curvature="ggn", num_steps=50)
+    # the precision of the scaled subset: 1/s0^2 + (N/B) x_B^T x_B / sigma^2
+    expected = 1 / 2.0 ** 2 + (len(x) / 20) * (x[:20] ** 2).sum(0) / 0.5 ** 2
+    assert torch.allclose(next(iter(subset.precision.values())).reshape(-1), expected, rtol=1e-6)
+    pyro.clear_param_store()
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LaplaceWarning)
+        laplace(bnn, x, y, curvature="ggn", num_steps=50)  # the whole data set: no warning
