@@ -208,7 +208,9 @@ def laplace(
     observed site under a subsampling plate is scaled to the full data as in
     any Pyro ELBO. Parameters that are not guide sites (``pyro.param``, a learned
     noise scale) move with NGVI's point optimizer during the search and are held
-    fixed in the evidence.
+    fixed in the evidence. A model's priors learned in closed form (``BayesianNet(learn_prior=True)``) move
+    with the mode, to the prior at which the evidence is stationary, :math:`\\alpha = P / (|\\mu|^2 + \\mathrm{tr}\\,\\Sigma)`
+    (the line search, which compares :math:`F` at one prior, is then off).
 
     :param model: a Pyro model, e.g. a :class:`~pyro_ngvi.BayesianNet` (whose
         BackPACK path serves ``"ggn"`` and ``"ef"``; ``"hessian"`` is computed by
@@ -274,6 +276,7 @@ def laplace(
         warnings.warn(f"laplace: x has {rows} rows, the model's num_data is {model.num_data}: the likelihood is "
                       f"scaled by {model.num_data / rows:.3g}, so mode, precision and evidence are estimates from a "
                       "subset (they are the full data's only when x is the whole data set)", LaplaceWarning, stacklevel=2)
+    line_search = line_search and not getattr(model, "learn_prior", False)  # (F moves with the prior)
     elbo = CurvatureELBO(curvature, deterministic=True)
 
     step_size = {"lr": float(lr)}

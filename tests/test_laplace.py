@@ -604,3 +604,27 @@ def test_laplace_of_a_subset_of_a_bayesian_nets_data_warns_and_scales_to_num_dat
     with warnings.catch_warnings():
         warnings.simplefilter("error", LaplaceWarning)
         laplace(bnn, x, y, curvature="ggn", num_steps=50)  # the whole data set: no warning
+
+
+def test_laplace_of_a_net_that_learns_its_prior_converges_to_the_evidence_s_stationary_prior():
+    """With learn_prior the prior's closed-form update moves F between steps; the line search (which
+    compares F at one prior) halved lr to nothing and warned 'not converged' after every step."""
+    import warnings
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 4, generator=generator, dtype=torch.float64)
+    y = x @ torch.tensor([1.0, -0.5, 0.2, 0.0]) + 0.5 * torch.randn(40, generator=generator, dtype=torch.float64)
+    torch.manual_seed(0)
+    bnn = BayesianNet(nn.Linear(4, 1, bias=False).double(), "gaussian", num_data=40, prior=2.0,
+                      noise_scale=0.5, learn_prior=True)
+    pyro.clear_param_store()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LaplaceWarning)
+        result = laplace(bnn, x, y, curvature="ggn", num_steps=200)
+    assert result.converged
+    mean, precision = next(iter(result.map.values())), next(iter(result.precision.values()))
+    # d log Z / d alpha = 0 at the mode: alpha = P / (|mu|^2 + tr Sigma), Sigma the diagonal posterior
+    alpha = mean.numel() / (mean.square().sum() + precision.reciprocal().sum())
+    assert torch.allclose(pyro.param("weight.prior_scale").detach() ** -2, alpha, rtol=1e-4)
+    # and the precision is the GGN at that prior: alpha + x^T x / sigma^2
+    assert torch.allclose(precision.reshape(-1), alpha + (x ** 2).sum(0) / 0.5 ** 2, rtol=1e-4)
