@@ -12,6 +12,7 @@ torch optimizer, trains everything else; it keeps state per site for
 
 import copy
 import math
+import numbers
 import weakref
 from typing import Dict, List, Optional
 
@@ -129,8 +130,6 @@ class NGVI(PyroOptim):
         self.warm_start, self.averaging = warm_start, averaging
         self.control_variate, self.safeguard = control_variate, safeguard
         self.compile = compile
-        #: the host reads the finiteness and safeguard flags every this many steps (pyro_ngvi.checks;
-        #: None: 16 on CUDA, 1 elsewhere)
         self.sync_every: Optional[int] = None
         self.watch_elbo = True  #: the ELBO watch (pyro_ngvi.monitor) on; laplace's line search turns it off
         super().__init__(point_optim, check_point_optim(point_optim, point_optim_args))
@@ -149,6 +148,19 @@ class NGVI(PyroOptim):
         self._point_checked = WeakIdKeyDictionary()  # params whose point-optimizer step was probed
         self._workspace = Workspace()  # scratch buffers of the element-wise pass (pyro_ngvi.groups)
         self._buffers = Buffers(self._workspace)  # the statistics recovered from gradients, per site
+
+    @property
+    def sync_every(self) -> Optional[int]:
+        """The host reads the finiteness and safeguard flags every this many steps
+        (:mod:`pyro_ngvi.checks`; None: 16 on CUDA, 1 elsewhere)."""
+        return self._sync_every
+
+    @sync_every.setter
+    def sync_every(self, value: Optional[int]) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
+            raise ValueError(f"sync_every must be a whole number of steps >= 1, or None (16 on CUDA, "
+                             f"1 elsewhere), got {value!r}")
+        self._sync_every = None if value is None else int(value)
 
     @property
     def _options(self) -> Options:

@@ -43,6 +43,7 @@ bounds it where the guide is much wider than the posterior, which makes that est
 Arguments given (``point_optim_args``) run as given, for every parameter.
 """
 
+import inspect
 import math
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -184,16 +185,23 @@ def check_point_optim(point_optim, point_optim_args):
 
 def check_point_args(point_optim, args, what: str) -> Dict:
     """``args`` (named ``what`` in errors) if ``point_optim`` can run with them: a dict of finite
-    values with which a step on a zero gradient writes finite values.
+    values, numbers (not bools) where ``point_optim``'s defaults are numbers, without
+    ``maximize=True`` (SVI minimises), with which a step on a zero gradient writes finite values.
 
     :raises ValueError: otherwise, naming ``what``."""
     if not isinstance(args, dict):
         raise ValueError(f"{what} must be a dict of {point_optim.__name__}'s arguments (or a callable of the "
                          f"param name returning one), got {args!r}")
+    defaults = _numeric_defaults(point_optim)
     for key, value in args.items():  # (a step with an infinite lr writes inf or nan)
         numbers = value if isinstance(value, (tuple, list)) else (value,)
         if any(isinstance(v, float) and not math.isfinite(v) for v in numbers):
             raise ValueError(f"{what}[{key!r}] must be finite, got {value!r}")
+        if key in defaults and any(isinstance(v, bool) for v in numbers):
+            raise ValueError(f"{what}[{key!r}] must be a number, got {value!r}")
+    if args.get("maximize"):
+        raise ValueError(f"{what} has maximize=True: SVI minimises its loss, and the point optimizer would "
+                         "step the other params uphill; drop it")
     probe = torch.zeros(1, requires_grad=True)
     try:
         optimizer = point_optim([probe], **args)
@@ -208,6 +216,17 @@ def check_point_args(point_optim, args, what: str) -> Dict:
         raise ValueError(f"{what} {args!r}: a step of {point_optim.__name__} with a zero "
                          "gradient wrote a non-finite value")
     return dict(args)
+
+
+def _numeric_defaults(point_optim) -> set:
+    """The arguments of ``point_optim`` whose defaults are numbers (or tuples of them), not bools."""
+    try:
+        parameters = inspect.signature(point_optim.__init__).parameters.values()
+    except (TypeError, ValueError):
+        return set()
+    return {p.name for p in parameters
+            if all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                   for v in (p.default if isinstance(p.default, tuple) else (p.default,)))}
 
 
 def check_point_states(waiting: Dict, known, others: List[torch.Tensor], constructor, args_of: Callable) -> None:

@@ -105,11 +105,14 @@ def resolve(given: Settings, stats, dense: bool = False, sampled: bool = False) 
 
 
 def check_schedule(name: str, value, low: float, high: float, low_open: bool = True, high_open: bool = False):
-    """Validate a finite number in the interval (or leave a callable for step-time checks).
+    """Validate a finite number in the interval, a Python, NumPy or one-element torch number (or
+    leave a callable for step-time checks).
 
     :raises ValueError: naming ``name``, for anything else."""
     if callable(value):
         return value
+    if torch.is_tensor(value) and value.numel() == 1 and not (value.dtype == torch.bool or value.is_complex()):
+        value = value.item()  # (a one-element tensor is its number)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name} must be a number or a callable of the step, got {value!r}")
     value = float(value)

@@ -9,6 +9,7 @@ and warn.
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -144,11 +145,42 @@ def test_param_store_loads_safely(tmp_path):
         ({"point_optim_args": {"lr": 0.01, "betas": (0.9, math.nan)}}, "point_optim_args\\['betas'\\]"),
         ({"point_optim_args": [("lr", 0.1)]}, "point_optim_args"),
         ({"point_optim": torch.optim.LBFGS, "point_optim_args": {}}, "point_optim_args"),  # needs a closure
+        # (torch takes these, and the point params silently go uphill or take steps of 1)
+        ({"point_optim_args": {"lr": 0.05, "maximize": True}}, "maximize=True: SVI minimises"),
+        ({"point_optim_args": {"lr": True}}, r"point_optim_args\['lr'\] must be a number, got True"),
+        ({"point_optim_args": {"lr": 0.05, "betas": (0.9, True)}}, r"point_optim_args\['betas'\] must be a number"),
     ],
 )
 def test_ngvi_refuses_bad_arguments_at_construction(kwargs, name):
     with pytest.raises(ValueError, match=name):
         NGVI(**kwargs)
+
+
+def test_numbers_of_numpy_and_one_element_tensors_are_taken_as_their_values():
+    """A hyperparameter given as a NumPy scalar or a one-element torch tensor is that number
+    (a tensor was refused as 'not a number'); a bool is refused as before."""
+    given = {"lr": torch.tensor(0.25), "beta": np.float32(0.5), "momentum": torch.tensor(0.5, dtype=torch.float64),
+             "damping": np.int64(2), "tau": torch.tensor([2.0]), "max_step": np.float64(4.0)}
+    optim = NGVI(**given)
+    assert (optim.lr, optim.beta, optim.momentum, optim.damping, optim.tau, optim.max_step) == (0.25, 0.5, 0.5, 2.0,
+                                                                                                2.0, 4.0)
+    assert all(type(getattr(optim, name)) is float for name in given)
+    with pytest.raises(ValueError, match="lr must be a number"):
+        NGVI(lr=torch.tensor(True))
+    NGVI(point_optim_args={"lr": np.float32(0.01), "amsgrad": True})  # (a bool where the optimizer's is one)
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, "2", True])
+def test_sync_every_must_be_a_whole_number_of_steps(value):
+    """sync_every (steps between the host's reads of the checks) was taken as anything: 0, -1
+    and 1.5 ran, '2' crashed at the first step with a TypeError."""
+    optim = NGVI()
+    with pytest.raises(ValueError, match="sync_every must be a whole number of steps >= 1, or None"):
+        optim.sync_every = value
+    optim.sync_every = np.int64(4)
+    assert optim.sync_every == 4 and type(optim.sync_every) is int
+    optim.sync_every = None
+    assert optim.sync_every is None
 
 
 @pytest.mark.parametrize("name", ["lr", "tau"])
