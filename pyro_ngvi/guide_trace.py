@@ -325,6 +325,11 @@ def _hidden_param(t, values: Dict[int, str], store) -> Optional[str]:
 
 def _family_reason(base) -> str:
     if isinstance(base, dist.Delta):
+        density = base.log_density
+        if torch.is_tensor(density) and (density.requires_grad or bool((density != 0).any())):
+            return ("it is a Delta carrying a density: a transform of another draw (AutoStructured's sites are; "
+                    "for its 'normal' or 'mvn' conditionals, AutoNormal or AutoMultivariateNormal take "
+                    "natural-gradient steps)")
         return "it is a Delta (a point estimate)"
     if type(base).__name__ == "LowRankPrecisionMultivariateNormal":  # pyro_ngvi.LowRankPrecisionNormal's
         return ("NGVI takes LowRankPrecisionNormal's natural-gradient steps on the guide handed to SVI "
@@ -332,6 +337,10 @@ def _family_reason(base) -> str:
     if isinstance(base, dist.LowRankMultivariateNormal):
         return ("its LowRankMultivariateNormal covariance is not closed under the natural-gradient step; "
                 "pyro_ngvi.LowRankPrecisionNormal is (low-rank-plus-diagonal precision)")
+    if isinstance(base, dist.MultivariateNormal):
+        return ("it is a MultivariateNormal: NGVI takes full-covariance steps on an AutoMultivariateNormal "
+                "handed to SVI itself (or in an AutoGuideList), not wrapped in a handler (poutine.scale) "
+                "nor written by hand")
     return f"it is a {type(base).__name__}, not a Normal"
 
 

@@ -25,7 +25,9 @@ from pyro.infer.autoguide import (
     AutoIAFNormal,
     AutoLowRankMultivariateNormal,
     AutoNormal,
+    AutoMultivariateNormal,
     AutoNormalMessenger,
+    AutoStructured,
 )
 from pyro.infer.reparam import LocScaleReparam
 from pyro.nn import PyroModule, PyroParam
@@ -604,6 +606,26 @@ def test_low_rank_multivariate_normal_is_trained_by_the_point_optimizer_with_a_p
     before = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
     svi.step()
     assert all(not torch.equal(before[k], v.detach()) for k, v in pyro.get_param_store().items())
+
+
+def _w_model():
+    pyro.sample("w", dist.Normal(torch.zeros(3), 1.0).to_event(1))
+
+
+@pytest.mark.parametrize("make, reason", [
+    (lambda: AutoStructured(_w_model, conditionals={"w": "normal"}),
+     r"'w' \(it is a Delta carrying a density: a transform of another draw \(AutoStructured's"),
+    (lambda: AutoStructured(_w_model, conditionals={"w": "delta"}), r"'w' \(it is a Delta \(a point estimate\)"),
+    (lambda: poutine.scale(AutoMultivariateNormal(_w_model), scale=0.5),
+     r"it is a MultivariateNormal: NGVI takes full-covariance steps on an AutoMultivariateNormal handed to SVI itself"),
+], ids=["AutoStructured-normal", "AutoStructured-delta", "scaled-AutoMultivariateNormal"])
+def test_the_reason_a_gaussian_guide_goes_to_the_point_optimizer_says_what_it_is(make, reason):
+    """AutoStructured's 'normal' conditional (a Delta at loc + scale * aux carrying the Gaussian's
+    density) was named 'a point estimate', and an AutoMultivariateNormal under poutine.scale 'a
+    MultivariateNormal, not a Normal' (NGVI takes AutoMultivariateNormal); each now says what it is."""
+    svi = SVI(_w_model, make(), NGVI(), Trace_ELBO())
+    with pytest.warns(NotGaussianWarning, match=reason):
+        svi.step()
 
 
 def test_only_the_sites_that_hold_params_are_named():
