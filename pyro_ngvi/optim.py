@@ -35,7 +35,7 @@ from .policies import (DENSE, DENSE_SAMPLED, FULL_BATCH, MINIBATCH, Schedule, Se
 from .point import (LowRankLocs, check_point_args, check_point_optim, check_point_states, decay_guide_part_lr,
                     param_label, probe_point_step)
 from .state import SiteState, check_pending, check_state, restore_scales
-from .statistics import Buffers, step_statistics
+from .statistics import Buffers, step_statistics, warn_loss_function
 from .steps import Options
 
 __all__ = ["NGVI", "NGVIWarning", "Settings", "defaults", "FULL_BATCH", "DENSE", "DENSE_SAMPLED", "MINIBATCH"]
@@ -148,6 +148,7 @@ class NGVI(PyroOptim):
         self._point_checked = WeakIdKeyDictionary()  # params whose point-optimizer step was probed
         self._workspace = Workspace()  # scratch buffers of the element-wise pass (pyro_ngvi.groups)
         self._buffers = Buffers(self._workspace)  # the statistics recovered from gradients, per site
+        self._loss_checked = False  # whether an SVI's loss function was warned about (once)
 
     @property
     def sync_every(self) -> Optional[int]:
@@ -198,6 +199,9 @@ class NGVI(PyroOptim):
         """Find the sites and their state, take their statistics and hand them to the chain of
         :func:`~pyro_ngvi.chain.take_step`."""
         plan = self._plan(params, svi)
+        if not self._loss_checked and svi is not None:
+            self._loss_checked = True
+            warn_loss_function(svi)
         sites, others = plan.sites, plan.others
         check_pending(self._pending_states, sites)  # every saved entry checked before any is taken
         states = [self._state(site) for site in sites]  # may refuse: before any write

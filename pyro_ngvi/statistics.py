@@ -30,20 +30,22 @@ on which the step runs as on any site: its fixed point :math:`\\lambda = h_w` is
 of the weighted objective, :math:`\\sigma^2 = w / \\nabla^2 f` for a Gaussian target.
 """
 
+import warnings
 import weakref
 from dataclasses import replace
 from typing import Dict, Optional
 
 import torch
 
-from pyro.infer import (JitTrace_ELBO, JitTraceEnum_ELBO, JitTraceGraph_ELBO, RenyiELBO, Trace_ELBO, TraceEnum_ELBO,
-                        TraceGraph_ELBO)
+from pyro.infer import (ELBO, JitTrace_ELBO, JitTraceEnum_ELBO, JitTraceGraph_ELBO, RenyiELBO, Trace_ELBO,
+                        TraceEnum_ELBO, TraceGraph_ELBO, TraceTailAdaptive_ELBO)
 
 from . import full_covariance
 from .family import FullCovarianceSite, GaussianSite, SiteCurvature, pop_curvature
 from .hot_path import no_grad
 from .kronecker import KroneckerCurvature, KroneckerSite
 from .low_rank_guide import LowRankCurvature, LowRankSite
+from .monitor import NGVIWarning
 from .scales import FastExp
 
 #: A recovered draw :math:`|\epsilon|` beyond this is float32 round-off, not a normal draw.
@@ -67,15 +69,34 @@ def one_draw(svi) -> bool:
     ``Trace_ELBO``, ``TraceGraph_ELBO`` or ``TraceEnum_ELBO`` (or their Jit versions) with
     one particle (then :math:`\\epsilon` is recoverable from :math:`g` and :math:`h`).
 
-    :raises NotImplementedError: for a loss whose gradients are not the ELBO's (``RenyiELBO``)."""
+    :raises NotImplementedError: for a loss whose gradients are not the ELBO's (``RenyiELBO``,
+        ``TraceTailAdaptive_ELBO``)."""
     elbo = getattr(getattr(svi, "loss_and_grads", None), "__self__", None)
-    if isinstance(elbo, RenyiELBO):
+    if isinstance(elbo, (RenyiELBO, TraceTailAdaptive_ELBO)):
+        what = ("an importance-weighted alpha-divergence bound" if isinstance(elbo, RenyiELBO) else
+                "the particles' log p - log q weighted by their ranks, an adaptive f-divergence")
         raise NotImplementedError(
-            "NGVI reads the ELBO's gradients as the Bayesian learning rule's statistics; RenyiELBO's "
-            "(an importance-weighted alpha-divergence bound) are not those, and the guide would diverge. "
-            "Use Trace_ELBO, TraceGraph_ELBO, TraceEnum_ELBO, TraceMeanField_ELBO or CurvatureELBO with "
-            "NGVI, or a Pyro optimizer (pyro.optim.Adam) with RenyiELBO")
+            f"NGVI reads the ELBO's gradients as the Bayesian learning rule's statistics; "
+            f"{type(elbo).__name__}'s ({what}) are not those, and the guide would not reach that loss's "
+            "optimum (RenyiELBO's diverge; TraceTailAdaptive_ELBO's stop where its gradient is not zero). "
+            "Use Trace_ELBO, TraceGraph_ELBO, TraceEnum_ELBO, TraceMeanField_ELBO (or their Jit versions) or "
+            f"CurvatureELBO with NGVI, or a Pyro optimizer (pyro.optim.Adam) with {type(elbo).__name__}")
     return type(elbo) in _ONE_DRAW_ELBOS and getattr(elbo, "num_particles", None) == 1
+
+
+def warn_loss_function(svi) -> None:
+    """Warn (:class:`~pyro_ngvi.NGVIWarning`) when ``svi`` was given a loss function, not an ELBO
+    (nor an ELBO's bound method): NGVI reads its gradients as the ELBO's, and cannot check it."""
+    if svi is None or getattr(getattr(svi, "loss_and_grads", None), "__self__", None) is not None:
+        return
+    if isinstance(getattr(getattr(svi, "loss", None), "__self__", None), ELBO):
+        return
+    warnings.warn(
+        "SVI was given a loss function, whose gradients NGVI reads as the negative ELBO's (Price's "
+        "theorem: g = d/d mu, h = (d/d sigma + 1/sigma)/sigma); if it is another objective (importance-"
+        "weighted, Renyi, tail-adaptive), the guide lands away from that objective's optimum, silently. "
+        "With an ELBO's loss (e.g. Trace_ELBO().differentiable_loss plus terms of the model), filter "
+        "pyro_ngvi.NGVIWarning to silence this.", NGVIWarning, stacklevel=2)
 
 
 def tensors(stats) -> tuple:
