@@ -42,7 +42,7 @@ from pyro.distributions import constraints
 from pyro.infer.autoguide import AutoDiagonalNormal, AutoGuideList, AutoMultivariateNormal, AutoNormal
 
 from . import full_covariance
-from .guide_trace import NotGaussian, elbo_traces, model_params, read_trace, trace_guide
+from .guide_trace import NotGaussian, elbo_traces, model_params, read_trace, refuse_sampled_tmc, trace_guide
 from .handover import (  # noqa: F401 (re-exported: the ELBOs and NGVI import them from here)
     PriorParam,
     SiteCurvature,
@@ -418,6 +418,7 @@ def guide_view(guide, args: Sequence = (), kwargs: Optional[dict] = None, model=
     if not rest:
         return GuideView(sites, [])
     trace, model_reads = _read_runs(guide, args, kwargs, model, elbo)
+    refuse_sampled_tmc(trace, elbo)
     claimed = [t for site in sites for t in site.tensors]
     blocks, others = read_trace(trace, claimed, store, model_reads)
     for block in blocks:

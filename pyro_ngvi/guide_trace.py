@@ -40,7 +40,7 @@ import torch
 import pyro
 import pyro.distributions as dist
 from pyro import poutine
-from pyro.infer import ELBO
+from pyro.infer import ELBO, TraceTMC_ELBO
 
 from .graph import graph_nodes
 from .param_views import (GaussianBlock, computed_scale, is_broadcast_param, is_identity, join_pieces, param_of,
@@ -321,6 +321,26 @@ def _hidden_param(t, values: Dict[int, str], store) -> Optional[str]:
     leaves = [t] if t.grad_fn is None else [getattr(n, "variable", None) for n in graph_nodes([t], set())]
     names = [store.param_name(leaf) for leaf in leaves if leaf is not None]
     return next((name for name in names if name is not None and name not in traced), None)
+
+
+def refuse_sampled_tmc(trace, elbo) -> None:
+    """Refuse ``TraceTMC_ELBO`` where the guide draws a site several times (``num_samples`` in its
+    ``infer``): the loss is then a tensor Monte Carlo bound, importance-weighted over the draws, whose
+    gradients are not the ELBO's (read as the ELBO's, a Poisson model's guide diverged to a mean of 53).
+
+    :raises NotImplementedError: naming the sites and the losses NGVI takes."""
+    if not isinstance(elbo, TraceTMC_ELBO):
+        return
+    sampled = [name for name, node in trace.nodes.items() if node["type"] == "sample" and not node["is_observed"]
+               and node["infer"].get("num_samples", 1) > 1]
+    if sampled:
+        raise NotImplementedError(
+            f"NGVI reads the ELBO's gradients as the Bayesian learning rule's statistics; TraceTMC_ELBO with "
+            f"guide sites drawn several times ({', '.join(repr(n) for n in sampled)}: num_samples) is an "
+            "importance-weighted bound whose gradients are not those, and the guide would diverge. Draw each "
+            "guide site once (TraceTMC_ELBO then sums the model's enumerated sites out, as TraceEnum_ELBO does), "
+            "or use Trace_ELBO, TraceGraph_ELBO, TraceEnum_ELBO, TraceMeanField_ELBO or CurvatureELBO with NGVI, "
+            "or a Pyro optimizer (pyro.optim.Adam) with this loss")
 
 
 def _family_reason(base) -> str:

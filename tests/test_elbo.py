@@ -1,5 +1,6 @@
 """CurvatureELBO: exact, Gauss-Newton and Fisher curvature, conjugate priors, OGN mode."""
 
+import functools
 import math
 
 import numpy as np
@@ -414,6 +415,32 @@ def test_a_loss_that_is_not_the_elbo_is_refused_before_the_guide_moves(loss):
     with pytest.raises(NotImplementedError, match=f"{type(elbo).__name__}'s.*Trace_ELBO"):
         SVI(unplated, guide, NGVI(), elbo).step(x, x)
     assert all(torch.equal(value, before[name]) for name, value in pyro.get_param_store().items())
+
+
+def test_tmc_with_guide_sites_drawn_several_times_is_refused_and_with_one_draw_it_trains():
+    """TraceTMC_ELBO where the guide draws z 16 times (num_samples) is an importance-weighted bound:
+    read as the ELBO's, its gradients took a Poisson model's guide to a mean of 53, then the skipped
+    steps raised, naming the lr; it is refused before the guide moves. With one draw it trains."""
+    x = torch.linspace(0, 1, 5)
+
+    def guide(x, y, draws):
+        loc, scale = pyro.param("loc", torch.tensor(0.0)), pyro.param("scale", torch.tensor(0.5),
+                                                                      constraint=dist.constraints.positive)
+        infer = {"enumerate": "parallel", "num_samples": draws, "expand": False} if draws > 1 else {}
+        pyro.sample("w", dist.Normal(loc, scale), infer=infer)
+
+    counts = torch.tensor([0.0, 1.0, 1.0, 2.0, 3.0])
+    elbo = pyro.infer.TraceTMC_ELBO(max_plate_nesting=1)
+    svi = SVI(poisson_regression, functools.partial(guide, draws=16), NGVI(), elbo)
+    with pytest.raises(NotImplementedError, match=r"TraceTMC_ELBO with guide sites drawn several times \('w'"):
+        svi.step(x, counts)
+    assert pyro.param("loc").item() == 0.0
+    pyro.clear_param_store()
+    elbo = pyro.infer.TraceTMC_ELBO(max_plate_nesting=1, strict_enumeration_warning=False)
+    svi = SVI(poisson_regression, functools.partial(guide, draws=1), NGVI(), elbo)
+    for _ in range(3):
+        svi.step(x, counts)
+    assert pyro.param("loc").item() != 0.0
 
 
 def test_a_loss_function_is_warned_about_once_and_an_elbos_own_is_not():
