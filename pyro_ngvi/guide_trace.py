@@ -358,9 +358,9 @@ def _family_reason(base) -> str:
         return ("its LowRankMultivariateNormal covariance is not closed under the natural-gradient step; "
                 "pyro_ngvi.LowRankPrecisionNormal is (low-rank-plus-diagonal precision)")
     if isinstance(base, dist.MultivariateNormal):
-        return ("it is a MultivariateNormal: NGVI takes full-covariance steps on an AutoMultivariateNormal "
-                "handed to SVI itself (or in an AutoGuideList), not wrapped in a handler (poutine.scale) "
-                "nor written by hand")
+        return ("it is a MultivariateNormal: NGVI takes full-covariance steps only on an AutoMultivariateNormal "
+                "handed to SVI itself (or in an AutoGuideList), not on one wrapped in a handler (poutine.scale), "
+                "nor on another guide's (AutoGaussian's, a hand-written one)")
     return f"it is a {type(base).__name__}, not a Normal"
 
 

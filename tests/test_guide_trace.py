@@ -617,7 +617,7 @@ def _w_model():
      r"'w' \(it is a Delta carrying a density: a transform of another draw \(AutoStructured's"),
     (lambda: AutoStructured(_w_model, conditionals={"w": "delta"}), r"'w' \(it is a Delta \(a point estimate\)"),
     (lambda: poutine.scale(AutoMultivariateNormal(_w_model), scale=0.5),
-     r"it is a MultivariateNormal: NGVI takes full-covariance steps on an AutoMultivariateNormal handed to SVI itself"),
+     r"it is a MultivariateNormal: NGVI takes full-covariance steps only on an AutoMultivariateNormal handed to SVI"),
 ], ids=["AutoStructured-normal", "AutoStructured-delta", "scaled-AutoMultivariateNormal"])
 def test_the_reason_a_gaussian_guide_goes_to_the_point_optimizer_says_what_it_is(make, reason):
     """AutoStructured's 'normal' conditional (a Delta at loc + scale * aux carrying the Gaussian's
