@@ -337,13 +337,10 @@ def laplace(
     log_evidence = log_joint + num_latents * _HALF_LOG_TWO_PI - 0.5 * log_det
     converged = newton_step <= tol
     if num_steps > 0 and not converged:
-        warnings.warn(
-            f"laplace stopped after {steps} steps (lr {step_size['lr']:.3g}) with a next Newton "
-            f"step of {newton_step:.3g} posterior standard deviations > tol = {tol:g}; the mode "
-            "and the evidence are approximate. Raise num_steps or tol, lower lr, or add momentum.",
-            LaplaceWarning,
-            stacklevel=2,
-        )
+        warnings.warn(f"laplace stopped after {steps} steps (lr {step_size['lr']:.3g}) with a next Newton "
+                      f"step of {newton_step:.3g} posterior standard deviations > tol = {tol:g}; the mode "
+                      "and the evidence are approximate. Raise num_steps or tol, lower lr, or add momentum.",
+                      LaplaceWarning, stacklevel=2)
     return LaplaceResult(guide=guide, log_evidence=log_evidence, log_joint=log_joint,
                          map={site.name: site.mean.clone() for site in sites}, precision=precision,
                          curvature=curvature, num_steps=steps, newton_step=newton_step, converged=converged,
@@ -544,7 +541,7 @@ def optimize_prior_precision(
             raise ValueError(f"sites must be a non-empty list of distinct site names, got {sites!r}")
     results: Dict = {}
     fixed_mean: List = []
-    state = {"guide": guide}
+    state = {"guide": guide}  # (the guide the next evaluation starts from)
 
     def evaluate(alpha):
         key = alpha if sites is None else tuple(alpha[n] for n in sites)
@@ -588,6 +585,9 @@ def optimize_prior_precision(
             site = GaussianSite(name, store._params[f"{prefix}.locs.{name}"], store._params[scale_name], scale_name)
             site.write(mean, result.precision[name])
     evidence = {key: r.log_evidence for key, r in results.items()}
+    if len(evidence) > 1 and len(set(evidence.values())) == 1:  # (a prior that moves nothing: not used)
+        warnings.warn(f"optimize_prior_precision: all {len(evidence)} candidates gave the same evidence "
+                      f"{result.log_evidence:.6g}; does make_model(alpha) put alpha into the prior?", LaplaceWarning, 2)
     return PriorPrecisionSearch(best, evidence, result, make_model(best))
 
 

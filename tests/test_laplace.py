@@ -628,3 +628,19 @@ def test_laplace_of_a_net_that_learns_its_prior_converges_to_the_evidence_s_stat
     assert torch.allclose(pyro.param("weight.prior_scale").detach() ** -2, alpha, rtol=1e-4)
     # and the precision is the GGN at that prior: alpha + x^T x / sigma^2
     assert torch.allclose(precision.reshape(-1), alpha + (x ** 2).sum(0) / 0.5 ** 2, rtol=1e-4)
+
+
+def test_a_prior_precision_search_whose_models_ignore_alpha_warns():
+    """make_model(alpha) that never puts alpha into the prior gives every candidate one evidence: the
+    search picked the first, silently."""
+    x, y = orthogonal_design()
+
+    def make_model(alpha):  # (the bug: a fixed prior scale)
+        def model(x, y):
+            w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([4]).to_event(1))
+            with pyro.plate("data", len(x)):
+                pyro.sample("y", dist.Normal(x @ w, NOISE), obs=y)
+        return model
+
+    with pytest.warns(LaplaceWarning, match="all 3 candidates gave the same evidence"):
+        optimize_prior_precision(make_model, [0.1, 1.0, 10.0], x, y, curvature="hessian")
