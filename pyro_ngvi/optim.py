@@ -34,7 +34,7 @@ from .policies import (DENSE, DENSE_SAMPLED, FULL_BATCH, MINIBATCH, Schedule, Se
                        defaults, resolve)
 from .point import (LowRankLocs, check_point_args, check_point_optim, check_point_states, decay_guide_part_lr,
                     param_label, probe_point_step)
-from .state import SiteState, check_pending, check_state, restore_scales
+from .state import SiteState, check_pending, check_state, restore_scales, warn_unmatched
 from .statistics import Buffers, step_statistics, warn_loss_function
 from .steps import Options
 
@@ -143,6 +143,7 @@ class NGVI(PyroOptim):
         self._pending_newton: List[Dict] = []  # Newton guards restored by set_state, not yet taken up
         self._states: Dict[int, SiteState] = {}  # id(loc) -> that site's state
         self._pending_states: Dict[str, Dict] = {}  # from set_state, by param name
+        self._restored = frozenset()  # the site names set_state restored, until a guide's sites step
         self._plans: Dict[tuple, Plan] = {}  # per guide structure
         self._spread_watch = SpreadWatch()  # means growing without bound (pyro_ngvi.monitor), per group
         self._point_checked = WeakIdKeyDictionary()  # params whose point-optimizer step was probed
@@ -204,6 +205,9 @@ class NGVI(PyroOptim):
             warn_loss_function(svi)
         sites, others = plan.sites, plan.others
         check_pending(self._pending_states, sites)  # every saved entry checked before any is taken
+        if self._restored and sites:  # (once: the first guide of Gaussian sites to step after set_state)
+            warn_unmatched(self._restored, self._pending_states, sites)
+            self._restored = frozenset()
         states = [self._state(site) for site in sites]  # may refuse: before any write
         check_point_states(self._state_waiting_to_be_consumed, self.optim_objs, others, self.pt_optim_constructor,
                            self._point_args)
@@ -344,6 +348,7 @@ class NGVI(PyroOptim):
         self._states = {}
         self._plans = {}
         self._pending_states = {name: {"taken": ngvi["num_steps"], **entry} for name, entry in ngvi["sites"].items()}
+        self._restored = frozenset(self._pending_states)
         store = pyro.get_param_store()
         restore_scales(self._pending_states.values(), store)  # (the fast path reads sigma before the first step)
         for p in [p for p in self.optim_objs if store.param_name(p) in point]:

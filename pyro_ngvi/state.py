@@ -4,12 +4,14 @@ keyed, as torch's optimizers key theirs, by the site's parameter tensor), and th
 form of the dict :meth:`~pyro_ngvi.NGVI.get_state` saves (:func:`check_state`).
 """
 
+import warnings
 import weakref
 from typing import Dict, Optional
 
 import torch
 
 from .family import scale_transform
+from .monitor import NGVIWarning
 from .scales import known_scale, remember_scale
 
 #: The per-element buffers of :class:`SiteState` (saved by ``NGVI.get_state``).
@@ -102,6 +104,21 @@ def check_pending(pending: Dict, sites) -> None:
     for site in sites:
         if site.key in pending:
             SiteState.check(site.loc, site.key, pending[site.key])
+
+
+def warn_unmatched(restored, pending: Dict, sites) -> None:
+    """Warn when the first guide with Gaussian ``sites`` to step after ``set_state`` finds none of
+    them in the checkpoint (names ``restored``) while nothing of it was taken yet (all still
+    ``pending``): a checkpoint of another guide or model, whose entries would stay unused, unsaid."""
+    keys = sorted(site.key for site in sites)
+    if set(restored) <= set(pending) and not any(key in pending for key in keys):
+        def few(names):
+            return ", ".join(repr(n) for n in names[:4]) + (", ..." if len(names) > 4 else "")
+        warnings.warn(f"NGVI.set_state restored state for the sites {few(sorted(restored))}, but none of them "
+                      f"is a site of the guide now stepping ({few(keys)}): these start from fresh state and "
+                      "the checkpoint's entries stay unused (a checkpoint of another guide or model, or param "
+                      "names that changed, e.g. another autoguide prefix). Load the state get_state saved "
+                      "for this guide.", NGVIWarning, stacklevel=4)
 
 
 def _copied(value, like: Optional[torch.Tensor] = None):

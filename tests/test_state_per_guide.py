@@ -157,3 +157,48 @@ def test_a_point_optimizer_failing_inside_a_step_leaves_the_guide_and_the_count_
     after = params()
     for name in before:
         assert torch.equal(after[name], before[name]), name
+
+
+def test_a_checkpoint_of_another_guide_is_warned_about_and_its_guide_starts_afresh():
+    """A mean-field guide's state set into the NGVI of a full-covariance guide: no entry fits a
+    site, so the sites start from fresh state (as under a new NGVI) and NGVI says so, naming both
+    (it was unsaid). A checkpoint of two guides resumed one guide first is not warned about."""
+    from pyro.infer.autoguide import AutoMultivariateNormal
+    from pyro_ngvi import NGVIWarning
+
+    model = regression(3, 0)
+    pyro.clear_param_store()
+    optim = NGVI()
+    svi = SVI(model, AutoNormal(model), optim, pyro.infer.Trace_ELBO())
+    for _ in range(3):
+        svi.step()
+    saved = optim.get_state()
+    runs = []
+    for restore in (False, True):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        optim = NGVI()
+        if restore:
+            optim.set_state(saved)
+        svi = SVI(model, AutoMultivariateNormal(model), optim, pyro.infer.Trace_ELBO())
+        if restore:
+            with pytest.warns(NGVIWarning, match=r"'AutoNormal.locs.w'.*'AutoMultivariateNormal.loc'.*fresh state"):
+                svi.step()
+        else:
+            svi.step()
+        svi.step()  # (once)
+        runs.append(params())
+    for name, value in runs[1].items():
+        assert torch.equal(value, runs[0][name]), name
+
+    models = [regression(3, 0), regression(3, 1)]
+    pyro.clear_param_store()
+    optim, elbo = recipe_b()
+    svis = {0: SVI(models[0], GuideA(models[0]), optim, elbo), 1: SVI(models[1], GuideB(models[1]), optim, elbo)}
+    run_steps(svis, 2, [0, 1])
+    saved = optim.get_state()
+    resumed = recipe_b()[0]
+    resumed.set_state(saved)
+    for index in (1, 0):  # (warnings are errors here)
+        svis[index].optim = resumed
+        svis[index].step()
