@@ -33,19 +33,32 @@ def safe_load(filename, map_location=None, allowed: Iterable[type] = (), what: s
 
     :raises ValueError: naming the file, when it holds anything else (a crafted
         file, or one saved from objects this loader does not know); nothing in
-        it has run.
+        it has run. Also when it is empty, cut short or not written by ``torch.save``.
     """
     with open(filename, "rb") as f, torch.serialization.safe_globals(list(allowed)):
         try:
             return torch.load(f, map_location=map_location, weights_only=True)
         except pickle.UnpicklingError as error:
+            lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+            reason = next((line for line in lines if "Unsupported global" in line), None)
+            if reason is None:  # (an operand the unpickler does not know: not a pickle of torch.save's)
+                raise _unreadable(filename, what, next((line for line in lines if "Unsupported" in line),
+                                                       repr(error))) from error
             raise ValueError(
                 f"Refused to load {str(filename)!r} as a {what}: it holds objects other than "
                 "tensors, numbers, strings and containers, and unpickling them could run "
                 "code (as a crafted file does). Nothing from it was run. If you trust the "
-                "file, load it with torch.load(..., weights_only=False) yourself. Reason: "
-                f"{str(error).splitlines()[-1] if str(error) else error!r}"
+                f"file, load it with torch.load(..., weights_only=False) yourself. Reason: {reason}"
             ) from error
+        except (EOFError, RuntimeError) as error:  # (empty; torch's zip reader: cut short or not a zip)
+            if isinstance(error, RuntimeError) and "PytorchStreamReader" not in str(error):
+                raise
+            raise _unreadable(filename, what, str(error).split(". ")[0] or "the file ends before any object") from error
+
+
+def _unreadable(filename, what: str, reason: str) -> ValueError:
+    return ValueError(f"Could not read {str(filename)!r} as a {what}: it is empty, cut short or not a file "
+                      f"torch.save wrote (a corrupted copy, or another format). Reason: {reason}")
 
 
 def _constraint_classes():

@@ -93,6 +93,27 @@ def test_ngvi_load_runs_no_code_from_a_crafted_checkpoint(tmp_path):
     assert marker.read_text() == "ran"
 
 
+@pytest.mark.parametrize("content", [b"", b"garbage\x00\x01", b"PK\x03\x04garbage", "truncated"],
+                         ids=["empty", "garbage", "bad-zip", "truncated"])
+def test_a_corrupted_checkpoint_is_named_as_unreadable_not_as_crafted(tmp_path, content):
+    """An empty, garbage or cut-short file is said to be one (it was a bare EOFError, or "holds objects
+    other than tensors" with the reason "Check the documentation of torch.load"); the optimizer and
+    the param store are left as they were. A crafted file's reason names what it would have run."""
+    path = tmp_path / "state.pt"
+    if content == "truncated":
+        NGVI().save(path)
+        content = path.read_bytes()[:-40]
+    path.write_bytes(content)
+    optim = NGVI()
+    for load in (optim.load, load_param_store):
+        with pytest.raises(ValueError, match=r"state.pt' as a .*: it is empty, cut short or not a file torch.save wrote"):
+            load(path)
+    assert optim.num_steps == 0 and not list(pyro.get_param_store().keys())
+    crafted_file(path, tmp_path / "marker", lambda payload: {"ngvi": payload, "point": {}})
+    with pytest.raises(ValueError, match="Reason: .*Unsupported global: GLOBAL exec"):
+        optim.load(path)
+
+
 def test_a_genuine_ngvi_checkpoint_is_plain_data(tmp_path):
     optim = NGVI(momentum=0.5)
     train(two_sites, optim, 3)
