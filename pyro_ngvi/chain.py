@@ -21,7 +21,7 @@ from .checks import read_checks, sync_every, warn_skip
 from .family import FullCovarianceSite, SiteCurvature, step_loss
 from .policies import Settings, resolve, scheduled
 from .priors import update_learned_priors
-from .safeguards import Safeguards, finite
+from .safeguards import Safeguards, finite, warn_dense_stall
 from .state import advance, schedule_clock
 from .statistics import one_draw
 from .steps import Context, GuardedStep, Options, couple_means, dense_adaptive, dense_site, mean_field_group, start_of
@@ -146,6 +146,7 @@ def take_step(optim, config: Config, request: Request) -> bool:
             state.momentum = direction
         for name, value in kept.items():  # the adaptive steps' count and drift test
             setattr(state, name, value)
+        warn_dense_stall(site, state)
     if learned:
         update_learned_priors([(site.mean, new_scales[site.key] if site.key in new_scales else site.scale,
                                 stats[site.key]) for site in mean_field if stats[site.key].prior_params()])

@@ -430,7 +430,8 @@ def dense_count(settings: Settings, state, n: float, newton: torch.Tensor) -> Di
     The count grows to :math:`1/\\beta`, beyond that while :math:`z^2 <` 2, and falls
     back to :math:`1/\\beta` above 12 (the mean-field thresholds). A step with
     :math:`\\|z\\|^2 >` :data:`DENSE_OUTLIER` :math:`v` enters shortened to that length; one
-    that overflows leaves the test as it was. The state to keep.
+    that overflows leaves the test as it was. The state to keep, with ``far_steps``, the steps in a
+    row above 12 (the safeguards' stall test, :func:`~pyro_ngvi.safeguards.warn_dense_stall`).
     """
     rho = DENSE_RATE
     dtype = state.loc().dtype
@@ -451,4 +452,4 @@ def dense_count(settings: Settings, state, n: float, newton: torch.Tensor) -> Di
     if z2 > DRIFT_Z2:
         grown = min(grown, max(fallback, 1.0))
     return {"count": torch.full_like(newton, grown, dtype=dtype), "drift": drift.to(dtype),
-            "noise": power.to(dtype)}
+            "noise": power.to(dtype), "far_steps": state.far_steps + 1 if z2 > DRIFT_Z2 else 0}

@@ -30,6 +30,9 @@ PRECISION_RATIO = 4.0
 #: flips it) on most elements, for STALL_STEPS consecutive sampled steps, is reported as stalling.
 FAR = 4.0
 STALL_STEPS = 100
+#: A full-covariance or low-rank site whose drift test (:func:`~pyro_ngvi.policies.dense_count`) finds
+#: its Newton step drifting for this many steps in a row is reported as stalling.
+DENSE_STALL_STEPS = STALL_STEPS // 2
 
 
 def finite(*tensors: torch.Tensor, mask=None, exact: bool = False) -> torch.Tensor:
@@ -205,6 +208,20 @@ def report(records: List[Safeguards], engaged: List[bool], step: int, spread_wat
                 NGVIWarning,
                 stacklevel=5,
             )
+
+
+def warn_dense_stall(site, state) -> None:
+    """Warn once per run of :data:`DENSE_STALL_STEPS` steps in which the Newton step of a
+    full-covariance or low-rank ``site``, in its guide's standard deviations, kept one direction
+    (a mean far from the optimum, approached slowly: a guide started far wider than the posterior)."""
+    if state.far_steps == DENSE_STALL_STEPS:
+        warnings.warn(
+            f"NGVI: the mean of {site.name!r} stalls. Its Newton step, in the guide's standard deviations, "
+            f"has pointed the same way for {DENSE_STALL_STEPS} steps in a row: the mean is far from where "
+            "the data put it and approaches slowly (a guide started much wider than the posterior takes a "
+            "first step of several of its own standard deviations, and its precision then grows faster than "
+            "the mean returns). Start the guide nearer (init_loc_fn) or narrower (init_scale), or use exact "
+            "curvature (CurvatureELBO('hessian')).", NGVIWarning, stacklevel=5)
 
 
 class NewtonGuard:

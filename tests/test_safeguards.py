@@ -170,3 +170,46 @@ def test_clip_target_carries_the_clipped_part_over():
     # without a carried excess: the plain clip
     clipped, none = clip_target(torch.tensor([50.0]), torch.ones(1))
     assert none is None and clipped.item() == 1 + INNOVATION_MAX
+
+
+def test_a_full_covariance_mean_that_stalls_far_from_the_posterior_is_reported():
+    """An AutoMultivariateNormal started 100 times wider than the posterior took a first step of
+    thousands of posterior sds; its precision then outgrew the mean's way back, which crawled
+    (220 sds off after 1,000 steps), silently. Its drift test now says so; a run that converges
+    does not warn."""
+    import warnings
+
+    import pyro.distributions as dist
+    from pyro.infer import SVI, Trace_ELBO
+    from pyro.infer.autoguide import AutoMultivariateNormal
+
+    from pyro_ngvi import NGVI
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(30, 1, generator=g) + 0.3 * torch.randn(30, 4, generator=g)  # (correlated features)
+    y = x @ torch.tensor([1.0, -1.0, 0.5, 0.0]) + 0.5 * torch.randn(30, generator=g)
+
+    def model(x, y):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([4]).to_event(1))
+        with pyro.plate("data", 30):
+            pyro.sample("obs", dist.Normal((x * w).sum(-1), 0.5), obs=y)
+
+    precision = torch.eye(4) + x.T @ x / 0.25
+    mean = torch.linalg.solve(precision, x.T @ y / 0.25)
+
+    def run(seed, init_scale, steps):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(seed)
+        guide = AutoMultivariateNormal(model, init_scale=init_scale)
+        svi = SVI(model, guide, NGVI(), Trace_ELBO())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(steps):
+                svi.step(x, y)
+        d = guide.get_posterior().loc.detach() - mean
+        return float(d @ precision @ d) ** 0.5, [w for w in caught if "stalls" in str(w.message)]
+
+    off, stalls = run(2, 100.0, 400)
+    assert off > 50 and len(stalls) == 1 and "'AutoMultivariateNormal'" in str(stalls[0].message)
+    off, stalls = run(0, 100.0, 400)  # the same start, converged: no warning
+    assert off < 0.5 and not stalls
