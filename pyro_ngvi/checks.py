@@ -121,7 +121,8 @@ def read_checks(optim, plan, sites, stats, groups, group_stats, flats, others) -
     plan.skips_in_a_row += 1
     if plan.skips_in_a_row >= SKIPS_IN_A_ROW:
         largest = max((float(site.mean.abs().max()) for site in sites), default=math.nan)
-        raise RuntimeError(stuck_message(plan.skips_in_a_row, ", ".join(repr(b) for b in bad), largest))
+        raise RuntimeError(stuck_message(plan.skips_in_a_row, ", ".join(repr(b) for b in bad), largest,
+                                         optim.num_steps))
     warn_skip(optim, f"non-finite gradient or curvature at {', '.join(repr(b) for b in bad)}; the guide is "
               "unchanged", f"{SKIPS_IN_A_ROW} in a row raise.", stacklevel=6)
     return False
@@ -141,7 +142,7 @@ def _deferred_skips(optim, plan, pending, engaged: List[bool]) -> List[bool]:
         plan.skips_in_a_row += 1
         bad = ", ".join(name for name, g in zip(step.names, good) if not g)
         if plan.skips_in_a_row >= SKIPS_IN_A_ROW:
-            raise RuntimeError(stuck_message(plan.skips_in_a_row, bad, math.nan))
+            raise RuntimeError(stuck_message(plan.skips_in_a_row, bad, math.nan, optim.num_steps))
         warn_skip(optim, f"non-finite gradient or curvature at {bad} (read {len(pending)} steps late); the "
                   "guide is unchanged", f"{SKIPS_IN_A_ROW} in a row raise.", stacklevel=7)
     return engaged

@@ -185,8 +185,18 @@ class ElboWatch:
         )
 
 
-def stuck_message(skipped: int, sites: str, largest_mean: float) -> str:
-    """The error when every step is skipped: the guide can only produce non-finite predictions."""
+def stuck_message(skipped: int, sites: str, largest_mean: float, taken: int = 1) -> str:
+    """The error when every step is skipped: the guide can only produce non-finite predictions,
+    or, where no step was ever taken (``taken`` 0), the model or the data are not finite."""
+    if taken == 0:  # the guide is as initialised: it did not diverge
+        return (
+            f"NGVI skipped all of its first {skipped} steps: every draw from the guide gave a non-finite "
+            f"gradient or curvature at {sites}, and no step was ever taken, so the model or the data are "
+            "not finite, not the guide: check the data for NaN or inf (entries hidden by poutine.mask or "
+            "obs_mask must still be finite: a masked NaN gives NaN gradients; fill them with any number) "
+            "and the model for a log-density that is not finite where the guide draws. Pyro's validation "
+            "(pyro.enable_validation(True)) names the site."
+        )
     return (
         f"NGVI skipped the last {skipped} steps in a row: every draw from the guide gave a non-finite "
         f"gradient or curvature at {sites}, so nothing can change the guide any more and its "

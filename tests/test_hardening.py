@@ -731,6 +731,38 @@ def test_huge_observations_that_stall_the_mean_are_reported():
     assert len(stalls) == (1 if stalled else 0)
 
 
+@pytest.mark.parametrize("hide", ["mask", "obs_mask"])
+def test_a_masked_nan_in_the_data_is_named_as_the_cause_not_a_diverged_run(hide):
+    """Missing entries stored as NaN and hidden by ``poutine.mask`` (or ``obs_mask``), Pyro's
+    validation off: 0 * NaN is NaN, so every step's gradient is NaN from the first on. Every
+    step is skipped, the guide stays as initialised, and the error after 50 says the data are
+    not finite (it said the run had diverged, to lower lr, the guide's predictions non-finite)."""
+    pyro.enable_validation(False)
+    observed = torch.arange(6) % 3 != 0
+    y = torch.where(observed, torch.randn(6), torch.tensor(NAN))
+
+    def model(y):
+        m = pyro.sample("m", dist.Normal(0.0, 1.0))
+        with pyro.plate("data", len(y)):
+            if hide == "mask":
+                with poutine.mask(mask=observed):
+                    pyro.sample("obs", dist.Normal(m, 1.0), obs=y)
+            else:
+                pyro.sample("obs", dist.Normal(m, 1.0), obs=y, obs_mask=observed)
+
+    guide = AutoNormal(model)
+    guide(y)
+    before = snapshot()
+    svi = SVI(model, guide, NGVI(), Trace_ELBO())
+    with warnings.catch_warnings(), pytest.raises(RuntimeError) as error:
+        warnings.simplefilter("ignore")
+        for _ in range(60):
+            svi.step(y)
+    assert_same(before, snapshot())
+    message = str(error.value)
+    assert "no step was ever taken" in message and "masked NaN" in message and "diverged" not in message
+
+
 @pytest.mark.parametrize("problem", ["location", "network"])
 def test_well_scaled_problems_trigger_no_safeguard(problem):
     """Over more steps than the stall window, on a sampled path, nothing warns."""
