@@ -146,7 +146,8 @@ def take_step(optim, config: Config, request: Request) -> bool:
             state.momentum = direction
         for name, value in kept.items():  # the adaptive steps' count and drift test
             setattr(state, name, value)
-        warn_dense_stall(site, state)
+        if isinstance(site, FullCovarianceSite):  # (a low-rank site's wide start converges slowly, not stalls)
+            warn_dense_stall(site, state)
     if learned:
         update_learned_priors([(site.mean, new_scales[site.key] if site.key in new_scales else site.scale,
                                 stats[site.key]) for site in mean_field if stats[site.key].prior_params()])

@@ -30,7 +30,7 @@ PRECISION_RATIO = 4.0
 #: flips it) on most elements, for STALL_STEPS consecutive sampled steps, is reported as stalling.
 FAR = 4.0
 STALL_STEPS = 100
-#: A full-covariance or low-rank site whose drift test (:func:`~pyro_ngvi.policies.dense_count`) finds
+#: A full-covariance site whose drift test (:func:`~pyro_ngvi.policies.dense_count`) finds
 #: its Newton step drifting for this many steps in a row is reported as stalling.
 DENSE_STALL_STEPS = STALL_STEPS // 2
 
@@ -212,7 +212,7 @@ def report(records: List[Safeguards], engaged: List[bool], step: int, spread_wat
 
 def warn_dense_stall(site, state) -> None:
     """Warn once per run of :data:`DENSE_STALL_STEPS` steps in which the Newton step of a
-    full-covariance or low-rank ``site``, in its guide's standard deviations, kept one direction
+    full-covariance ``site``, in its guide's standard deviations, kept one direction
     (a mean far from the optimum, approached slowly: a guide started far wider than the posterior)."""
     if state.far_steps == DENSE_STALL_STEPS:
         warnings.warn(
