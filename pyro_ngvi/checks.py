@@ -85,6 +85,15 @@ def check_step_arguments(args: tuple) -> None:
                         "NGVI(guide=functools.partial(guide, *args))")
 
 
+def read_flags(flags) -> list:
+    """The 0-d ``flags`` as Python values, in one device sync. Those of the host (the ELBO watch's,
+    from ``SVI.step``'s float loss) go to the device of the others first: one stack, one read."""
+    if not flags:
+        return []
+    device = next((f.device for f in flags if f.device.type != "cpu"), flags[0].device)
+    return torch.stack([f.to(device) for f in flags]).tolist()
+
+
 def read_checks(optim, plan, sites, stats, groups, group_stats, flats, others) -> bool:
     """Whether every statistic and point gradient of ``optim``'s step is finite; the last steps'
     safeguard flags and the deferred steps' checks are read in the same device sync, and reported
@@ -100,7 +109,7 @@ def read_checks(optim, plan, sites, stats, groups, group_stats, flats, others) -
     elbo_flag, plan.elbo_flag = plan.elbo_flag, None
     flags = [f for step in pending for f in step.flags] + [f for r in records for f in r.flags()]
     flags += [] if elbo_flag is None else [elbo_flag]
-    checks = torch.stack(finite_flags + flags).tolist() if finite_flags or flags else []  # one device sync
+    checks = read_flags(finite_flags + flags)
     ok, engaged = checks[: len(finite_flags)], checks[len(finite_flags):]
     engaged = _deferred_skips(optim, plan, pending, engaged)
     if not all(ok):  # or finite values whose sum overflowed: tell them apart

@@ -320,6 +320,7 @@ def test_cuda_pass_is_the_cpu_pass():
 
 
 @CUDA
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype feature:UserWarning")
 @pytest.mark.parametrize("compile", [False, True])
 def test_cuda_step_has_no_host_synchronisation(compile):
     """On CUDA, NGVI's step of a BayesianNet's guide reads nothing back to the host between its

@@ -15,6 +15,7 @@ so it pays for large sites over many steps (``benchmarks/bnn_step.py --compiled`
 Hence compiling is opt-in: :class:`~pyro_ngvi.NGVI` ``(compile=True)``.
 """
 
+import contextlib
 import time
 import warnings
 from typing import Callable, Dict
@@ -42,11 +43,13 @@ def run(kernel: Callable, configuration, compiled: bool, *args):
     key = (kernel, configuration)
     shaped = key + (_shape(args),)
     function = compiled_kernels.get(shaped)
-    if function is None:
+    fresh = function is None
+    if fresh:
         function = compiled_kernels[shaped] = _compile(kernel, configuration)
     start = time.perf_counter()
     try:
-        result = function(*args)
+        with _quiet_compiler() if fresh else contextlib.nullcontext():
+            result = function(*args)
     except Exception as error:  # noqa: BLE001  (inductor's errors have no common class; before any write)
         compiled_kernels[shaped] = _eager(kernel, configuration)
         warnings.warn(f"pyro_ngvi could not compile {kernel.__name__} for {configuration} "
@@ -67,6 +70,15 @@ def _shape(args) -> torch.Size:
                 if torch.is_tensor(item):
                     return item.shape
     return torch.Size()
+
+
+@contextlib.contextmanager
+def _quiet_compiler():
+    """Around a first (compiling) call: the compiler's own deprecation warnings (inductor's use of
+    ``torch.jit`` on torch 2.11) are not the user's; under warnings-as-errors they failed the compile."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        yield
 
 
 def _eager(kernel: Callable, configuration) -> Callable:
