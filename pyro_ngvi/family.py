@@ -42,7 +42,8 @@ from pyro.distributions import constraints
 from pyro.infer.autoguide import AutoDiagonalNormal, AutoGuideList, AutoMultivariateNormal, AutoNormal
 
 from . import full_covariance
-from .guide_trace import NotGaussian, elbo_traces, model_params, read_trace, refuse_sampled_tmc, trace_guide
+from .guide_trace import (NotGaussian, elbo_traces, full_covariance_prefixes, model_params, read_trace,
+                          refuse_sampled_tmc, trace_guide)
 from .handover import (  # noqa: F401 (re-exported: the ELBOs and NGVI import them from here)
     PriorParam,
     SiteCurvature,
@@ -419,6 +420,7 @@ def guide_view(guide, args: Sequence = (), kwargs: Optional[dict] = None, model=
         return GuideView(sites, [])
     trace, model_reads = _read_runs(guide, args, kwargs, model, elbo)
     refuse_sampled_tmc(trace, elbo)
+    sites += [s for s in (_full_covariance_site(None, store, p) for p in full_covariance_prefixes(trace)) if s]
     claimed = [t for site in sites for t in site.tensors]
     blocks, others = read_trace(trace, claimed, store, model_reads)
     for block in blocks:
@@ -436,12 +438,12 @@ def gaussian_sites(guide, *args, **kwargs) -> List[Site]:
     return guide_view(guide, args, kwargs).sites
 
 
-def _full_covariance_site(part, store) -> Optional[FullCovarianceSite]:
-    """The :class:`FullCovarianceSite` of an AutoMultivariateNormal part (``None``
-    before it is set up), after checking it stores what pyro 1.9 stores."""
-    prefix = part._pyro_name
+def _full_covariance_site(part, store, prefix: Optional[str] = None) -> Optional[FullCovarianceSite]:
+    """The :class:`FullCovarianceSite` of an AutoMultivariateNormal ``part`` or, with ``part`` None, of
+    the one of ``prefix`` seen in a trace (``None`` before it is set up), checked to store what pyro 1.9 stores."""
+    prefix = part._pyro_name if part is not None else prefix
     names = (f"{prefix}.loc", f"{prefix}.scale", f"{prefix}.scale_tril")
-    if part.prototype_trace is None or not all(name in store._params for name in names):
+    if (part is not None and part.prototype_trace is None) or not all(name in store._params for name in names):
         return None
     loc, raw_scale, raw_scale_tril = (store._params[name] for name in names)
     scale_constraint = store._constraints[names[1]]
@@ -451,9 +453,9 @@ def _full_covariance_site(part, store) -> Optional[FullCovarianceSite]:
             or not isinstance(tril_constraint, type(constraints.unit_lower_cholesky))
             or scale_constraint.event_dim != 0):
         raise NotImplementedError(
-            f"NGVI cannot train {type(part).__name__}: its parameters are not the loc (D,), positive "
-            "scale (D,) and unit lower-triangular scale_tril (D, D) of pyro 1.9. A Pyro optimizer "
-            "such as pyro.optim.Adam trains any guide.")
+            f"NGVI cannot train {type(part).__name__ if part is not None else prefix}: its parameters are not "
+            "the loc (D,), positive scale (D,) and unit lower-triangular scale_tril (D, D) of pyro 1.9. "
+            "A Pyro optimizer such as pyro.optim.Adam trains any guide.")
     return FullCovarianceSite(prefix, loc, raw_scale, names[1], raw_scale_tril, names[2])
 
 

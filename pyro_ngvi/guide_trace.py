@@ -343,6 +343,35 @@ def refuse_sampled_tmc(trace, elbo) -> None:
             "or a Pyro optimizer (pyro.optim.Adam) with this loss")
 
 
+def full_covariance_prefixes(trace: poutine.Trace) -> List[str]:
+    """
+    The prefixes of the ``AutoMultivariateNormal`` guides that a guide's ``trace`` shows inside a
+    wrapper (a partial, a messenger, ``poutine.block`` / ``condition`` / ``mask(True)`` around one):
+    a ``MultivariateNormal`` site ``_{prefix}_latent``, of weight 1 and unmasked, whose ``loc`` is
+    the param ``{prefix}.loc`` and whose ``scale_tril`` is ``{prefix}.scale[:, None] *
+    {prefix}.scale_tril``, as pyro 1.9's ``AutoMultivariateNormal`` builds it.
+    """
+    found = []
+    for name, site in trace.nodes.items():
+        fn = site.get("fn")
+        if site["type"] != "sample" or not (name[:1] == "_" and name.endswith("_latent")) or \
+                type(fn) is not dist.MultivariateNormal:
+            continue
+        prefix = name[1:-len("_latent")]
+        params = [trace.nodes.get(f"{prefix}.{p}", {}) for p in ("loc", "scale", "scale_tril")]
+        scale = site["scale"]
+        if any(p.get("type") != "param" for p in params) or site["mask"] not in (None, True) or \
+                not (torch.is_tensor(scale) and scale.numel() == 1 or isinstance(scale, (int, float))) or scale != 1:
+            continue
+        loc, sd, tril = (p["value"].detach() for p in params)
+        with torch.no_grad():
+            if loc.shape == fn.loc.shape[-1:] and tril.shape == loc.shape * 2 and \
+                    torch.equal(fn.loc, loc.expand_as(fn.loc)) and \
+                    torch.allclose(fn.scale_tril, (sd[..., None] * tril).expand_as(fn.scale_tril)):
+                found.append(prefix)
+    return found
+
+
 def _family_reason(base) -> str:
     if isinstance(base, dist.Delta):
         density = base.log_density
@@ -359,8 +388,8 @@ def _family_reason(base) -> str:
                 "pyro_ngvi.LowRankPrecisionNormal is (low-rank-plus-diagonal precision)")
     if isinstance(base, dist.MultivariateNormal):
         return ("it is a MultivariateNormal: NGVI takes full-covariance steps only on an AutoMultivariateNormal "
-                "handed to SVI itself (or in an AutoGuideList), not on one wrapped in a handler (poutine.scale), "
-                "nor on another guide's (AutoGaussian's, a hand-written one)")
+                "(handed to SVI, in an AutoGuideList or wrapped in a handler that neither scales nor masks it), "
+                "not on one under poutine.scale / mask, nor on another guide's (AutoGaussian's, a hand-written one)")
     return f"it is a {type(base).__name__}, not a Normal"
 
 
