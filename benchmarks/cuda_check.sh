@@ -17,7 +17,7 @@ export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 nvidia-smi -L
 python3 -c "import torch, pyro, backpack; print('torch', torch.__version__, 'pyro', pyro.__version__, torch.cuda.get_device_name())" || exit 1
 # the CUDA tests: the engine on CUDA takes the CPU steps (skipped without a device) and the compiled passes (inductor's C++ and Triton)
-timeout 170 python3 -m pytest tests/test_cuda.py tests/test_fused.py -q -n 8 -p no:cacheprovider -p no:benchmark -rs 2>&1 \
+timeout 170 python3 -m pytest tests/test_cuda.py tests/test_cuda_paths.py tests/test_fused.py -q -n 8 -p no:cacheprovider -p no:benchmark -rs 2>&1 \
     | tee "$OUT/tests.log" | tail -25
 # the recipe and the traced site on the GPU, eager, then compiled at one width
 timeout 120 python3 benchmarks/cuda_step.py --steps 192 --out "$OUT/cuda_eager.md" 2>&1 | grep -v '^E1\|^ ' | tail -40

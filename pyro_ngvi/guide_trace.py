@@ -140,15 +140,20 @@ def subsampling(model, *args, **kwargs) -> float:
     return max(max(factors, default=1.0) - 1.0, 0.0)
 
 
+def forked_rng():
+    """:func:`torch.random.fork_rng` over the CPU's stream and those of the CUDA devices in use
+    (``torch.manual_seed`` inside reseeds both; restoring the CPU's alone left CUDA's changed)."""
+    return torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else [])
+
+
 @contextmanager
 def _untouched(module):
     """Run a block and restore the random streams and ``module`` 's buffers (if it is one)."""
     buffers = [(b, b.detach().clone()) for b in module.buffers()] if isinstance(module, torch.nn.Module) else []
     python_state = random.getstate()
     numpy_state = _numpy_state()
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     try:
-        with torch.random.fork_rng(devices=devices):
+        with forked_rng():
             yield
     finally:
         random.setstate(python_state)

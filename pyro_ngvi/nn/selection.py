@@ -53,6 +53,7 @@ import pyro.distributions as dist
 from pyro.infer import SVI, Predictive
 
 from ..elbo import CurvatureELBO
+from ..guide_trace import forked_rng
 from ..optim import NGVI
 from ..policies import positive_numbers
 from .model import BayesianNet
@@ -115,7 +116,7 @@ def log_predictive_densities(bnn: BayesianNet, guide, x: torch.Tensor, y: torch.
     training = bnn.training
     bnn.eval()
     try:
-        with torch.random.fork_rng(devices=[]):
+        with forked_rng():
             torch.manual_seed(seed)
             outputs = Predictive(bnn, guide=guide, num_samples=num_samples, return_sites=("output",))(x)["output"]
     finally:
@@ -238,7 +239,7 @@ def select_by_validation(
     for scale in scales:
         bnn = BayesianNet(copy.deepcopy(net), likelihood, num_data=num_data, prior=scale, **model_args)
         order = torch.Generator().manual_seed(seed)
-        with store.scope(), torch.random.fork_rng(devices=[]):
+        with store.scope(), forked_rng():
             torch.manual_seed(seed)
             guide = bnn.guide()
             svi = SVI(bnn, guide, NGVI(), CurvatureELBO(curvature))
@@ -269,7 +270,7 @@ def restore(guide, params: Dict[str, torch.Tensor], constraints: Dict[str, objec
     pyro.get_param_store().set_state({"params": {name: value.detach().clone().requires_grad_()
                                                  for name, value in params.items()},
                                       "constraints": dict(constraints)})
-    with torch.random.fork_rng(devices=[]), pyro.poutine.block():
+    with forked_rng(), pyro.poutine.block():
         guide(x, y)
 
 

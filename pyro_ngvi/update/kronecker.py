@@ -68,8 +68,8 @@ def kronecker_step(
         n = damped_output.shape[-1]
         pi = ((input_factor.trace() / eta.sum()) / (output_factor.trace() / n)).sqrt()
         root = math.sqrt(damping)
-        solve_col = precision_cholesky(damped_input + pi * root * torch.eye(len(eta), dtype=work))
-        solve_row = precision_cholesky(damped_output + root / pi * torch.eye(n, dtype=work))
+        solve_col = precision_cholesky(damped_input + pi * root * torch.eye(len(eta), dtype=work, device=eta.device))
+        solve_row = precision_cholesky(damped_output + root / pi * torch.eye(n, dtype=work, device=eta.device))
         if solve_col is None or solve_row is None:
             return None
     else:
