@@ -367,9 +367,9 @@ def _write_state(b: Branches, t: Inputs, direction, steps):
     (what :func:`~pyro_ngvi.group_io.keep_pass` would copy there after the pass)."""
     if b.momentum in ("average", "mixed") and direction is not t.momentum:
         direction = t.momentum.copy_(direction)
-    if steps is not None:
-        steps = steps._replace(count=t.count.copy_(steps.count), hdrift=t.hdrift.copy_(steps.hdrift),
-                               drift=None if steps.drift is None else t.drift.copy_(steps.drift))
+    if steps is not None:  # (made anew, not ``_replace``d: torch 2.11's dynamo cannot return a _replace's tuple)
+        steps = AdaptiveSteps(steps.beta, steps.lr, t.count.copy_(steps.count), t.hdrift.copy_(steps.hdrift),
+                              None if steps.drift is None else t.drift.copy_(steps.drift), steps.steps, steps.noise)
     return direction, steps
 
 
@@ -387,10 +387,10 @@ def _unchanged(b: Branches, t: Inputs, direction, clamped, signs, far, steps):
         far = torch.where(ok, far, torch.zeros_like(far))
     if steps is not None:
         noise = t.noise
-        steps = steps._replace(
-            count=torch.where(ok, steps.count, t.count), hdrift=torch.where(ok, steps.hdrift, t.hdrift),
-            drift=None if steps.drift is None else torch.where(ok, steps.drift, t.drift),
-            steps=torch.where(ok, steps.steps, noise.steps), noise=torch.where(ok, steps.noise, noise.noise))
+        steps = AdaptiveSteps(
+            steps.beta, steps.lr, torch.where(ok, steps.count, t.count), torch.where(ok, steps.hdrift, t.hdrift),
+            None if steps.drift is None else torch.where(ok, steps.drift, t.drift),
+            torch.where(ok, steps.steps, noise.steps), torch.where(ok, steps.noise, noise.noise))
     return direction, clamped & ok, signs, far, steps
 
 
