@@ -355,5 +355,8 @@ def _start_at(guide, name: str, prior) -> None:
             f"scale {tuple(normal.scale.shape)} in unconstrained coordinates; the "
             f"guide's are {tuple(shape)}."
         )
+    if not (torch.isfinite(normal.loc).all() and torch.isfinite(normal.scale).all() and (normal.scale > 0).all()):
+        raise ValueError(f"start_task: prior for site '{name}' has a non-finite loc or a scale that is not "
+                         "positive and finite; the guide cannot start at it")
     loc.copy_(normal.loc.expand(shape))
     raw_scale.copy_(biject_to(store._constraints[scale_name]).inv(normal.scale.expand(shape)))

@@ -239,6 +239,8 @@ def conjugate_normal(
     """
     if not isinstance(fn, torch.distributions.Distribution):
         raise ValueError(f"conjugate_normal: fn must be a distribution, got {fn!r}")
+    if support is not None and not isinstance(support, constraints.Constraint):
+        raise TypeError(f"conjugate_normal: support must be a constraint (e.g. constraints.positive), got {support!r}")
     parts = conjugate_normal_parts(fn, support)
     if parts is None:
         return None

@@ -263,6 +263,9 @@ def test_start_task_errors_name_the_site(previous_posterior):
     wrong_shape = {"w": dist.Normal(torch.zeros(3, dtype=torch.float64), 1.0).to_event(1)}
     with pytest.raises(ValueError, match=r"'w'.*\(3,\).*\(4,\)"):
         start_task(AutoNormal(model), wrong_shape, x, y, carry=True)
+    nan = {"w": dist.Normal(torch.full((4,), math.nan, dtype=torch.float64), 1.0, validate_args=False).to_event(1)}
+    with pytest.raises(ValueError, match="'w' has a non-finite loc"):
+        start_task(AutoNormal(model), nan, x, y, carry=True)  # (the guide started at NaN)
     used = AutoNormal(model)
     used(x, y)
     with pytest.raises(ValueError, match="already been run"):

@@ -274,6 +274,57 @@ def test_error_cases():
         SVI(unplated, AutoDiagonalNormal(unplated), NGVI(), CurvatureELBO("hessian")).step(x, x)
 
 
+def _factor_likelihood(x, y):
+    w = pyro.sample("w", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+    with pyro.plate("data", len(y)):
+        pyro.factor("lik", dist.Bernoulli(logits=x @ w).log_prob(y))
+
+
+def _penalised(x, y):
+    w = pyro.sample("w", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+    pyro.factor("pen", -(w**2).sum() + w[0] * w[1])
+    with pyro.plate("data", len(y)):
+        pyro.sample("obs", dist.Normal(x @ w, 0.5), obs=y)
+
+
+def _nested(x, y):
+    w = pyro.sample("w", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+    with pyro.plate("groups", y.shape[0], dim=-2), pyro.plate("within", y.shape[1], dim=-1):
+        pyro.sample("obs", dist.Normal((x * w).sum(-1), 0.5), obs=y)
+
+
+def test_a_pyro_factor_likelihood_is_refused_by_ggn_mc_and_named_as_a_factor():
+    """'ggn_mc' drew its targets from a factor's Unit, whose log_prob ignores them: every draw gave the
+    empirical Fisher at the data, silently ([3.51, 4.03] against the Fisher [5.16, 8.46])."""
+    x = torch.randn(30, 2)
+    y = torch.bernoulli(torch.sigmoid(x @ torch.tensor([1.0, -1.0])))
+    with pytest.raises(NotImplementedError, match=r"'ggn_mc' draws targets.*pyro.factor term \(Unit\)"):
+        SVI(_factor_likelihood, AutoNormal(_factor_likelihood), NGVI(), CurvatureELBO("ggn_mc")).step(x, y)
+    with pytest.raises(NotImplementedError, match=r"got a pyro.factor term \(Unit\). Use curvature 'ef'") as info:
+        SVI(_factor_likelihood, AutoNormal(_factor_likelihood), NGVI(), CurvatureELBO("ggn")).step(x, y)
+    assert "ggn_mc" not in str(info.value).split("Use curvature")[1]  # (not recommended for a factor)
+    pyro.clear_param_store()
+    SVI(_factor_likelihood, AutoNormal(_factor_likelihood), NGVI(), CurvatureELBO("ef")).step(x, y)  # (works)
+    with pytest.raises(ValueError, match="pyro.factor term 'pen' is in no pyro.plate"):
+        SVI(_penalised, AutoNormal(_penalised), NGVI(), CurvatureELBO("ef")).step(x, x[:, 0])
+
+
+@pytest.mark.parametrize("shape", [(3, 4), (4, 3)])
+def test_ef_refuses_an_observed_site_in_nested_plates_where_the_examples_are_unknown(shape):
+    """With two unsubsampled plates 'ef' squared per-example gradients over the larger plate: per-group
+    or per-row sums depending on which was longer, neither the per-observation one. 'ggn' is the same
+    for any choice and trains."""
+    x, y = torch.randn(*shape, 2), torch.randn(*shape)
+    with pytest.raises(ValueError, match=r"several plates \('groups', 'within'\).*Subsample that plate"):
+        SVI(_nested, AutoNormal(_nested), NGVI(), CurvatureELBO("ef")).step(x, y)
+    pyro.clear_param_store()
+    guide = AutoNormal(_nested)
+    svi = SVI(_nested, guide, NGVI(lr=1.0, beta=1.0), CurvatureELBO("ggn", deterministic=True))
+    svi.step(x, y)
+    precision = torch.eye(2) + (x.reshape(-1, 2).T @ x.reshape(-1, 2)).diagonal().diag() / 0.25
+    assert torch.allclose(pyro.param("AutoNormal.scales.w").detach() ** -2, precision.diagonal(), rtol=1e-4)
+
+
 @pytest.mark.parametrize("model", ["traced", "network"])
 def test_another_optimizer_gets_a_clear_error_not_a_silently_untrained_guide(float64, model):
     x, y = orthogonal_design()

@@ -291,6 +291,8 @@ def test_unsupported_uses_of_the_kronecker_guide_are_refused():
         SVI(bnn, guide, NGVI(), Trace_ELBO()).step(x, y)
     with pytest.raises(ValueError, match="'ggn'"):
         SVI(bnn, guide, NGVI(), CurvatureELBO("ef")).step(x, y)
+    with pytest.raises(ValueError, match="KroneckerNormal guide takes Kronecker factors.*'ggn'"):
+        SVI(bnn, guide, NGVI(), CurvatureELBO("hessian")).step(x, y)  # (was "supports AutoNormal...")
     conv = BayesianNet(nn.Sequential(nn.Conv1d(1, 2, 2), nn.Flatten(), nn.Linear(4, 2)), "categorical", 10)
     with pytest.raises(NotImplementedError, match="Linear"):
         KroneckerNormal(conv)

@@ -245,6 +245,8 @@ def test_posterior_as_prior_simplex_site():
 def test_conjugate_normal_refuses_what_is_not_a_distribution():
     with pytest.raises(ValueError, match="fn must be a distribution"):
         conjugate_normal(3)
+    with pytest.raises(TypeError, match="support must be a constraint"):  # (a string: None, silently)
+        conjugate_normal(dist.LogNormal(0.0, 2.0), "positive")
 
 
 def test_posterior_as_prior_errors():

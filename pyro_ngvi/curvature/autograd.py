@@ -42,13 +42,10 @@ may still call ``backward`` on the same loss afterwards.
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-from torch.distributions import Bernoulli, Categorical, Distribution, Normal
-from torch.distributions import Independent
+from torch.distributions import Bernoulli, Categorical, Distribution, Independent, Normal
 
-from pyro.distributions.torch_distribution import (
-    ExpandedDistribution,
-    MaskedDistribution,
-)
+from pyro.distributions import Unit
+from pyro.distributions.torch_distribution import ExpandedDistribution, MaskedDistribution
 
 Tensor = torch.Tensor
 
@@ -484,6 +481,11 @@ def ggn_diag(
     return result
 
 
+def _factor_name(base) -> str:
+    """How an error names the likelihood ``base``: a ``pyro.factor`` (``Unit``) as one."""
+    return "a pyro.factor term (Unit)" if isinstance(base, Unit) else type(base).__name__
+
+
 def ggn_terms(fn: Distribution, data_dim: int, dtype, device, caller: str) -> Tuple[List[Tuple[Tensor, Tensor]], bool]:
     """
     The weighted outputs ``(z, w)`` of the likelihood's :data:`GGN_RULES` rule, with
@@ -500,9 +502,10 @@ def ggn_terms(fn: Distribution, data_dim: int, dtype, device, caller: str) -> Tu
     if rule is None:
         raise NotImplementedError(
             "{} supports {} likelihoods (after Independent/Expanded/Masked "
-            "wrappers), got {}. Use curvature 'ggn_mc' (Monte-Carlo GGN), 'ef' "
-            "(empirical Fisher) or 'hessian' (exact Hessian) instead.".format(
-                caller, ", ".join(cls.__name__ for cls in GGN_RULES), type(base).__name__
+            "wrappers), got {}. Use curvature {}'ef' (empirical Fisher) or 'hessian' "
+            "(exact Hessian) instead.".format(
+                caller, ", ".join(cls.__name__ for cls in GGN_RULES), _factor_name(base),
+                "" if isinstance(base, Unit) else "'ggn_mc' (Monte-Carlo GGN), "
             )
         )
     if all_masked:
@@ -528,6 +531,11 @@ def _sample_targets(
     seeded from it and the global RNG state is left as it was.
     """
     sample_shape = torch.Size([num_samples])
+    base = _unwrap(fn)[0]
+    if isinstance(base, Unit):  # (its log_prob ignores the value: every draw would give the EF)
+        raise NotImplementedError(
+            f"curvature 'ggn_mc' draws targets from the likelihood; {_factor_name(base)} has none to draw. "
+            "Use curvature 'ef' (empirical Fisher), 'hessian' (exact Hessian) or 'reparam' for it.")
     if generator is None:
         return fn.sample(sample_shape).detach()
     seed = int(torch.randint(0, 2**62, (), generator=generator, device=generator.device))

@@ -117,15 +117,24 @@ def scalar_scale(site) -> float:
 
 
 def data_dim(site, curvature) -> int:
-    """The plate dimension that indexes examples of an observed site."""
+    """The plate dimension that indexes examples of an observed site: its plate, or of several its
+    subsampled one (for ``'ef'``, whose squares depend on it, another choice is refused)."""
     frames = [f for f in site["cond_indep_stack"] if f.vectorized]
     if not frames:
+        what = ("pyro.factor term" if type(getattr(site["fn"], "base_dist", site["fn"])).__name__ == "Unit"
+                else "observed site")
         raise ValueError(
-            f"curvature='{curvature}' sums per-example terms over a data plate, but the "
-            f"observed site '{site['name']}' is in no pyro.plate. Put the observations in "
-            "`with pyro.plate('data', N):`, or use curvature='hessian' or 'reparam'."
+            f"curvature='{curvature}' sums per-example terms over a data plate, but the {what} "
+            f"'{site['name']}' is in no pyro.plate, so it cannot be split into examples. Put the "
+            "observations in `with pyro.plate('data', N):`, or use curvature='hessian' or 'reparam'."
         )
     subsampled = [f for f in frames if f.full_size is not None and f.full_size != f.size]
+    if curvature == "ef" and len(subsampled) != 1 and len(frames) > 1:  # ('ggn', 'ggn_mc': any dim gives the same)
+        raise ValueError(
+            f"curvature='ef' squares per-example gradients, but the observed site '{site['name']}' is in "
+            f"several plates ({', '.join(repr(f.name) for f in frames)}), and which one indexes the examples "
+            "is not known (the squares differ). Subsample that plate (pyro.plate(..., subsample_size=...)), "
+            "or use curvature='ggn', 'ggn_mc', 'hessian' or 'reparam'.")
     frame = (subsampled or sorted(frames, key=lambda f: -f.size))[0]
     return frame.dim
 

@@ -21,6 +21,7 @@ from pyro.util import check_site_shape
 
 from ..curvature.batch_norm import frozen_batch_statistics, uses_batch_statistics
 from ..curvature.traced import Terms
+from ..kronecker import KroneckerNormal
 
 Tensor = torch.Tensor
 
@@ -141,6 +142,9 @@ def replayed(model, guide_trace, guided, args, kwargs):
 
 def check_guide(guide, args, kwargs) -> None:
     """Refuse a guide other than AutoNormal on the mean-field path; run it once if it has not run."""
+    if isinstance(guide, KroneckerNormal):
+        raise ValueError("A KroneckerNormal guide takes Kronecker factors from a BayesianNet's fast path: "
+                         "curvature 'ggn' (BackPACK KFLR) or 'ggn_mc' (KFAC)")
     if not isinstance(guide, AutoNormal):
         raise NotImplementedError(
             f"CurvatureELBO supports AutoNormal and AutoMultivariateNormal guides, got "
