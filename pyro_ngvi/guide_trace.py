@@ -122,7 +122,8 @@ def elbo_traces(elbo, model, guide, *args, **kwargs) -> Optional[Tuple[poutine.T
 def subsampling(model, *args, **kwargs) -> float:
     """
     :math:`N/B - 1` of the most subsampled sample site of ``model`` run on ``args`` (its plates'
-    ``full_size / size``, multiplied; 0 when no plate subsamples): how much noise a minibatch adds to
+    ``full_size / size``, multiplied; for an observed site also its ``poutine.scale`` over the
+    latents' least one, at least 1: a minibatch weighted by N/B by hand; 0 when none subsamples): how much noise a minibatch adds to
     the statistics of the latents its sites depend on, beyond one draw's
     (:func:`~pyro_ngvi.policies.noise_constants`). The model runs once, its draws from the prior, under
     :func:`_untouched` (random streams and buffers as they were) and without its warnings; a model that
@@ -134,10 +135,16 @@ def subsampling(model, *args, **kwargs) -> float:
             trace = poutine.trace(model).get_trace(*args, **kwargs)
     except Exception:  # (the ELBO ran it against the guide already: its errors are the ELBO's to report)
         return 0.0
+    sites = [site for site in trace.nodes.values() if site["type"] == "sample"]
+    latent = min((_largest(site["scale"]) for site in sites if not site["is_observed"]), default=1.0)
     factors = [math.prod(frame.full_size / frame.size for frame in site["cond_indep_stack"]
                          if frame.full_size is not None and frame.size)
-               for site in trace.nodes.values() if site["type"] == "sample"]
+               * (_largest(site["scale"]) / max(latent, 1.0) if site["is_observed"] else 1.0) for site in sites]
     return max(max(factors, default=1.0) - 1.0, 0.0)
+
+
+def _largest(scale) -> float:
+    return float(scale.max()) if torch.is_tensor(scale) else float(scale)
 
 
 def forked_rng():

@@ -30,8 +30,8 @@ from .family import GaussianSite, SiteCurvature, calling_svi, end_handover, guid
 from .groups import Workspace
 from .monitor import NGVIWarning, SpreadWatch
 from .plan import Plan, still_stored
-from .policies import (DENSE, DENSE_SAMPLED, FULL_BATCH, MINIBATCH, Schedule, Settings, check_schedule,
-                       defaults, resolve)
+from .policies import (DENSE, DENSE_SAMPLED, FULL_BATCH, MINIBATCH, Checked, Schedule, Settings, check_schedule,
+                       defaults, number, resolve)
 from .point import (LowRankLocs, check_point_args, check_point_optim, check_point_states, decay_guide_part_lr,
                     param_label, probe_point_step)
 from .state import SiteState, check_pending, check_state, restore_scales, warn_unmatched
@@ -106,21 +106,29 @@ class NGVI(PyroOptim):
 
     #: :class:`~pyro_ngvi.CurvatureELBO` hands its statistics to an optimizer that says so.
     consumes_curvature = True
+    # the hyperparameters, checked whenever set (None: the defaults, per site)
+    lr = Checked(lambda name, v: check_schedule(name, v, 0.0, math.inf))
+    beta = Checked(lambda name, v: check_schedule(name, v, 0.0, 1.0))
+    tau = Checked(lambda name, v: check_schedule(name, v, 0.0, math.inf), optional=False)
+    momentum = Checked(lambda name, v: number(name, v, 0.0, 1.0, "in [0, 1)", high_open=True))
+    damping = Checked(lambda name, v: number(name, v, 0.0, math.inf, "a number"))
+    max_step = Checked(lambda name, v: number(name, v, 0.0, math.inf, "a positive number or None", low_open=True))
+    #: The host reads the finiteness and safeguard flags every this many steps
+    #: (:mod:`pyro_ngvi.checks`; None: 16 on CUDA, 1 elsewhere).
+    sync_every = Checked(lambda name, v: _whole_steps(v))
 
     def __init__(self, lr: Optional[Schedule] = None, beta: Optional[Schedule] = None,
                  momentum: Optional[float] = None, damping: Optional[float] = None, tau: Schedule = 1.0,
                  max_step: Optional[float] = 3.0, warm_start: bool = True, averaging: Optional[bool] = None,
                  control_variate: bool = True, safeguard: bool = True, point_optim=torch.optim.Adam,
                  point_optim_args: Optional[Dict] = None, guide=None, compile: bool = False):
+        if isinstance(lr, (list, tuple)) and lr and all(torch.is_tensor(p) for p in lr):  # NGVI(params, ...)
+            raise ValueError("NGVI is not a torch optimizer and Pyro's LR schedulers (pyro.optim.ExponentialLR, "
+                             "ReduceLROnPlateau, ...) cannot wrap it: give it a schedule, NGVI(lr=lambda t: ...), "
+                             "or set optim.lr between steps (checked when set)")
         # None: the defaults, resolved per site from its statistics (policies.defaults)
-        self.lr = None if lr is None else check_schedule("lr", lr, 0.0, math.inf)
-        self.beta = None if beta is None else check_schedule("beta", beta, 0.0, 1.0)
-        self.momentum = None if momentum is None else _number("momentum", momentum, 0.0, 1.0, "in [0, 1)",
-                                                              high_open=True)
-        self.damping = None if damping is None else _number("damping", damping, 0.0, math.inf, "a number")
-        self.tau = check_schedule("tau", tau, 0.0, math.inf)
-        self.max_step = None if max_step is None else _number("max_step", max_step, 0.0, math.inf,
-                                                               "a positive number or None", low_open=True)
+        self.lr, self.beta, self.momentum, self.damping, self.max_step = lr, beta, momentum, damping, max_step
+        self.tau = tau
         for name, value in (("warm_start", warm_start), ("averaging", averaging),
                             ("control_variate", control_variate), ("safeguard", safeguard), ("compile", compile)):
             if not (isinstance(value, bool) or (name == "averaging" and value is None)):
@@ -151,18 +159,6 @@ class NGVI(PyroOptim):
         self._buffers = Buffers(self._workspace)  # the statistics recovered from gradients, per site
         self._loss_checked = False  # whether an SVI's loss function was warned about (once)
 
-    @property
-    def sync_every(self) -> Optional[int]:
-        """The host reads the finiteness and safeguard flags every this many steps
-        (:mod:`pyro_ngvi.checks`; None: 16 on CUDA, 1 elsewhere)."""
-        return self._sync_every
-
-    @sync_every.setter
-    def sync_every(self, value: Optional[int]) -> None:
-        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
-            raise ValueError(f"sync_every must be a whole number of steps >= 1, or None (16 on CUDA, "
-                             f"1 elsewhere), got {value!r}")
-        self._sync_every = None if value is None else int(value)
 
     @property
     def _options(self) -> Options:
@@ -368,12 +364,11 @@ class NGVI(PyroOptim):
         self.set_state(safe_load(filename, map_location, what="NGVI state"))
 
 
-def _number(name: str, value, low: float, high: float, what: str, low_open: bool = False,
-            high_open: bool = False) -> float:
-    """A number hyperparameter (no schedule) in its interval. :raises ValueError: naming it."""
-    if callable(value):
-        raise ValueError(f"{name} must be {what}, got a callable")
-    return check_schedule(name, value, low, high, low_open=low_open, high_open=high_open)
+def _whole_steps(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"sync_every must be a whole number of steps >= 1, or None (16 on CUDA, "
+                         f"1 elsewhere), got {value!r}")
+    return int(value)
 
 
 def _guide_of(given, svi=None):

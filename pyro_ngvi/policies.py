@@ -125,6 +125,32 @@ def check_schedule(name: str, value, low: float, high: float, low_open: bool = T
     return value
 
 
+def number(name: str, value, low: float, high: float, what: str, low_open: bool = False,
+           high_open: bool = False) -> float:
+    """A number hyperparameter (no schedule) in its interval. :raises ValueError: naming it."""
+    if callable(value):
+        raise ValueError(f"{name} must be {what}, got a callable")
+    return check_schedule(name, value, low, high, low_open=low_open, high_open=high_open)
+
+
+class Checked:
+    """An optimizer attribute checked by ``check(name, value)`` whenever it is set (in ``__init__``
+    and later: ``optim.lr = 0.01`` between steps, the hand-written ReduceLROnPlateau, is checked too;
+    a NaN there was written into the guide); ``None`` (the default) passes unchecked where ``optional``."""
+
+    def __init__(self, check: Callable, optional: bool = True):
+        self.check, self.optional = check, optional
+
+    def __set_name__(self, owner, name):
+        self.name, self.slot = name, "_" + name
+
+    def __get__(self, obj, owner=None):
+        return self if obj is None else getattr(obj, self.slot)
+
+    def __set__(self, obj, value):
+        setattr(obj, self.slot, None if value is None and self.optional else self.check(self.name, value))
+
+
 def positive_numbers(name: str, value, one: bool = False) -> List[float]:
     """``value`` (``one``: or a single number) as a non-empty list of positive finite numbers.
 

@@ -367,6 +367,33 @@ def test_invalid_hyperparameters_name_the_parameter(kwargs, name):
         NGVI(**kwargs)
 
 
+@pytest.mark.parametrize("name, value", [("lr", math.nan), ("lr", -1.0), ("lr", "0.1"), ("beta", 1.5),
+                                         ("tau", None), ("momentum", 1.0), ("damping", -1.0), ("max_step", 0.0),
+                                         ("sync_every", 0)])
+def test_a_hyperparameter_set_between_steps_is_checked_and_the_guide_keeps_its_values(name, value):
+    """``optim.lr = ...`` between steps (the hand-written ReduceLROnPlateau): a NaN lr was taken and
+    written NaN into the guide's mean, a negative one walked it 110 sd off, silently."""
+    guide = AutoNormal(normal_normal)
+    optim = NGVI(lr=0.3, beta=0.1)
+    svi = SVI(normal_normal, guide, optim, Trace_ELBO())
+    for _ in range(5):
+        svi.step(DATA)
+    before = pyro.param("AutoNormal.locs.loc").detach().clone()
+    with pytest.raises(ValueError, match=name):
+        setattr(optim, name, value)
+    svi.step(DATA)
+    assert torch.isfinite(pyro.param("AutoNormal.locs.loc")).all() and optim.num_skipped_steps == 0
+    assert abs(float(pyro.param("AutoNormal.locs.loc").detach() - before)) < 1.0
+    optim.lr, optim.momentum = 0.05, 0.5  # (valid values are taken)
+    assert (optim.lr, optim.momentum) == (0.05, 0.5)
+
+
+def test_pyros_lr_schedulers_wrapping_ngvi_get_a_clear_error():
+    scheduler = pyro.optim.ExponentialLR({"optimizer": NGVI, "optim_args": {}, "gamma": 0.9})
+    with pytest.raises(ValueError, match="not a torch optimizer.*cannot wrap it.*optim.lr"):
+        SVI(normal_normal, AutoNormal(normal_normal), scheduler, Trace_ELBO()).step(DATA)
+
+
 def test_schedule_returning_invalid_value_raises():
     guide = AutoNormal(normal_normal)
     svi = SVI(normal_normal, guide, NGVI(beta=lambda t: 2.0), Trace_ELBO())
