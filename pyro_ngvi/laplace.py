@@ -103,10 +103,16 @@ __all__ = ["LaplaceResult", "LaplaceWarning", "PriorPrecisionSearch", "laplace",
 _HALF_LOG_TWO_PI = 0.5 * math.log(2 * math.pi)
 #: ``lr`` is halved at most this many times in a row before the search gives up.
 _MAX_HALVINGS = 30
-#: with momentum, a step is accepted when F is below its largest value over this
-#: many accepted means (a heavy ball need not descend every step; Grippo et al.
-#: 1986); without momentum every step must descend.
+#: with momentum, a step is accepted when F is below its largest value over this many accepted
+#: means (a heavy ball need not descend every step; Grippo et al. 1986); without, every step descends.
 _WINDOW = 10
+
+
+def _unbounded(guide) -> str:
+    """What is said of a search that ran off to a far mean (|u| > 30: exp(u) under 1e-13)."""
+    far = [repr(name) for name, (_, u) in _unconstrained_means(guide).items() if float(u.abs().max()) > 30]
+    return (f" The mean of {', '.join(far)} is beyond |u| = 30 in unconstrained coordinates: F may fall without "
+            "bound there (a scale driven to 0, as in a funnel), and then no Laplace approximation exists." if far else "")
 
 
 class LaplaceWarning(UserWarning):
@@ -116,26 +122,21 @@ class LaplaceWarning(UserWarning):
 @dataclass
 class LaplaceResult:
     """
-    A diagonal Laplace approximation, per latent site, in the guide's
-    unconstrained coordinates ``u``.
+    A diagonal Laplace approximation, per latent site, in the guide's unconstrained coordinates ``u``.
 
-    :ivar guide: the :class:`~pyro.infer.autoguide.AutoNormal` holding
-        ``loc = map`` and ``scale = precision ** -0.5`` (usable with
-        :class:`~pyro.infer.Predictive`; ``guide.median()`` gives :math:`T(u^*)`),
-        or the :class:`~pyro.infer.autoguide.AutoMultivariateNormal` holding the
-        mode and the covariance :math:`\\Lambda^{-1}`.
+    :ivar guide: the :class:`~pyro.infer.autoguide.AutoNormal` holding ``loc = map`` and ``scale =
+        precision ** -0.5`` (usable with :class:`~pyro.infer.Predictive`; ``guide.median()`` gives
+        :math:`T(u^*)`), or the :class:`~pyro.infer.autoguide.AutoMultivariateNormal` holding the mode
+        and the covariance :math:`\\Lambda^{-1}`.
     :ivar float log_evidence: :math:`-F(u^*) + \\frac12\\sum_i \\log(2\\pi/\\lambda_i)`.
-    :ivar float log_joint: :math:`-F(u^*) = \\log p(\\mathcal{D}, T(u^*)) +
-        \\log|\\det J_T(u^*)|` (plate scales applied).
+    :ivar float log_joint: :math:`-F(u^*) = \\log p(\\mathcal{D}, T(u^*)) + \\log|\\det J_T(u^*)|` (scales applied).
     :ivar dict map: site name -> :math:`u^*` (the mode of :math:`F`, unconstrained).
-    :ivar dict precision: site name -> :math:`\\lambda = \\lambda_0 + h(u^*)`; for
-        a full covariance one entry, the guide's name -> the ``(D, D)`` matrix
-        :math:`\\Lambda` (and ``map`` the guide's name -> the latent vector).
+    :ivar dict precision: site name -> :math:`\\lambda = \\lambda_0 + h(u^*)`; for a full covariance one
+        entry, the guide's name -> the ``(D, D)`` matrix :math:`\\Lambda` (``map``: -> the latent vector).
     :ivar str curvature: the curvature source used.
     :ivar int num_steps: NGVI steps taken (rejected ones included).
-    :ivar float newton_step: the largest element of the next diagonal Newton
-        step at :math:`u^*`, in posterior standard deviations:
-        :math:`\\max_i |\\partial_i F(u^*)| / \\sqrt{\\lambda_i}`.
+    :ivar float newton_step: the largest element of the next diagonal Newton step at :math:`u^*`, in
+        posterior standard deviations: :math:`\\max_i |\\partial_i F(u^*)| / \\sqrt{\\lambda_i}`.
     :ivar bool converged: ``newton_step <= tol``.
     :ivar bool full_covariance: the precision is one dense matrix.
     """
@@ -328,19 +329,15 @@ def laplace(
         for site in sites:
             (site.write_precision if full else site.write)(site.mean, precision[site.name])
     log_joint = -negative_log_joint(model, guide, *args, **kwargs)
-    if full:
-        log_det = sum(float(torch.logdet(p)) for p in precision.values())
-        num_latents = sum(p.shape[-1] for p in precision.values())
-    else:
-        log_det = sum(float(p.log().sum()) for p in precision.values())
-        num_latents = sum(p.numel() for p in precision.values())
+    log_det = sum(float(torch.logdet(p) if full else p.log().sum()) for p in precision.values())
+    num_latents = sum(p.shape[-1] if full else p.numel() for p in precision.values())
     log_evidence = log_joint + num_latents * _HALF_LOG_TWO_PI - 0.5 * log_det
     converged = newton_step <= tol
     if num_steps > 0 and not converged:
         warnings.warn(f"laplace stopped after {steps} steps (lr {step_size['lr']:.3g}) with a next Newton "
                       f"step of {newton_step:.3g} posterior standard deviations > tol = {tol:g}; the mode "
-                      "and the evidence are approximate. Raise num_steps or tol, lower lr, or add momentum.",
-                      LaplaceWarning, stacklevel=2)
+                      "and the evidence are approximate. Raise num_steps or tol, lower lr, or add momentum."
+                      + _unbounded(guide), LaplaceWarning, stacklevel=2)
     return LaplaceResult(guide=guide, log_evidence=log_evidence, log_joint=log_joint,
                          map={site.name: site.mean.clone() for site in sites}, precision=precision,
                          curvature=curvature, num_steps=steps, newton_step=newton_step, converged=converged,
@@ -358,8 +355,12 @@ def negative_log_joint(model: Callable, guide: AutoNormal, *args, **kwargs) -> f
             transform = biject_to(site["fn"].support)
             values[name] = transform(loc)
             jacobians[name] = transform.log_abs_det_jacobian(loc, values[name]).sum()
-        with poutine.block():
-            trace = poutine.trace(poutine.condition(model, data=values)).get_trace(*args, **kwargs)
+        try:
+            with poutine.block():
+                trace = poutine.trace(poutine.condition(model, data=values)).get_trace(*args, **kwargs)
+        except ValueError as error:  # (Pyro's validation: e.g. a scale that underflowed to 0)
+            raise ValueError(f"laplace: the model cannot be evaluated at the current mean ({error})."
+                             + _unbounded(guide)) from error
         trace.compute_log_prob()
         total = 0.0
         for name, site in trace.nodes.items():

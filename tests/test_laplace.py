@@ -495,6 +495,30 @@ def test_stopping_early_warns_and_reports_it():
     assert not res.converged and res.newton_step > 1e-6
 
 
+def _eight_schools(y, s):
+    mu = pyro.sample("mu", dist.Normal(0.0, 2.0))
+    tau = pyro.sample("tau", dist.HalfCauchy(1.0))
+    with pyro.plate("J", len(y)):
+        theta = pyro.sample("theta", dist.Normal(mu, tau))
+        pyro.sample("obs", dist.Normal(theta, s), obs=y)
+
+
+@pytest.mark.parametrize("covariance", ["diagonal", "full"])
+def test_a_model_without_a_mode_is_reported_with_the_site_that_ran_off(covariance):
+    """Centred eight schools: with the log-Jacobian, F falls without bound as log tau -> -inf (a
+    funnel). The diagonal search stopped at log tau = -38.9 (precision 4e34) advising more steps; the
+    full one died in Pyro's validation of Normal(theta, 0) naming neither the site nor the cause."""
+    y = torch.tensor([2.8, 0.8, -0.3, 0.7, -0.1, 0.1, 1.8, 1.2], dtype=torch.float64)
+    s = torch.tensor([1.5, 1.0, 1.6, 1.1, 0.9, 1.1, 1.0, 1.8], dtype=torch.float64)
+    if covariance == "diagonal":
+        with pytest.warns(LaplaceWarning, match=r"The mean of 'tau' is beyond \|u\| = 30.*funnel"):
+            result = laplace(_eight_schools, y, s)
+        assert not result.converged and result.map["tau"] < -30
+    else:
+        with pytest.raises(ValueError, match=r"(?s)cannot be evaluated at the current mean.*The mean of 'tau'"):
+            laplace(_eight_schools, y, s, covariance="full")
+
+
 def test_num_steps_zero_takes_the_guide_mean_as_given():
     x, y = orthogonal_design()
     guide = AutoNormal(regression, init_loc_fn=init_to_value(values={"w": torch.ones(4)}))
