@@ -33,6 +33,7 @@ import pyro
 
 from ..curvature.traced import scalar_scale
 from ..family import PriorParam
+from ..monitor import NGVIWarning
 from ..priors import conjugate_normal_parts, learnable_constraint, prior_param_index
 from .sites import subsampled_dims
 
@@ -58,7 +59,7 @@ def without_shared_priors(elbo, particle, *args):
                 "model outside conjugate Normal priors, so the ELBO has no closed-form "
                 "maximiser in them: they are trained by NGVI's point optimizer from their "
                 "gradient, and the priors they set are handled as non-conjugate.",
-                UserWarning,
+                NGVIWarning,
                 stacklevel=4,
             )
 

@@ -147,7 +147,8 @@ def check_guide(guide, args, kwargs) -> None:
                          "curvature 'ggn' (BackPACK KFLR) or 'ggn_mc' (KFAC)")
     if not isinstance(guide, AutoNormal):
         raise NotImplementedError(
-            f"CurvatureELBO supports AutoNormal and AutoMultivariateNormal guides, got "
+            f"CurvatureELBO supports AutoNormal and AutoMultivariateNormal guides (and KroneckerNormal on a "
+            f"BayesianNet), got "
             f"{type(guide).__name__}. For AutoDiagonalNormal or an AutoGuideList use Trace_ELBO "
             "with NGVI (reparam curvature)."
         )
