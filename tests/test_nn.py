@@ -442,8 +442,9 @@ def test_prior_errors():
     with pytest.raises(ValueError, match="broadcast"):
         prior = {n: torch.ones(7) for n, _ in net.named_parameters()}
         BayesianNet(net, "gaussian", num_data=5, prior=prior)
-    with pytest.raises(ValueError, match="positive"):
-        BayesianNet(net, "gaussian", num_data=5, prior=-1.0)
+    for bad in (-1.0, math.nan):
+        with pytest.raises(ValueError, match=r"^prior: the scale of site '0.weight' must be positive"):
+            BayesianNet(net, "gaussian", num_data=5, prior=bad)  # (names the argument)
     with pytest.raises(ValueError, match="'0.weight'.*numbers or tensors"):
         BayesianNet(net, "gaussian", num_data=5, prior=(0.0, "x"))
     # numpy scalars are numbers (a scale, or in a pair)

@@ -275,7 +275,7 @@ def _as_loc_scale(spec, weight: Weight) -> Tuple[torch.Tensor, torch.Tensor]:
     if not torch.isfinite(loc).all():
         raise ValueError(f"Prior of site {weight.site!r}: the loc must be finite")
     if not (torch.isfinite(scale) & (scale > 0)).all():
-        raise ValueError(f"Prior of site {weight.site!r}: the scale must be positive and finite")
+        raise ValueError(f"prior: the scale of site {weight.site!r} must be positive and finite")
     return loc, scale
 
 
