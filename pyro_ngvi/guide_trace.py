@@ -123,8 +123,8 @@ def subsampling(model, *args, **kwargs) -> float:
     """
     :math:`N/B - 1` of the most subsampled sample site of ``model`` run on ``args`` (its plates'
     ``full_size / size``, multiplied; for an observed site also its ``poutine.scale`` over the
-    latents' least one, at least 1: a minibatch weighted by N/B by hand; 0 when none subsamples): how much noise a minibatch adds to
-    the statistics of the latents its sites depend on, beyond one draw's
+    latents' least one, at least 1: a minibatch weighted by N/B by hand; 0 when none subsamples):
+    how much noise a minibatch adds to the statistics of the latents its sites depend on, beyond one draw's
     (:func:`~pyro_ngvi.policies.noise_constants`). The model runs once, its draws from the prior, under
     :func:`_untouched` (random streams and buffers as they were) and without its warnings; a model that
     cannot run alone (it needs the guide's values) counts as not subsampled.
@@ -372,7 +372,7 @@ def full_covariance_prefixes(trace: poutine.Trace) -> List[str]:
         prefix = name[1:-len("_latent")]
         params = [trace.nodes.get(f"{prefix}.{p}", {}) for p in ("loc", "scale", "scale_tril")]
         scale = site["scale"]
-        if any(p.get("type") != "param" for p in params) or site["mask"] not in (None, True) or \
+        if any(p.get("type") != "param" for p in params) or not (site["mask"] is None or site["mask"] is True) or \
                 not (torch.is_tensor(scale) and scale.numel() == 1 or isinstance(scale, (int, float))) or scale != 1:
             continue
         loc, sd, tril = (p["value"].detach() for p in params)
