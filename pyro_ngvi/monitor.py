@@ -202,5 +202,7 @@ def stuck_message(skipped: int, sites: str, largest_mean: float, taken: int = 1)
         f"gradient or curvature at {sites}, so nothing can change the guide any more and its "
         f"predictions are non-finite too (the largest |mean| is {largest_mean:.3g}). The run has "
         "diverged: start again with a smaller lr or more damping (for a BayesianNet, NGVI()'s "
-        "defaults and bnn.guide()), or check the data for non-finite values."
+        "defaults and bnn.guide()), or check the data for non-finite values. Where a latent scales other "
+        "latents (a funnel: a horseshoe's or a hierarchical model's HalfCauchy scale), one draw per step "
+        "gives heavy-tailed curvature: draw several, Trace_ELBO(num_particles=8, vectorize_particles=True)."
     )
