@@ -372,8 +372,9 @@ def full_covariance_prefixes(trace: poutine.Trace) -> List[str]:
         prefix = name[1:-len("_latent")]
         params = [trace.nodes.get(f"{prefix}.{p}", {}) for p in ("loc", "scale", "scale_tril")]
         scale = site["scale"]
-        if any(p.get("type") != "param" for p in params) or not (site["mask"] is None or site["mask"] is True) or \
-                not (torch.is_tensor(scale) and scale.numel() == 1 or isinstance(scale, (int, float))) or scale != 1:
+        weighted = torch.is_tensor(scale) and scale.numel() != 1 or float(scale) != 1
+        if any(p.get("type") != "param" for p in params) or not (site["mask"] is None or site["mask"] is True) \
+                or weighted:
             continue
         loc, sd, tril = (p["value"].detach() for p in params)
         with torch.no_grad():

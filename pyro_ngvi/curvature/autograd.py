@@ -481,9 +481,9 @@ def ggn_diag(
     return result
 
 
-def _factor_name(base) -> str:
-    """How an error names the likelihood ``base``: a ``pyro.factor`` (``Unit``) as one."""
-    return "a pyro.factor term (Unit)" if isinstance(base, Unit) else type(base).__name__
+def is_factor(fn: Distribution) -> bool:
+    """Whether the likelihood ``fn`` is a ``pyro.factor`` term (a ``Unit``, behind Pyro's wrappers)."""
+    return isinstance(_unwrap(fn)[0], Unit)
 
 
 def ggn_terms(fn: Distribution, data_dim: int, dtype, device, caller: str) -> Tuple[List[Tuple[Tensor, Tensor]], bool]:
@@ -504,8 +504,9 @@ def ggn_terms(fn: Distribution, data_dim: int, dtype, device, caller: str) -> Tu
             "{} supports {} likelihoods (after Independent/Expanded/Masked "
             "wrappers), got {}. Use curvature {}'ef' (empirical Fisher) or 'hessian' "
             "(exact Hessian) instead.".format(
-                caller, ", ".join(cls.__name__ for cls in GGN_RULES), _factor_name(base),
-                "" if isinstance(base, Unit) else "'ggn_mc' (Monte-Carlo GGN), "
+                caller, ", ".join(cls.__name__ for cls in GGN_RULES),
+                *(("a pyro.factor term (Unit)", "") if isinstance(base, Unit) else
+                  (type(base).__name__, "'ggn_mc' (Monte-Carlo GGN), "))
             )
         )
     if all_masked:
@@ -531,10 +532,9 @@ def _sample_targets(
     seeded from it and the global RNG state is left as it was.
     """
     sample_shape = torch.Size([num_samples])
-    base = _unwrap(fn)[0]
-    if isinstance(base, Unit):  # (its log_prob ignores the value: every draw would give the EF)
+    if is_factor(fn):  # (its log_prob ignores the value: every draw would give the EF)
         raise NotImplementedError(
-            f"curvature 'ggn_mc' draws targets from the likelihood; {_factor_name(base)} has none to draw. "
+            "curvature 'ggn_mc' draws targets from the likelihood; a pyro.factor term (Unit) has none to draw. "
             "Use curvature 'ef' (empirical Fisher), 'hessian' (exact Hessian) or 'reparam' for it.")
     if generator is None:
         return fn.sample(sample_shape).detach()

@@ -30,7 +30,7 @@ from typing import List, NamedTuple, Optional
 import torch
 
 from ..full_covariance import whitened_price_curvature
-from .autograd import diag_hessian, empirical_fisher_diag, ggn_diag, mc_ggn_diag, per_example_log_prob
+from .autograd import diag_hessian, empirical_fisher_diag, ggn_diag, is_factor, mc_ggn_diag, per_example_log_prob
 from .dense import empirical_fisher_matrix, ggn_matrix, hessian_matrix, mc_ggn_matrix
 
 Tensor = torch.Tensor
@@ -121,8 +121,7 @@ def data_dim(site, curvature) -> int:
     subsampled one (for ``'ef'``, whose squares depend on it, another choice is refused)."""
     frames = [f for f in site["cond_indep_stack"] if f.vectorized]
     if not frames:
-        what = ("pyro.factor term" if type(getattr(site["fn"], "base_dist", site["fn"])).__name__ == "Unit"
-                else "observed site")
+        what = "pyro.factor term" if is_factor(site["fn"]) else "observed site"
         raise ValueError(
             f"curvature='{curvature}' sums per-example terms over a data plate, but the {what} "
             f"'{site['name']}' is in no pyro.plate, so it cannot be split into examples. Put the "
