@@ -7,7 +7,8 @@ diag(precision)^-1/2, so each run is scored against them: the largest error of a
 mean-field standard deviations, and the scales' ratios. Element-wise (Jacobi) steps contract
 the directions the prior alone holds by about 0.25 / 32.25 per step; NGVI's coupled mean step
 (the cross terms of its control variate) removes that, where the draws are known: one draw
-per step under Trace_ELBO, or CurvatureELBO.
+per step under Trace_ELBO, CurvatureELBO, or several particles of an autoguide, whose draws NGVI
+reads as the guide runs (pyro_ngvi.draws). Not TraceMeanField_ELBO (its KL is analytic).
 
 Usage::
 

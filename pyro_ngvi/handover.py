@@ -115,6 +115,7 @@ class SiteCurvature:
         recovers :math:`g` and :math:`h` from them, span by span (and the draws too where
         ``draws``), instead of a pass of its own over the site.
     :param bool draws: with ``gradients``, the draws are recoverable (one draw per step).
+    :param int particles: the number of draws ``eps_mean`` averages (1: one draw).
     """
 
     grad: torch.Tensor
@@ -140,6 +141,7 @@ class SiteCurvature:
     fitted: bool = False
     gradients: bool = False
     draws: bool = False
+    particles: int = 1
 
     def prior_params(self) -> List[PriorParam]:
         """The learned prior params of this site (none, one or two)."""

@@ -26,6 +26,7 @@ from .chain import Config, Request, take_step
 from .checkpoint import safe_load
 from .checks import check_step_arguments, read_checks
 from .distributed import all_reduce_stats, without_draws
+from .draws import GuideDraws
 from .family import GaussianSite, SiteCurvature, calling_svi, end_handover, guide_parts, split_params
 from .groups import Workspace
 from .monitor import NGVIWarning, SpreadWatch
@@ -157,6 +158,8 @@ class NGVI(PyroOptim):
         self._point_checked = WeakIdKeyDictionary()  # params whose point-optimizer step was probed
         self._workspace = Workspace()  # scratch buffers of the element-wise pass (pyro_ngvi.groups)
         self._buffers = Buffers(self._workspace)  # the statistics recovered from gradients, per site
+        self._draws = GuideDraws()  # several particles' draws, read as the guide runs
+        self._draws.watch(self.guide)
         self._loss_checked = False  # whether an SVI's loss function was warned about (once)
 
 
@@ -207,7 +210,8 @@ class NGVI(PyroOptim):
         states = [self._state(site) for site in sites]  # may refuse: before any write
         check_point_states(self._state_waiting_to_be_consumed, self.optim_objs, others, self.pt_optim_constructor,
                            self._point_args)
-        stats = step_statistics(sites, svi, self.control_variate, self._buffers)  # (without gradients)
+        stats = step_statistics(sites, svi, self.control_variate, self._buffers,  # (without gradients)
+                                self._draws.take(svi, sites))
         stats = without_draws(stats, sites)  # each process draws its own: no-op without torch.distributed
         learned = {id(p.unconstrained) for s in stats.values() if isinstance(s, SiteCurvature)
                    for p in s.prior_params()}

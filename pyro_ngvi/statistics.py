@@ -107,27 +107,32 @@ def tensors(stats) -> tuple:
 
 
 @no_grad
-def step_statistics(sites, svi, control_variate: bool = True, buffers: Optional["Buffers"] = None) -> Dict:
+def step_statistics(sites, svi, control_variate: bool = True, buffers: Optional["Buffers"] = None,
+                    draws: Optional[Dict] = None) -> Dict:
     """Each site's statistics for one step of ``svi`` (None: NGVI called directly), by site key
     (:func:`site_statistics`): the ELBO's counted only when this step's ELBO made them (else they
-    are stale), the draws recovered for the control variate when ``control_variate``, and under
-    ``svi`` written over its gradients and into ``buffers``."""
+    are stale), the draws recovered for the control variate when ``control_variate`` (or read as
+    the guide ran: ``draws``, by ``id(site.loc)``, :mod:`~pyro_ngvi.draws`), and under ``svi``
+    written over its gradients and into ``buffers``."""
     live = svi is None or getattr(getattr(svi.loss_and_grads, "__self__", None), "produces_curvature", False)
     single = one_draw(svi)
     # (SVI replaces the gradients after the step: the recovered statistics may be written over them)
     buffers = None if svi is None else buffers
-    return {site.key: site_statistics(site, live, single, control_variate, buffers) for site in sites}
+    draws = draws if control_variate and draws else {}
+    return {site.key: site_statistics(site, live, single, control_variate, buffers, draws.get(id(site.loc)))
+            for site in sites}
 
 
 def site_statistics(site, live: bool = True, one_draw: bool = False, recover_draws: bool = True,
-                    buffers: Optional["Buffers"] = None):
+                    buffers: Optional["Buffers"] = None, draws: Optional[tuple] = None):
     """
     The ELBO's statistics for ``site`` (when ``live``: this step's ELBO made them; run under
     ``torch.no_grad()``),
     in the site's dtype and device, or, failing that, the Price estimate recovered
     from the ordinary gradients. With one draw per step (``one_draw``) the draw of a
     mean-field site is recovered too (``recover_draws``, for the control variate),
-    :math:`\\epsilon = \\sigma h / g`, and a low-rank site's is read off its guide.
+    :math:`\\epsilon = \\sigma h / g`, and a low-rank site's is read off its guide; ``draws``:
+    :math:`(\\bar\\epsilon, \\overline{\\epsilon^2}, K)` of :math:`K` particles read as the guide ran.
     With ``buffers`` (:class:`Buffers`: ``SVI`` replaces the gradients after the step) the
     estimate is written over the gradients and into buffers kept for the site: no new tensor.
 
@@ -155,7 +160,7 @@ def site_statistics(site, live: bool = True, one_draw: bool = False, recover_dra
         )
     if isinstance(site, FullCovarianceSite):
         return full_reparam_curvature(site, one_draw and recover_draws)
-    return reparam_curvature(site, one_draw and recover_draws, buffers)
+    return reparam_curvature(site, one_draw and recover_draws, buffers, draws)
 
 
 class Buffers:
@@ -180,12 +185,14 @@ class Buffers:
         return value.view_as(like), flag.view_as(like)
 
 
-def reparam_curvature(site: GaussianSite, one_draw: bool = False, buffers: Optional[Buffers] = None) -> SiteCurvature:
+def reparam_curvature(site: GaussianSite, one_draw: bool = False, buffers: Optional[Buffers] = None,
+                      draws: Optional[tuple] = None) -> SiteCurvature:
     """The Price estimate of a mean-field site from the gradients on its ``loc`` and raw
     scale (module docstring), the plate scale divided out of the touched rows, of the
     tempered target :math:`f / w` for a site of ``weight`` :math:`w`. With ``buffers``,
     written over the gradients (ours: ``SVI`` replaces them after the step) and into the
-    site's kept tensors."""
+    site's kept tensors. ``draws``: the particles' :math:`(\\bar\\epsilon, \\overline{\\epsilon^2})`
+    and their number, handed on (untouched rows: 0 and 1)."""
     raw = site.raw_scale.detach()
     scale = site.scale
     transform = site._scale_transform
@@ -195,7 +202,7 @@ def reparam_curvature(site: GaussianSite, one_draw: bool = False, buffers: Optio
         scale_grad, grad = site.raw_scale.grad, site.loc.grad
         work, flag = buffers.scratch(grad)
     weight = getattr(site, "weight", 1.0)
-    if (buffers is not None and weight == 1.0 and grad.numel() >= RECOVER_IN_PASS
+    if (buffers is not None and weight == 1.0 and grad.numel() >= RECOVER_IN_PASS and draws is None
             and hasattr(transform, "inverse_and_log")
             and int(torch.count_nonzero(scale_grad)) == scale_grad.numel()):  # (no row untouched)
         return SiteCurvature(grad, scale_grad, sampled=True, fitted=True, gradients=True, draws=one_draw)
@@ -218,6 +225,13 @@ def reparam_curvature(site: GaussianSite, one_draw: bool = False, buffers: Optio
     if weight != 1.0:  # the statistics of f / w (module docstring); untouched rows keep lambda
         curvature.sub_(inverse_scale.square().mul_(1.0 - weight)).div_(weight)
         grad.div_(weight)
+    if draws is not None:
+        eps, eps_sq_mean, particles = draws
+        eps, eps_sq_mean = eps.to(grad), eps_sq_mean.to(grad)
+        if mask is not None:
+            eps, eps_sq_mean = eps * mask, torch.where(mask, eps_sq_mean, 1.0)
+        return SiteCurvature(grad, curvature, mask=mask, sampled=True, eps_mean=eps, eps_sq_mean=eps_sq_mean,
+                             fitted=True, particles=particles)
     if not one_draw:
         return SiteCurvature(grad, curvature, mask=mask, sampled=True)
     # eps = sigma h / g; where g vanishes (untouched rows) the draw is unknown: 0.

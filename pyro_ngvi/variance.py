@@ -47,6 +47,12 @@ CROSS_MISFIT = 100.0
 #: miss is then 0 up to rounding). On a funnel's heavy tails the slope is noise, and a looser 1 sd
 #: let it take s 1 sd further astray (benchmarks/funnel.py under CurvatureELBO with 8 draws).
 CROSS_FIT = 0.01
+#: Where the draws are several particles' means, the cross terms run only while the regression's line
+#: met this step's g within CROSS_FIT_PARTICLES current sds. On a funnel's heavy tails the line of
+#: eight particles' means steered s 1.4-5 sd astray (one draw, whose terms always run, is no better
+#: there, and eight were its remedy); on a quadratic log joint the miss is 0 (benchmarks/funnel.py,
+#: benchmarks/coupled.py).
+CROSS_FIT_PARTICLES = 0.1
 #: Each first site keeps the regressions of at most this many structures (the ordered keys and
 #: shapes of the sites they cover: a guide whose sites change between steps), the least recently
 #: taken dropped.
@@ -172,7 +178,8 @@ def cross_terms(sites: List[GaussianSite], stats: Dict[str, SiteCurvature],
     current standard deviations, :math:`\\max_i |\\hat g_i - \\hat g_{\\text{line}, i}|\\sigma_i`
     (a line fitted to a transient's wide first steps on a log joint that is not quadratic; on a
     quadratic one the miss is 0), the regression starts afresh from this step's pair, for the
-    steps after. Before :math:`D + 1` steps, or where
+    steps after; with several particles' draws the terms wait while it misses by more than
+    :data:`CROSS_FIT_PARTICLES`. Before :math:`D + 1` steps, or where
     :math:`S_{ww}` is not positive definite or the term is not finite, it is 0 (no
     device sync). The state, one :math:`(2D + 3) \\times D` tensor (count, the two means,
     :math:`S_{ww}`, :math:`S_{gw}`), is kept with the first of the sites (``state_of(site)``)
@@ -215,6 +222,8 @@ def cross_terms(sites: List[GaussianSite], stats: Dict[str, SiteCurvature],
         off.diagonal().zero_()
         correction = off @ z
         usable = (n > size) & (info == 0) & torch.isfinite(correction).all()
+        if any(s.particles > 1 for s in picked):
+            usable = usable & (misfit <= CROSS_FIT_PARTICLES)
         correction = torch.where(usable, correction, 0.0)
         off = torch.where(usable, off, 0.0)
         # (plus the conjugate prior's precision, which the regressed gradient leaves out)

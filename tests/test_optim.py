@@ -316,8 +316,8 @@ def train(svi, steps, *args):
 def test_state_round_trip_resumes_same_trajectory(tmp_path):
     x, y = make_regression(n=50, dtype=torch.float32)
 
-    def new_svi(guide):
-        optim = NGVI(lr=0.2, beta=0.1, momentum=0.5, point_optim_args={"lr": 0.01})
+    def new_svi(guide):  # (guide=: the draws of its particles are read from the first step on)
+        optim = NGVI(lr=0.2, beta=0.1, momentum=0.5, point_optim_args={"lr": 0.01}, guide=guide)
         return SVI(model_with_point_params, guide, optim, Trace_ELBO(num_particles=4)), optim
 
     x1 = x[:, 0]

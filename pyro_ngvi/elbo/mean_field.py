@@ -75,6 +75,7 @@ def mean_field_loss_and_grads(elbo, model, guide, args, kwargs) -> float:
                 # the draws, for NGVI's control variate (untouched rows: eps 0, eps^2 1)
                 eps_mean=eps / denominator if drawn else None,
                 eps_sq_mean=torch.where(touched, eps_sq / denominator, 1.0) if price else None,
+                particles=draws,
                 # deterministic (one draw, at the mean): the merit of NGVI's Newton safeguard
                 objective=objective[0] if objective else None,
                 loss=loss,
