@@ -61,9 +61,12 @@ class ReliabilityDiagram(NamedTuple):
 
 
 def _as_float(x) -> torch.Tensor:
+    """``x`` as a float tensor; integers take the default dtype, and half and bfloat16 are scored in
+    float32 (their eps, 1e-3 and 8e-3, capped an example's NLL at 6.9 and 4.9 nats, and torch.quantile
+    refuses them)."""
     x = torch.as_tensor(x)
-    if not x.is_floating_point():
-        x = x.to(torch.get_default_dtype())
+    if not x.is_floating_point() or torch.finfo(x.dtype).bits < 32:
+        x = x.to(torch.float32 if x.is_floating_point() else torch.get_default_dtype())
     return x
 
 
@@ -80,9 +83,10 @@ def _check_probs(probs, name: str = "probs", dim: int = 2) -> torch.Tensor:
 
 def _check_class_probs(probs, name: str = "probs") -> torch.Tensor:
     """``probs`` ``(N, K)`` whose rows sum to 1 (to ``1e-4 + K eps``), else a ValueError naming it."""
+    given = torch.as_tensor(probs).dtype  # (rows of a half-precision softmax sum to 1 only to its eps)
     probs = _check_probs(probs, name)
     error = (probs.sum(-1) - 1).abs().max() if probs.numel() else 0.0
-    if error > 1e-4 + probs.shape[-1] * torch.finfo(probs.dtype).eps:
+    if error > 1e-4 + probs.shape[-1] * torch.finfo(given if given.is_floating_point else probs.dtype).eps:
         raise ValueError(f"{name} must sum to 1 over the classes (dim -1), off by up to {float(error):.3g}: "
                          "class probabilities (N, K), e.g. predictive_probs_from_logits(logits)")
     return probs
@@ -211,7 +215,7 @@ def nll(probs, y) -> torch.Tensor:
     .. math:: \\mathrm{NLL} = -\\frac{1}{N} \\sum_n \\log \\max(p_{n y_n}, \\epsilon),
 
     with :math:`\\epsilon` the machine epsilon of ``probs.dtype``
-    (``torch.finfo(dtype).eps``), so a zero probability costs
+    (``torch.finfo(dtype).eps``; float32's for half and bfloat16), so a zero probability costs
     :math:`-\\log\\epsilon` (about 15.9 in float32, 36.0 in float64) instead of
     infinity.
 
@@ -538,9 +542,7 @@ def interval_coverage(samples, y, level: float = 0.9) -> torch.Tensor:
         raise ValueError(f"level must lie in (0, 1), got {level!r}")
     samples, y = _check_regression(samples, y, "samples")
     alpha = 1 - level
-    q = torch.tensor(
-        [alpha / 2, 1 - alpha / 2], dtype=samples.dtype, device=samples.device
-    )
+    q = torch.tensor([alpha / 2, 1 - alpha / 2], dtype=samples.dtype, device=samples.device)
     # torch.quantile has a size limit, so go through the points in chunks.
     chunk = max(1, _QUANTILE_MAX_NUMEL // samples.shape[0])
     bounds = torch.cat(

@@ -521,3 +521,23 @@ def test_ood_auroc_and_metrics_by_num_samples_name_the_bad_argument():
     logits[:, :, 2] = -math.inf
     result = metrics.metrics_by_num_samples(logits, torch.tensor([0, 0]), [1, 4])
     assert_close(result["nll"], torch.full((2,), math.log(2.0)), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_inputs_are_scored_in_float32(dtype):
+    # Logits of a network under torch.autocast come out in half precision. Their eps
+    # (1e-3, 8e-3) capped an example's NLL at 6.9 / 4.9 nats: the one-sample NLL of these
+    # logits read 3.09 (float16) and 2.70 (bfloat16) against 3.27; interval_coverage raised
+    # torch.quantile's "input tensor must be either float or double dtype".
+    torch.manual_seed(0)
+    logits = torch.randn(8, 50, 4, dtype=torch.float64) * 3
+    y = torch.randint(0, 4, (50,))
+    exact = metrics.metrics_by_num_samples(logits, y, [1, 8])
+    half = metrics.metrics_by_num_samples(logits.to(dtype), y, [1, 8])
+    for name in exact:
+        torch.testing.assert_close(half[name].double(), exact[name], rtol=0, atol=5e-3)
+    probs = torch.softmax(logits[0].to(dtype), -1)  # (rows sum to 1 only to the dtype's eps)
+    assert abs(nll(probs, y).item() - nll(torch.softmax(logits[0], -1), y).item()) < 5e-3
+    samples, target = torch.randn(200, 30, dtype=torch.float64), torch.randn(30, dtype=torch.float64)
+    assert interval_coverage(samples.to(dtype), target.to(dtype)).item() == pytest.approx(
+        interval_coverage(samples, target).item(), abs=1 / 30 + 1e-6)
