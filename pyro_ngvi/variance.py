@@ -179,7 +179,8 @@ def cross_terms(sites: List[GaussianSite], stats: Dict[str, SiteCurvature],
     (a line fitted to a transient's wide first steps on a log joint that is not quadratic; on a
     quadratic one the miss is 0), the regression starts afresh from this step's pair, for the
     steps after; with several particles' draws the terms wait while it misses by more than
-    :data:`CROSS_FIT_PARTICLES`. Before :math:`D + 1` steps, or where
+    :data:`CROSS_FIT_PARTICLES`. Sites of a half or bfloat16 dtype take none (torch has no Cholesky
+    factor for them: the step raised ``NotImplementedError``). Before :math:`D + 1` steps, or where
     :math:`S_{ww}` is not positive definite or the term is not finite, it is 0 (no
     device sync). The state, one :math:`(2D + 3) \\times D` tensor (count, the two means,
     :math:`S_{ww}`, :math:`S_{gw}`), is kept with the first of the sites (``state_of(site)``)
@@ -195,8 +196,9 @@ def cross_terms(sites: List[GaussianSite], stats: Dict[str, SiteCurvature],
     """
     chosen = [(site, state_of(site)) for site in sites if _takes_cross_terms(stats[site.key])]
     size = sum(site.loc.numel() for site, _ in chosen)
-    if not 1 < size <= CROSS_MAX or any(site.loc.dtype != chosen[0][0].loc.dtype
-                                         or site.loc.device != chosen[0][0].loc.device for site, _ in chosen):
+    if (not 1 < size <= CROSS_MAX or chosen[0][0].loc.dtype not in (torch.float32, torch.float64)
+            or any(site.loc.dtype != chosen[0][0].loc.dtype or site.loc.device != chosen[0][0].loc.device
+                   for site, _ in chosen)):
         return None
     picked = [stats[site.key] for site, _ in chosen]
     with torch.no_grad():
