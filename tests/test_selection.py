@@ -202,6 +202,10 @@ def test_a_validation_split_without_matching_targets_is_refused():
         select_by_validation(nn.Linear(4, 3), "categorical", x[:20], y[:20], x[20:], y[20:] + 5, epochs=10 ** 6)
     with pytest.raises(ValueError, match="x and y.*shape"):
         select_by_validation(nn.Linear(4, 3), "categorical", x[:20], y[:20, None], x[20:], y[20:], epochs=10 ** 6)
+    # inputs of another width than the net's raised torch's bare RuntimeError ("mat1 and mat2 shapes
+    # cannot be multiplied"), naming neither argument
+    with pytest.raises(ValueError, match="x_valid and y_valid: mat1 and mat2"):
+        select_by_validation(nn.Linear(4, 3), "categorical", x[:20], y[:20], x[20:, :3], y[20:], epochs=10 ** 6)
     bnn = BayesianNet(nn.Linear(4, 3), "categorical", num_data=20)
     with pytest.raises(ValueError, match="num_samples"):
         validation_nll(bnn, bnn.guide(), x, y, num_samples=0)

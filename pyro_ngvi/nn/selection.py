@@ -161,14 +161,14 @@ def _candidate_scales(prior_scales, prior, num_data: int) -> List[float]:
 def _check_split(bnn: BayesianNet, x, y, names: str) -> None:
     """Refuse a split (``names``: its inputs' and targets' names) that the likelihood of ``bnn`` (a
     copy of the net) would refuse mid-training: of another length, empty, or targets of another
-    shape, dtype or value range."""
+    shape, dtype or value range, or inputs the net cannot take (torch's RuntimeError, named)."""
     if not (torch.is_tensor(x) and torch.is_tensor(y)) or y.dim() == 0 or len(x) != len(y) or len(x) == 0:
         raise ValueError(f"{names} must be non-empty and of one length (tensors), got "
                          f"{getattr(x, 'shape', type(x).__name__)} and {getattr(y, 'shape', type(y).__name__)}")
     try:
         with torch.no_grad(), pyro.validation_enabled():
             bnn._check_targets(y, bnn.net(x))
-    except ValueError as error:
+    except (ValueError, RuntimeError) as error:
         raise ValueError(f"{names}: {error}") from error
 
 
