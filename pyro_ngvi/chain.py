@@ -21,7 +21,7 @@ from .checks import read_checks, sync_every, warn_skip
 from .family import FullCovarianceSite, SiteCurvature, step_loss
 from .policies import Settings, resolve, scheduled
 from .priors import update_learned_priors
-from .safeguards import Safeguards, finite, warn_dense_stall
+from .safeguards import Safeguards, finite, noisy_flags, warn_dense_stall
 from .state import advance, schedule_clock
 from .statistics import one_draw
 from .steps import Context, GuardedStep, Options, couple_means, dense_adaptive, dense_site, mean_field_group, start_of
@@ -129,7 +129,8 @@ def take_step(optim, config: Config, request: Request) -> bool:
             settings = settings._replace(lr=settings.lr / plan.newton.factor)
         clamped, far, sigma, spreading = mean_field_group(context, group, st, grad, curvature, settings, tau,
                                                           group_states)
-        plan.safeguards.append(Safeguards(group, group_states, clamped, far, spreading))
+        plan.safeguards.append(Safeguards(group, group_states, clamped, far, spreading,
+                                          noisy_flags(group_states, plan.subsampling)))
         if learned and sigma is not None:
             new_scales.update((site.key, piece.view_as(site.loc))
                               for site, piece in zip(group.sites, sigma.split(group.sizes)))

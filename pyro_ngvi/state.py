@@ -27,8 +27,8 @@ CROSS_LEGACY = ""
 class SiteState:
     """What NGVI keeps for one site between steps, keyed by its ``loc`` tensor."""
 
-    __slots__ = ("loc", "raw", "started", "taken", "momentum", "far_steps", "count", "drift", "hdrift", "excess",
-                 "steps", "noise", "cross", "level", "prior")
+    __slots__ = ("loc", "raw", "started", "taken", "momentum", "far_steps", "noisy_steps", "count", "drift", "hdrift",
+                 "excess", "steps", "noise", "cross", "level", "prior")
 
     def __init__(self, loc: weakref.ref, raw: Optional[weakref.ref] = None):
         self.loc = loc  # a weak reference: a cleared param store frees the site
@@ -37,6 +37,7 @@ class SiteState:
         self.taken = 0  # steps the site has taken: the clock of NGVI's schedules (lr, beta, tau)
         self.momentum: Optional[torch.Tensor] = None
         self.far_steps = 0  # consecutive steps its gradient exceeded safeguards.FAR sigma (mostly)
+        self.noisy_steps = 0  # consecutive steps its one-draw curvature was noise (safeguards.noisy_flags)
         # sampled statistics, per element: the count n of the adaptive steps and the
         # running means of g (the momentum buffer, if any) and of (h - lambda) / lambda
         self.count: Optional[torch.Tensor] = None

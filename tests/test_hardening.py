@@ -715,6 +715,54 @@ def test_a_funnel_that_one_draw_cannot_follow_is_reported_with_the_remedy():
     assert "Trace_ELBO(num_particles=8, vectorize_particles=True)" in messages[0]
 
 
+def horseshoe_logistic(seed):
+    """A centred horseshoe logistic regression, N = 100, D = 10, two nonzero weights: tau ~ HalfCauchy(1),
+    lam_d ~ HalfCauchy(1), w_d ~ N(0, tau lam_d), b ~ N(0, 5), y ~ Bernoulli(logits = X w + b)."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(100, 10, generator=generator)
+    truth = torch.zeros(10)
+    truth[0], truth[3] = 2.5, -2.0
+    y = torch.bernoulli(torch.sigmoid(x @ truth + 0.5), generator=generator)
+
+    def model():
+        tau = pyro.sample("tau", dist.HalfCauchy(1.0))
+        with pyro.plate("d", 10):
+            lam = pyro.sample("lam", dist.HalfCauchy(1.0))
+            w = pyro.sample("w", dist.Normal(0.0, tau * lam))
+        b = pyro.sample("b", dist.Normal(0.0, 5.0))
+        with pyro.plate("n", 100):
+            pyro.sample("y", dist.Bernoulli(logits=(x @ w.unsqueeze(-1)).squeeze(-1) + b), obs=y)
+
+    return model
+
+
+def test_a_collapse_of_a_horseshoe_under_one_draw_is_reported_with_the_remedy():
+    """The centred horseshoe with one draw per step: the Price curvature of log tau is heavy-tailed (its
+    targets beyond the clip at (1 +- 9) lambda on 20-70 % of the steps), the precision random-walks
+    upward and tau's guide collapses (its sd 5e-5 at step 200, where 8 draws per step, the reference,
+    keep 0.21), silently: the ELBO watch never fires, and the run dies at step 618 in Pyro's validation
+    (a scale tau lam_d underflowed to 0). The watch on the pooled noise of the one-draw curvature names
+    the site (lam) and the remedy, several draws per step, at step 251, and stays quiet under that remedy."""
+    model = horseshoe_logistic(0)
+    scales, reported = {}, {}
+    for particles in (1, 8):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        svi = SVI(model, AutoNormal(model), NGVI(), Trace_ELBO(num_particles=particles,
+                                                               vectorize_particles=particles > 1))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(270):
+                svi.step()
+        reported[particles] = [str(w.message) for w in caught if issubclass(w.category, NGVIWarning)]
+        scales[particles] = pyro.param("AutoNormal.scales.tau").item()
+    assert 0.1 < scales[8] < 0.4 and reported[8] == []  # the remedy: tau's posterior sd, no warning
+    assert scales[1] < 0.05 * scales[8]  # one draw: the collapse the warning is about
+    assert len(reported[1]) == 1 and "cannot estimate the curvature of" in reported[1][0], reported[1]
+    assert "'tau'" in reported[1][0] or "'lam'" in reported[1][0]  # (the scales of the funnel)
+    assert "Trace_ELBO(num_particles=8, vectorize_particles=True)" in reported[1][0]
+
+
 def test_huge_observations_that_stall_the_mean_are_reported():
     """Data of size 1e6 for a guide at 0 with scale 0.1: the mean creeps a few shrinking
     standard deviations per step. That must be reported (once per 100 steps)."""
