@@ -153,10 +153,10 @@ class GuideDraws:
         if isinstance(guide, torch.nn.Module) and guide not in self._recorders:
             self._recorders[guide] = DrawRecorder(guide)
 
-    def take(self, svi, sites) -> Dict[int, Tuple[torch.Tensor, torch.Tensor, int]]:
+    def take(self, svi, guide, sites) -> Dict[int, Tuple[torch.Tensor, torch.Tensor, int]]:
         """This step's :math:`(\\bar\\epsilon, \\overline{\\epsilon^2}, K)` of the mean-field ``sites``
-        of ``svi``'s guide, by ``id(site.loc)`` (empty where unknown)."""
-        guide = getattr(svi, "guide", None)
+        of ``guide``, stepped by ``svi`` (``None``: called directly, no draws), by ``id(site.loc)``
+        (empty where unknown)."""
         recorder = self._recorders.get(guide) if isinstance(guide, torch.nn.Module) else None
         k = None if svi is None else particles(svi)
         if k is None:

@@ -211,7 +211,7 @@ class NGVI(PyroOptim):
         check_point_states(self._state_waiting_to_be_consumed, self.optim_objs, others, self.pt_optim_constructor,
                            self._point_args)
         stats = step_statistics(sites, svi, self.control_variate, self._buffers,  # (without gradients)
-                                self._draws.take(svi, sites))
+                                self._draws.take(svi, _guide_of(self.guide, svi), sites))
         stats = without_draws(stats, sites)  # each process draws its own: no-op without torch.distributed
         learned = {id(p.unconstrained) for s in stats.values() if isinstance(s, SiteCurvature)
                    for p in s.prior_params()}

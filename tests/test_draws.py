@@ -123,3 +123,17 @@ def test_predictive_between_steps_leaves_the_draws_known():
     Trace_ELBO(num_particles=4).loss_and_grads(seen_through_its_sum, guide, OBS)
     Predictive(seen_through_its_sum, guide=guide, num_samples=3)(OBS)
     assert list(optim._draws._recorders[guide].take([guide.locs.t], 4)) == [id(guide.locs.t)]
+
+
+def test_nothing_is_recorded_where_no_step_takes_draws():
+    """NGVI(guide=...) called directly, without SVI (laplace's and the BayesianNet's own loops do):
+    no step reads draws, and the hooks go at its first step (they held every call's draws)."""
+    pyro.clear_param_store()
+    guide = AutoNormal(seen_through_its_sum)
+    guide(OBS)
+    optim = NGVI(guide=guide)
+    assert guide._forward_pre_hooks
+    Trace_ELBO().differentiable_loss(seen_through_its_sum, guide, OBS).backward()
+    params = [p.unconstrained() for p in pyro.get_param_store().values()]
+    optim(params)
+    assert not guide._forward_pre_hooks and not guide._forward_hooks
