@@ -15,18 +15,20 @@ by about :math:`1 - \\rho` per step, and the adaptive steps' averaging then stal
 4-vector seen through its sum: 1.1-2.1 mean-field sd off after 1,000 steps of 8 particles).
 
 A :class:`DrawRecorder` watches a guide that is a ``torch.nn.Module`` (the autoguides): each call
-made with gradients on runs under a messenger that keeps :math:`\\epsilon` of every sample site
-drawn from a ``Normal`` whose ``loc`` is a param tensor itself (or its expansion over the
-vectorised particles). A step takes them (:meth:`DrawRecorder.take`) only when they are this
-step's: the calls since the last step drew exactly the ELBO's ``num_particles`` of each site, at
-its params as they are now (their version unchanged since). Anything else (a guide called by
+made with gradients on runs under a messenger that adds up :math:`\\epsilon` and
+:math:`\\epsilon^2` of every sample site drawn from a ``Normal`` whose ``loc`` is a param tensor
+itself (or its expansion over the vectorised particles). A step takes them
+(:meth:`DrawRecorder.take`) only when they are this step's: the calls since the last step drew
+exactly the ELBO's ``num_particles`` of each site, at its params as they are now (their version
+unchanged since). Anything else (a guide called by
 hand between steps, a subsampled site, a guide that is no module) leaves the draws unknown,
-as before.
+as before. The sums (per param, since the draws at an older version are stale) hold the memory of
+the params, however many calls; the hooks come off when the recorder goes, and a pickled or
+copied guide takes inert ones along.
 """
 
 import weakref
-from collections import deque
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -47,11 +49,13 @@ _PARTICLE_ELBOS = (Trace_ELBO, TraceGraph_ELBO, TraceEnum_ELBO)
 
 
 class _Draws(Messenger):
-    """Keeps ``(loc, version, eps)`` of each Normal sample site whose ``loc`` is (a view of) a leaf."""
+    """Adds :math:`\\epsilon` of each Normal sample site whose ``loc`` is (a view of) a leaf to
+    ``sums``, by ``id(leaf)``: ``[leaf, version, particles, sum eps, sum eps^2, usable]``, started
+    afresh where the leaf's version moved since (the draws before are stale)."""
 
-    def __init__(self, sink: List):
+    def __init__(self, sums: Dict[int, list]):
         super().__init__()
-        self.sink = sink
+        self.sums = sums
 
     def _pyro_post_sample(self, msg) -> None:
         if msg["is_observed"]:
@@ -65,68 +69,81 @@ class _Draws(Messenger):
         leaf = loc if loc._base is None else loc._base
         if not (leaf.is_leaf and leaf.requires_grad) or msg["value"].shape != loc.shape:
             return
+        entry = self.sums.get(id(leaf))
+        if entry is None or entry[0] is not leaf or entry[1] != leaf._version:
+            entry = self.sums[id(leaf)] = [leaf, leaf._version, 0, 0.0, 0.0, True]
         with torch.no_grad():
             eps = (msg["value"] - loc) / fn.scale
-        self.sink.append((leaf, leaf._version, eps))
+            if eps.shape[eps.dim() - leaf.dim():] != leaf.shape:
+                entry[5] = False  # (draws of some elements only: not the leaf's)
+                return
+            flat = eps.reshape(-1, *leaf.shape)
+            entry[2] += flat.shape[0]
+            entry[3] = flat.sum(0) + entry[3]
+            entry[4] = flat.square().sum(0) + entry[4]
 
 
-#: A recorder keeps the draws of at most this many calls (a guide called by hand many times
-#: between steps, e.g. before the first, holds no more memory than that).
-MAX_CALLS = 1024
+class _Hooks:
+    """The forward pre- and post-hooks a :class:`DrawRecorder` puts on its guide: a call made with
+    gradients on runs under a :class:`_Draws` of the recorder's sums. The recorder is held weakly
+    (gone, the hooks do nothing), the open messengers here (one opened is closed, whatever became
+    of the recorder during the call: a collection then left it on Pyro's stack for good). Pickled
+    or copied with the guide (``torch.save(guide)``: the hooks were local functions, which pickle
+    refused), they come back inert: a copy's calls are no step's of this recorder."""
+
+    def __init__(self, recorder: Optional["DrawRecorder"] = None):
+        self.recorder = None if recorder is None else weakref.ref(recorder)
+        self.open: List[Optional[_Draws]] = []
+        self.handles: Tuple = ()  # (the pre-hook's, the post-hook's)
+
+    def remove(self) -> None:
+        """Take the hooks off the guide; the post-hook once the calls open now have left."""
+        self.recorder = None
+        for handle in self.handles[:1] if self.open else self.handles:
+            handle.remove()
+
+    def __reduce__(self):
+        return _Hooks, ()
+
+    def enter(self, module, args) -> None:
+        recorder = None if self.recorder is None else self.recorder()
+        messenger = None
+        if recorder is not None and torch.is_grad_enabled():  # (a call under no_grad, e.g. Predictive, is no step's)
+            messenger = _Draws(recorder._sums)
+            messenger.__enter__()
+        self.open.append(messenger)
+
+    def leave(self, module, args, output) -> None:
+        messenger = self.open.pop() if self.open else None
+        if messenger is not None and messenger in _PYRO_STACK:  # (after an error: it and above)
+            messenger.__exit__(*((None,) * 3 if _PYRO_STACK[-1] is messenger else (RuntimeError, None, None)))
+        if not self.open and self.recorder is None and self.handles:  # (removed during the call)
+            self.handles[1].remove()
 
 
 class DrawRecorder:
-    """The draws of one guide module's calls since the last step (module docstring)."""
+    """The draws of one guide module's calls since the last step (module docstring), kept as
+    their sums per leaf: its memory is that of the guide's params, however many calls (a guide
+    called by hand with gradients on, 1,000 times after training, held 1,000 calls' draws)."""
 
     def __init__(self, guide: torch.nn.Module):
-        self._calls: Deque[List] = deque(maxlen=MAX_CALLS)
-        self._count = 0  # the calls since the last step, kept or not
-        self._open: List[_Draws] = []
-        this = weakref.ref(self)
-
-        def enter(module, args):
-            recorder = this()
-            if recorder is None:
-                return
-            messenger = None
-            if torch.is_grad_enabled():  # (a call under no_grad, e.g. Predictive, is no step's)
-                recorder._calls.append([])
-                recorder._count += 1
-                messenger = _Draws(recorder._calls[-1])
-                messenger.__enter__()
-            recorder._open.append(messenger)
-
-        def leave(module, args, output):
-            recorder = this()
-            messenger = recorder._open.pop() if recorder is not None and recorder._open else None
-            if messenger is not None and messenger in _PYRO_STACK:  # (after an error: it and above)
-                messenger.__exit__(*((None,) * 3 if _PYRO_STACK[-1] is messenger else (RuntimeError, None, None)))
-
-        handles = (guide.register_forward_pre_hook(enter),
-                   guide.register_forward_hook(leave, always_call=True))
-        self.close = weakref.finalize(self, lambda: [handle.remove() for handle in handles])
+        self._sums: Dict[int, list] = {}
+        hooks = _Hooks(self)
+        hooks.handles = (guide.register_forward_pre_hook(hooks.enter),
+                         guide.register_forward_hook(hooks.leave, always_call=True))
+        self.close = weakref.finalize(self, hooks.remove)
 
     def take(self, locs: List[torch.Tensor], num_particles: int) -> Dict[int, Tuple[torch.Tensor, torch.Tensor, int]]:
         """:math:`(\\bar\\epsilon, \\overline{\\epsilon^2}, K)` by ``id(loc)`` for each of ``locs`` whose
         draws since the last call are exactly ``num_particles`` at its current version; forgets
         all draws."""
-        calls, self._calls, count, self._count = self._calls, deque(maxlen=MAX_CALLS), self._count, 0
-        if count != len(calls):
-            return {}
-        found: Dict[int, List[torch.Tensor]] = {}
-        wanted = {id(loc): loc for loc in locs}
-        for sink in calls:
-            for leaf, version, eps in sink:
-                if wanted.get(id(leaf)) is leaf and leaf._version == version:
-                    found.setdefault(id(leaf), []).append(eps)
+        sums, self._sums = self._sums, {}
         means = {}
-        for key, draws in found.items():
-            loc = wanted[key]
-            if any(e.shape[e.dim() - loc.dim():] != loc.shape for e in draws):
-                continue
-            flat = torch.cat([e.reshape(-1, *loc.shape) for e in draws])
-            if flat.shape[0] == num_particles:
-                means[key] = (flat.mean(0), flat.square().mean(0), num_particles)
+        for loc in locs:
+            entry = sums.get(id(loc))
+            if (entry is not None and entry[0] is loc and entry[1] == loc._version and entry[5]
+                    and entry[2] == num_particles):
+                means[id(loc)] = (entry[3] / num_particles, entry[4] / num_particles, num_particles)
         return means
 
 

@@ -137,3 +137,96 @@ def test_nothing_is_recorded_where_no_step_takes_draws():
     params = [p.unconstrained() for p in pyro.get_param_store().values()]
     optim(params)
     assert not guide._forward_pre_hooks and not guide._forward_hooks
+
+
+def test_a_guide_watched_pickles_and_its_copies_calls_are_not_this_guide_s():
+    """torch.save(guide) of an autoguide trained under several particles raised (the hooks were
+    local functions); it pickles and loads with the same params, and a copy of it (deepcopy, or
+    loaded), called with gradients on, adds no call to the original's draws (it shared the hooks)."""
+    import copy
+    import io
+
+    pyro.clear_param_store()
+    guide = AutoNormal(seen_through_its_sum)
+    optim = NGVI(guide=guide)
+    svi = SVI(seen_through_its_sum, guide, optim, Trace_ELBO(num_particles=4))
+    for _ in range(3):
+        svi.step(OBS)
+    buffer = io.BytesIO()
+    torch.save(guide, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    torch.testing.assert_close(loaded.locs.t, guide.locs.t, rtol=0.0, atol=0.0)
+    recorder = optim._draws._recorders[guide]
+    Trace_ELBO(num_particles=4).loss_and_grads(seen_through_its_sum, guide, OBS)
+    for other in (loaded, copy.deepcopy(guide)):
+        other(OBS)
+    assert list(recorder.take([guide.locs.t], 4)) == [id(guide.locs.t)]
+
+
+def test_a_recorder_collected_while_the_guide_runs_leaves_pyro_s_stack_clean():
+    """An NGVI held in a reference cycle is collected whenever a collection runs: during a call of
+    its guide, that left its messenger on Pyro's stack for good (every later sample site, anywhere,
+    went through it). Now the call closes it, and the hooks are gone after."""
+    import gc
+
+    from pyro.poutine.runtime import _PYRO_STACK
+
+    pyro.clear_param_store()
+    guide = AutoNormal(seen_through_its_sum)
+
+    class Trainer:  # a user's object holding its SVI in a reference cycle
+        def __init__(self):
+            self.svi = SVI(seen_through_its_sum, guide, NGVI(), Trace_ELBO(num_particles=4))
+            self.me = self
+
+    trainer = Trainer()
+    for _ in range(2):
+        trainer.svi.step(OBS)
+    del trainer
+    forward = guide.forward
+
+    def collecting(*args, **kwargs):  # (a collection that happens to run while the guide runs)
+        gc.collect()
+        return forward(*args, **kwargs)
+
+    guide.forward = collecting
+    guide(OBS)
+    assert _PYRO_STACK == []
+    assert not guide._forward_pre_hooks and not guide._forward_hooks
+
+
+def test_a_guide_called_many_times_between_steps_holds_no_more_than_its_size():
+    """The draws are kept as sums per param, not per call: 200 calls by hand with gradients on
+    (samples after training) held 200 draws of every site (up to 1,024 calls' worth); now two
+    tensors of the loc's size. The next step's draws are still its own, and exact (its mean
+    gradient solves for them, as in the first test)."""
+    pyro.clear_param_store()
+    guide = AutoNormal(seen_through_its_sum)
+    optim = NGVI(guide=guide)
+    svi = SVI(seen_through_its_sum, guide, optim, Trace_ELBO(num_particles=4))
+    svi.step(OBS)
+    for _ in range(200):
+        guide(OBS)
+    recorder = optim._draws._recorders[guide]
+    loc = guide.locs.t
+
+    def held(obj, seen):  # elements of the tensors other than params reachable from the recorder
+        if id(obj) in seen or isinstance(obj, (type, torch.nn.Module)):
+            return 0
+        seen.add(id(obj))
+        if torch.is_tensor(obj):
+            return 0 if obj.requires_grad else obj.numel()
+        if isinstance(obj, (dict, list, tuple, set)) or type(obj).__module__ == "collections":
+            items = obj.values() if isinstance(obj, dict) else obj
+            return sum(held(item, seen) for item in items)
+        return 0
+
+    assert held(vars(recorder), set()) <= 2 * loc.numel()
+    guide.zero_grad()
+    recorder.take([loc], 4)
+    Trace_ELBO(num_particles=4).loss_and_grads(seen_through_its_sum, guide, OBS)
+    ((eps, _, count),) = recorder.take([loc], 4).values()
+    mean, precision = exact_posterior(OBS)
+    expected = torch.linalg.solve(precision, loc.grad) + mean - loc.detach()
+    torch.testing.assert_close(guide.scales.t.detach() * eps, expected, rtol=0.0, atol=2e-4)
