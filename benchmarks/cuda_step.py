@@ -6,6 +6,9 @@ issue's targets name, with everything on the GPU.
   documented recipe (``bnn.guide()``, ``NGVI()``, ``CurvatureELBO(source)``) with ``ef``,
   ``reparam`` and ``ggn`` (and ``NGVI(compile=True)`` with ``--compiled``: Triton), against the
   barest hand-written VOGN loop, ivon-opt and MAP Adam (``bnn_step.recipe_methods``);
+* ``launches``: the recipe's methods at the first of ``--widths``, kernels launched per step and
+  the host's time per step (torch.profiler over ``--block`` steps): where a method is bound by
+  launches from Python, these say which one launches more;
 * ``traced``: one ``AutoNormal`` site of ``--traced-size`` elements, ``Trace_ELBO``: NGVI's
   optimizer call and the whole ``SVI.step`` against ``pyro.optim.Adam``'s.
 
@@ -19,7 +22,7 @@ of its own (for NGVI and Adam alike). NGVI reads its checks back every 16 steps 
 Usage::
 
     python benchmarks/cuda_step.py [--sections recipe traced] [--widths 100 400 1600 4000]
-        [--batch 128] [--steps 320] [--block 32] [--compiled] [--traced-size 10000000] [--out FILE.md]
+        [--batch 128] [--steps 320] [--block 32] [--compiled] [--sections launches] [--traced-size 10000000] [--out FILE.md]
 """
 
 import argparse
@@ -120,6 +123,41 @@ def recipe(args, device) -> str:
     return "\n".join(lines + ratios + [""] + table) + "\n"
 
 
+def launches(args, device) -> str:
+    """Kernels per step and host ms per step of each recipe method, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    width = args.widths[0]
+    cpu_task = replace(bnn_step.mlp_task(width, args.seed), batch_size=args.batch)
+    batches = [(x.to(device), y.to(device)) for x, y in bnn_step.fixed_batches(cpu_task, 16)]
+    task = on_device(cpu_task, device)
+    makers = bnn_step.recipe_methods(task, compiled=args.compiled)
+    lines = [f"## Kernel launches per step on {device_name(device)} (width {width}, {args.block} steps profiled)", "",
+             "| method | kernels / step | aten ops / step | host ms / step (profiled) | top host ops (self ms / step) |",
+             "|---|---:|---:|---:|---|"]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    for name, make in makers.items():
+        method = make()
+        with method.active():
+            for i in range(args.warmup):
+                method.step(*batches[i % len(batches)])
+            synchronize()
+            with profile(activities=activities) as prof:
+                start = time.perf_counter()
+                for i in range(args.block):
+                    method.step(*batches[i % len(batches)])
+                host = (time.perf_counter() - start) / args.block
+                synchronize()
+        events = prof.key_averages()
+        kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+        aten = sum(e.count for e in events if e.key.startswith("aten::"))
+        top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:4]
+        ops = ", ".join(f"{e.key} {e.self_cpu_time_total / 1e3 / args.block:.2f}" for e in top)
+        lines.append(f"| {name} | {kernels / args.block:.0f} | {aten / args.block:.0f} | {1e3 * host:.2f} | {ops} |")
+        print(lines[-1], flush=True)
+    return "\n".join(lines) + "\n"
+
+
 def synchronised(optim):
     """``optim`` whose calls are timed between two device synchronisations (``optim.wall``)."""
 
@@ -162,7 +200,7 @@ def traced(args, device) -> str:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    parser.add_argument("--sections", nargs="*", default=["recipe", "traced"], choices=["recipe", "traced"])
+    parser.add_argument("--sections", nargs="*", default=["recipe", "traced"], choices=["recipe", "traced", "launches"])
     parser.add_argument("--widths", type=int, nargs="*", default=[100, 400, 1600, 4000])
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--steps", type=int, default=320)
@@ -185,7 +223,7 @@ def main(argv=None):
              f"{device_name(device)}; Pyro validation off.\n"]
     print(parts[0], flush=True)
     for section in args.sections:
-        text = {"recipe": recipe, "traced": traced}[section](args, device)
+        text = {"recipe": recipe, "traced": traced, "launches": launches}[section](args, device)
         print(text, flush=True)
         parts.append(text)
     if args.out:

@@ -109,6 +109,39 @@ def test_trace_elbo_training_on_cuda_reaches_the_posterior_and_predicts():
     assert draws.device.type == "cuda" and draws.shape[0] == 8 and draws.shape[-1] == D
 
 
+def seen_through_its_sum(obs):
+    """A 4-vector seen only through its sum (posterior correlation 0.99)."""
+    t = pyro.sample("t", dist.Normal(obs.new_zeros(D), 2.0).to_event(1))
+    with pyro.plate("obs", len(obs)):
+        pyro.sample("o", dist.Normal(t.sum(-1), 0.5), obs=obs)
+
+
+def test_several_particles_draws_are_read_on_cuda_and_take_the_coupled_step():
+    """Trace_ELBO(num_particles=8, vectorised) on CUDA: the guide's draws are read on the device
+    (pyro_ngvi.draws) and the coupled mean step reaches the exact mean of a 0.99-correlated
+    posterior within 0.25 mean-field sd (without the draws the element-wise steps stall 1-2 sd off)."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    obs = torch.randn(8, generator=torch.Generator().manual_seed(0)) * 0.5 + 3.0
+    guide = AutoNormal(seen_through_its_sum)
+    optim = NGVI(guide=guide)
+    elbo = pyro.infer.Trace_ELBO(num_particles=8, vectorize_particles=True, max_plate_nesting=1)
+    svi = SVI(seen_through_its_sum, guide, optim, elbo)
+    svi.step(obs.cuda())
+    loc_param = pyro.param("AutoNormal.locs.t")
+    elbo.loss_and_grads(seen_through_its_sum, guide, obs.cuda())
+    assert list(optim._draws._recorders[guide].take([loc_param], 8)) == [id(loc_param)]
+    for param in pyro.get_param_store().values():
+        param.grad = None
+    for _ in range(1200):
+        svi.step(obs.cuda())
+    precision = torch.eye(D) / 4 + torch.ones(D, D) * len(obs) / 0.25
+    mean = torch.linalg.solve(precision, torch.ones(D) * obs.sum() / 0.25)
+    loc = pyro.param("AutoNormal.locs.t").detach()
+    assert loc.device.type == "cuda"
+    assert float(((loc.cpu() - mean).abs() * precision.diagonal().sqrt()).max()) < 0.25
+
+
 def test_laplace_and_metrics_on_cuda_are_the_cpu_ones():
     results = {}
     for device in ("cpu", "cuda"):
