@@ -159,7 +159,8 @@ class NGVI(PyroOptim):
         self._workspace = Workspace()  # scratch buffers of the element-wise pass (pyro_ngvi.groups)
         self._buffers = Buffers(self._workspace)  # the statistics recovered from gradients, per site
         self._draws = GuideDraws()  # several particles' draws, read as the guide runs
-        self._draws.watch(self.guide)
+        if control_variate:  # (only the control variate and the coupled step read them)
+            self._draws.watch(self.guide)
         self._loss_checked = False  # whether an SVI's loss function was warned about (once)
 
 
@@ -211,7 +212,8 @@ class NGVI(PyroOptim):
         check_point_states(self._state_waiting_to_be_consumed, self.optim_objs, others, self.pt_optim_constructor,
                            self._point_args)
         stats = step_statistics(sites, svi, self.control_variate, self._buffers,  # (without gradients)
-                                self._draws.take(svi, _guide_of(self.guide, svi), sites))
+                                self._draws.take(svi if self.control_variate else None,  # (None: no hooks)
+                                                 _guide_of(self.guide, svi), sites))
         stats = without_draws(stats, sites)  # each process draws its own: no-op without torch.distributed
         learned = {id(p.unconstrained) for s in stats.values() if isinstance(s, SiteCurvature)
                    for p in s.prior_params()}
@@ -354,6 +356,20 @@ class NGVI(PyroOptim):
         for p in [p for p in self.optim_objs if store.param_name(p) in point]:
             del self.optim_objs[p]  # restored, not kept: it loads the entry when it next steps
         super().set_state(copy.deepcopy(point))  # loading may alias them: steps would change ``point``
+
+    def __deepcopy__(self, memo) -> "NGVI":
+        """A new optimizer with these settings and this state (:meth:`get_state`, taken up by
+        param-store name at the copy's next steps); it watches the same guide (or its copy, when
+        the guide is copied in the same call)."""
+        copied = type(self)(
+            copy.deepcopy(self.lr, memo), copy.deepcopy(self.beta, memo), self.momentum, self.damping,
+            copy.deepcopy(self.tau, memo), self.max_step, self.warm_start, self.averaging, self.control_variate,
+            self.safeguard, self.pt_optim_constructor, None if self._point_decay else self.pt_optim_args,
+            None if self.guide is None else memo.get(id(self.guide), self.guide), self.compile)
+        copied.sync_every, copied.watch_elbo = self.sync_every, self.watch_elbo
+        copied.set_state(self.get_state())
+        memo[id(self)] = copied
+        return copied
 
     def load(self, filename, map_location=None) -> None:
         """

@@ -139,6 +139,22 @@ def test_nothing_is_recorded_where_no_step_takes_draws():
     assert not guide._forward_pre_hooks and not guide._forward_hooks
 
 
+def test_without_the_control_variate_no_draws_are_recorded():
+    """NGVI(control_variate=False) reads no draws (only the control variate and the coupled step
+    use them): no hooks under several particles, and they come back when it is turned on."""
+    pyro.clear_param_store()
+    guide = AutoNormal(seen_through_its_sum)
+    optim = NGVI(guide=guide, control_variate=False)
+    svi = SVI(seen_through_its_sum, guide, optim, Trace_ELBO(num_particles=4))
+    for _ in range(2):
+        svi.step(OBS)
+        assert not guide._forward_pre_hooks and not guide._forward_hooks
+    optim.control_variate = True
+    svi.step(OBS)  # (this step's draws are unknown: watched from the next call on)
+    svi.step(OBS)
+    assert guide._forward_pre_hooks
+
+
 def test_a_guide_watched_pickles_and_its_copies_calls_are_not_this_guide_s():
     """torch.save(guide) of an autoguide trained under several particles raised (the hooks were
     local functions); it pickles and loads with the same params, and a copy of it (deepcopy, or

@@ -1,5 +1,6 @@
 """NGVI on Pyro's own SVI with Trace_ELBO: the reparameterisation curvature path."""
 
+import copy
 import math
 import warnings
 
@@ -340,6 +341,31 @@ def test_state_round_trip_resumes_same_trajectory(tmp_path):
     pyro.util.set_rng_state(rng)
     resumed = train(svi, 10, x1, y)
     assert np.allclose(resumed, uninterrupted, rtol=1e-6)
+    for k, v in pyro.get_param_store().items():
+        assert torch.allclose(v, expected[k], rtol=1e-6, atol=1e-7), k
+
+
+def test_a_deep_copy_of_a_used_optimizer_continues_its_trajectory(tmp_path):
+    """copy.deepcopy(NGVI) after ten steps (it raised before: views of the workspace) steps on
+    as the original does: its settings, its sites' states (adaptive step sizes, averages) and
+    its point optimizers carried over."""
+    x, y = make_regression(n=50, dtype=torch.float32)
+    x1 = x[:, 0]
+    pyro.set_rng_seed(3)
+    guide = AutoNormal(model_with_point_params)
+    optim = NGVI(momentum=0.5, point_optim_args={"lr": 0.01})
+    train(SVI(model_with_point_params, guide, optim, Trace_ELBO()), 10, x1, y)
+    copied = copy.deepcopy(optim)
+    assert (copied.momentum, copied.num_steps, copied.pt_optim_args) == (0.5, 10, {"lr": 0.01})
+    pyro.get_param_store().save(tmp_path / "params.pt")
+    rng = pyro.util.get_rng_state()
+    original = train(SVI(model_with_point_params, guide, optim, Trace_ELBO()), 10, x1, y)
+    expected = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+
+    pyro.get_param_store().load(tmp_path / "params.pt")
+    pyro.util.set_rng_state(rng)
+    continued = train(SVI(model_with_point_params, guide, copied, Trace_ELBO()), 10, x1, y)
+    assert np.allclose(continued, original, rtol=1e-6)
     for k, v in pyro.get_param_store().items():
         assert torch.allclose(v, expected[k], rtol=1e-6, atol=1e-7), k
 
