@@ -7,12 +7,13 @@ diag(precision)^-1/2, so each run is scored against them: the largest error of a
 mean-field standard deviations, and the scales' ratios. Element-wise (Jacobi) steps contract
 the directions the prior alone holds by about 0.25 / 32.25 per step; NGVI's coupled mean step
 (the cross terms of its control variate) removes that, where the draws are known: one draw
-per step under Trace_ELBO, CurvatureELBO, or several particles of an autoguide, whose draws NGVI
-reads as the guide runs (pyro_ngvi.draws). Not TraceMeanField_ELBO (its KL is analytic).
+per step under Trace_ELBO, CurvatureELBO or TraceMeanField_ELBO (which draws an autoguide's
+Gaussian: pyro_ngvi.mean_field_kl), or several particles of an autoguide, whose draws NGVI reads
+as the guide runs (pyro_ngvi.draws).
 
 Usage::
 
-    python benchmarks/coupled.py [--steps 1000] [--seeds 3]
+    python benchmarks/coupled.py [--steps 1000] [--seeds 3] [--only TraceMeanField]
 """
 
 import argparse
@@ -44,6 +45,7 @@ LOSSES = {
                                                                                vectorize_particles=True),
     "CurvatureELBO('reparam', num_particles=8)": lambda: CurvatureELBO("reparam", num_particles=8),
     "TraceMeanField_ELBO()": lambda: TraceMeanField_ELBO(),
+    "TraceMeanField_ELBO(num_particles=8)": lambda: TraceMeanField_ELBO(num_particles=8),
 }
 
 
@@ -51,6 +53,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--only", default="", help="run only the losses whose name contains this")
     args = parser.parse_args()
     torch.set_num_threads(1)
     obs = torch.randn(N, generator=torch.Generator().manual_seed(0)) * 0.5 + 3.0
@@ -62,6 +65,8 @@ def main():
     print("| loss | seed | largest mean error (mean-field sd) | scale ratios | NGVI warnings |")
     print("|---|---:|---:|---|---|")
     for name, make in LOSSES.items():
+        if args.only not in name:
+            continue
         for seed in range(args.seeds):
             pyro.clear_param_store()
             pyro.set_rng_seed(seed)

@@ -33,7 +33,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 import pyro.distributions as dist
-from pyro.infer import Trace_ELBO, TraceEnum_ELBO, TraceGraph_ELBO
+from pyro.infer import Trace_ELBO, TraceEnum_ELBO, TraceGraph_ELBO, TraceMeanField_ELBO
 from pyro.poutine.messenger import Messenger
 from pyro.poutine.runtime import _PYRO_STACK
 from torch.utils.weak import WeakIdKeyDictionary
@@ -41,11 +41,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .family import GaussianSite
 
 #: ELBOs (exactly these classes: the Jit versions trace the guide once) whose gradients of a
-#: Gaussian site are the mean over the particles of each draw's. Not TraceMeanField_ELBO: its
-#: analytic KL is taken at the mean, no draw, so the regression of the gradients on the draw points
-#: (the coupled step's slope) misses by the prior's share, and on a posterior held in its slow
-#: directions by the prior alone that made the coupled step indefinite (74 sd off at step 250).
-_PARTICLE_ELBOS = (Trace_ELBO, TraceGraph_ELBO, TraceEnum_ELBO)
+#: Gaussian site are the mean over the particles of each draw's; TraceMeanField_ELBO's only on the
+#: sites whose KL it does not integrate (an autoguide's, :mod:`~pyro_ngvi.mean_field_kl`): on a site
+#: whose KL it takes in closed form, at the mean, the regression of the gradients on the draw points
+#: (the coupled step's slope) misses by the prior's share, so its draws are not handed on there.
+_PARTICLE_ELBOS = (Trace_ELBO, TraceGraph_ELBO, TraceEnum_ELBO, TraceMeanField_ELBO)
 
 
 class _Draws(Messenger):

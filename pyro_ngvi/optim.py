@@ -29,6 +29,7 @@ from .distributed import all_reduce_stats, without_draws
 from .draws import GuideDraws
 from .family import GaussianSite, SiteCurvature, calling_svi, end_handover, guide_parts, split_params
 from .groups import Workspace
+from .mean_field_kl import analytic_locs, mean_field_elbo, move_prior_to_draws
 from .monitor import NGVIWarning, SpreadWatch
 from .plan import Plan, still_stored
 from .policies import (DENSE, DENSE_SAMPLED, FULL_BATCH, MINIBATCH, Checked, Schedule, Settings, check_schedule,
@@ -211,9 +212,13 @@ class NGVI(PyroOptim):
         states = [self._state(site) for site in sites]  # may refuse: before any write
         check_point_states(self._state_waiting_to_be_consumed, self.optim_objs, others, self.pt_optim_constructor,
                            self._point_args)
-        stats = step_statistics(sites, svi, self.control_variate, self._buffers,  # (without gradients)
-                                self._draws.take(svi if self.control_variate else None,  # (None: no hooks)
-                                                 _guide_of(self.guide, svi), sites))
+        guide = _guide_of(self.guide, svi)
+        draws = self._draws.take(svi if self.control_variate else None, guide, sites)  # (None: no hooks)
+        analytic = analytic_locs(svi, guide, sites, plan.kl_sites)  # (TraceMeanField_ELBO: pyro_ngvi.mean_field_kl)
+        if analytic and self.control_variate:
+            analytic = move_prior_to_draws(sites, analytic, mean_field_elbo(svi).num_particles == 1, draws)
+        stats = step_statistics(sites, svi, self.control_variate, self._buffers, draws,  # (without gradients)
+                                frozenset(analytic))
         stats = without_draws(stats, sites)  # each process draws its own: no-op without torch.distributed
         learned = {id(p.unconstrained) for s in stats.values() if isinstance(s, SiteCurvature)
                    for p in s.prior_params()}

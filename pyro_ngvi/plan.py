@@ -40,6 +40,7 @@ class Plan:
         self.elbo_flag: Optional[torch.Tensor] = None
         self.skips_in_a_row = 0
         self.deferred = DeferredChecks()  # steps whose checks the host has not read yet
+        self.kl_sites: Dict = {}  # TraceMeanField_ELBO: the leaves it draws, per model (pyro_ngvi.mean_field_kl)
 
     def take_newton(self, pending: List[Dict]) -> None:
         """Take the first of the ``pending`` Newton guards (restored by :meth:`NGVI.set_state`) that is

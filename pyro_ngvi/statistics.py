@@ -37,8 +37,8 @@ from typing import Dict, Optional
 
 import torch
 
-from pyro.infer import (ELBO, JitTrace_ELBO, JitTraceEnum_ELBO, JitTraceGraph_ELBO, RenyiELBO, Trace_ELBO,
-                        TraceEnum_ELBO, TraceGraph_ELBO, TraceTailAdaptive_ELBO)
+from pyro.infer import (ELBO, JitTrace_ELBO, JitTraceEnum_ELBO, JitTraceGraph_ELBO, JitTraceMeanField_ELBO, RenyiELBO,
+                        Trace_ELBO, TraceEnum_ELBO, TraceGraph_ELBO, TraceMeanField_ELBO, TraceTailAdaptive_ELBO)
 
 from . import full_covariance
 from .family import FullCovarianceSite, GaussianSite, SiteCurvature, pop_curvature
@@ -60,14 +60,17 @@ RECOVER_IN_PASS = 1 << 12
 #: :math:`u = \mu + \sigma\epsilon` (pathwise through :math:`u`, plus the exact
 #: :math:`-1/\sigma` of :math:`-\log q(u)`), whatever else they add: TraceGraph's and
 #: TraceEnum's score-function and enumerated terms reach the site through :math:`u` only.
-#: Not TraceMeanField_ELBO (its analytic KL is no draw), nor any ELBO of several draws.
-_ONE_DRAW_ELBOS = (Trace_ELBO, JitTrace_ELBO, TraceGraph_ELBO, JitTraceGraph_ELBO, TraceEnum_ELBO, JitTraceEnum_ELBO)
+#: TraceMeanField_ELBO too, on the sites whose KL it does not integrate (an autoguide's: the
+#: ``analytic`` sites of :func:`step_statistics`, :mod:`~pyro_ngvi.mean_field_kl`); no ELBO of several draws.
+_ONE_DRAW_ELBOS = (Trace_ELBO, JitTrace_ELBO, TraceGraph_ELBO, JitTraceGraph_ELBO, TraceEnum_ELBO, JitTraceEnum_ELBO,
+                   TraceMeanField_ELBO, JitTraceMeanField_ELBO)
 
 
 def one_draw(svi) -> bool:
     """Whether ``svi`` computes its gradients from one draw of each latent: a plain
-    ``Trace_ELBO``, ``TraceGraph_ELBO`` or ``TraceEnum_ELBO`` (or their Jit versions) with
-    one particle (then :math:`\\epsilon` is recoverable from :math:`g` and :math:`h`).
+    ``Trace_ELBO``, ``TraceGraph_ELBO``, ``TraceEnum_ELBO`` or ``TraceMeanField_ELBO`` (or their Jit
+    versions) with one particle (then :math:`\\epsilon` is recoverable from :math:`g` and :math:`h`;
+    under ``TraceMeanField_ELBO`` only on the sites whose KL it does not integrate).
 
     :raises NotImplementedError: for a loss whose gradients are not the ELBO's (``RenyiELBO``,
         ``TraceTailAdaptive_ELBO``)."""
@@ -108,18 +111,20 @@ def tensors(stats) -> tuple:
 
 @no_grad
 def step_statistics(sites, svi, control_variate: bool = True, buffers: Optional["Buffers"] = None,
-                    draws: Optional[Dict] = None) -> Dict:
+                    draws: Optional[Dict] = None, analytic: frozenset = frozenset()) -> Dict:
     """Each site's statistics for one step of ``svi`` (None: NGVI called directly), by site key
     (:func:`site_statistics`): the ELBO's counted only when this step's ELBO made them (else they
     are stale), the draws recovered for the control variate when ``control_variate`` (or read as
-    the guide ran: ``draws``, by ``id(site.loc)``, :mod:`~pyro_ngvi.draws`), and under ``svi``
-    written over its gradients and into ``buffers``."""
+    the guide ran: ``draws``, by ``id(site.loc)``, :mod:`~pyro_ngvi.draws`), except on the sites
+    whose ``id(site.loc)`` is in ``analytic`` (a KL in closed form: :mod:`~pyro_ngvi.mean_field_kl`),
+    and under ``svi`` written over its gradients and into ``buffers``."""
     live = svi is None or getattr(getattr(svi.loss_and_grads, "__self__", None), "produces_curvature", False)
     single = one_draw(svi)
     # (SVI replaces the gradients after the step: the recovered statistics may be written over them)
     buffers = None if svi is None else buffers
     draws = draws if control_variate and draws else {}
-    return {site.key: site_statistics(site, live, single, control_variate, buffers, draws.get(id(site.loc)))
+    return {site.key: site_statistics(site, live, single and id(site.loc) not in analytic, control_variate, buffers,
+                                      None if id(site.loc) in analytic else draws.get(id(site.loc)))
             for site in sites}
 
 

@@ -80,16 +80,21 @@ def test_draws_of_other_calls_are_never_taken():
     assert recorder.take([loc], 3) == {}
 
 
-def test_one_draw_removes_the_hooks_and_the_mean_field_elbo_is_not_read():
+def test_one_draw_removes_the_hooks_and_the_mean_field_elbo_s_particles_are_read():
     """Under one particle the draws are recovered from the gradients: no hook stays on the guide.
-    TraceMeanField_ELBO's analytic KL is no draw: its particles are not read either."""
-    for loss in (Trace_ELBO(), TraceMeanField_ELBO(num_particles=4)):
+    TraceMeanField_ELBO draws an autoguide's Gaussian (its KL is a Delta's, at the draw:
+    pyro_ngvi.mean_field_kl): its particles are read as Trace_ELBO's are."""
+    for loss, read in ((Trace_ELBO(), False), (TraceMeanField_ELBO(num_particles=4), True)):
         pyro.clear_param_store()
         guide = AutoNormal(seen_through_its_sum)
-        svi = SVI(seen_through_its_sum, guide, NGVI(guide=guide), loss)
+        optim = NGVI(guide=guide)
+        svi = SVI(seen_through_its_sum, guide, optim, loss)
         assert guide._forward_pre_hooks
         svi.step(OBS)
-        assert not guide._forward_pre_hooks and not guide._forward_hooks
+        assert bool(guide._forward_pre_hooks) == bool(guide._forward_hooks) == read
+        if read:
+            loss.loss_and_grads(seen_through_its_sum, guide, OBS)
+            assert list(optim._draws._recorders[guide].take([guide.locs.t], 4)) == [id(guide.locs.t)]
 
 
 @pytest.mark.parametrize("guide_class", [AutoNormal, AutoDiagonalNormal])
