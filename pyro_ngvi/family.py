@@ -286,7 +286,7 @@ def calling_step(guide) -> Optional[StepCall]:
             return None
         local = frame.f_locals
         owner = local.get("self")
-        if (owner is not None and getattr(owner, "guide", None) is guide
+        if (owner is not None and getattr(owner, "guide", None) is guide and hasattr(owner, "model")  # (not NGVI's)
                 and isinstance(local.get("args"), tuple) and isinstance(local.get("kwargs"), dict)):
             return StepCall(getattr(owner, "model", None), local["args"], local["kwargs"],
                             getattr(getattr(owner, "loss_and_grads", None), "__self__", None))

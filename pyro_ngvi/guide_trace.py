@@ -136,10 +136,13 @@ def subsampling(model, *args, **kwargs) -> float:
     except Exception:  # (the ELBO ran it against the guide already: its errors are the ELBO's to report)
         return 0.0
     sites = [site for site in trace.nodes.values() if site["type"] == "sample"]
-    latent = min((_largest(site["scale"]) for site in sites if not site["is_observed"]), default=1.0)
-    factors = [math.prod(frame.full_size / frame.size for frame in site["cond_indep_stack"]
-                         if frame.full_size is not None and frame.size)
-               * (_largest(site["scale"]) / max(latent, 1.0) if site["is_observed"] else 1.0) for site in sites]
+    plates = [math.prod(frame.full_size / frame.size for frame in site["cond_indep_stack"]
+                        if frame.full_size is not None and frame.size) for site in sites]
+    # (a site's scale holds its plates' N/B already: what is left is the scale set by hand)
+    latent = min((_largest(site["scale"]) / plate for site, plate in zip(sites, plates) if not site["is_observed"]),
+                 default=1.0)
+    factors = [max(plate, _largest(site["scale"]) / max(latent, 1.0)) if site["is_observed"] else plate
+               for site, plate in zip(sites, plates)]
     return max(max(factors, default=1.0) - 1.0, 0.0)
 
 

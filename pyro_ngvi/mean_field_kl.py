@@ -41,7 +41,6 @@ are the gradients ``Trace_ELBO`` takes at the same draws (:math:`-\\log p_0` at
 ``Trace_ELBO``. Elsewhere its draws are neither recovered nor read (:func:`analytic_locs`).
 """
 
-import sys
 from typing import Dict, Iterable, Optional, Tuple
 
 import torch
@@ -49,7 +48,7 @@ from torch.distributions import kl_divergence
 
 from pyro.infer import JitTraceMeanField_ELBO, TraceMeanField_ELBO
 
-from .family import GaussianSite
+from .family import GaussianSite, calling_step
 from .guide_trace import elbo_traces
 from .priors import conjugate_normal
 from .statistics import EPS_MAX
@@ -65,20 +64,15 @@ def mean_field_elbo(svi) -> Optional[TraceMeanField_ELBO]:
 
 
 def analytic_locs(svi, guide, sites, cache: dict) -> Dict[int, Optional[Tuple[torch.Tensor, torch.Tensor]]]:
-    """:func:`integrated_sites` of ``svi``'s step (its loss and model, and the arguments read off the
-    frame of its ``SVI.step`` on the stack); none under any loss but ``TraceMeanField_ELBO``. (Not
-    :func:`~pyro_ngvi.family.calling_step`: under ``NGVI(guide=guide)`` the nearest frame whose ``self``
-    has that guide is NGVI's own step, of no model and no arguments.)"""
+    """:func:`integrated_sites` of ``svi``'s step (its loss, and the model and arguments of its
+    ``SVI.step``, :func:`~pyro_ngvi.family.calling_step`); none under any loss but ``TraceMeanField_ELBO``."""
     elbo = mean_field_elbo(svi)
     if elbo is None or not sites:
         return {}
-    frame = sys._getframe(1)
-    while frame is not None and not (frame.f_locals.get("self") is svi and isinstance(frame.f_locals.get("args"), tuple)
-                                     and isinstance(frame.f_locals.get("kwargs"), dict)):
-        frame = frame.f_back
-    if frame is None:
+    found = calling_step(guide)
+    if found is None or found.model is None:
         return {id(site.loc): None for site in sites}
-    return integrated_sites(elbo, svi.model, guide, frame.f_locals["args"], frame.f_locals["kwargs"], sites, cache)
+    return integrated_sites(elbo, found.model, guide, found.args, found.kwargs, sites, cache)
 
 
 def integrated_sites(elbo, model, guide, args, kwargs, sites, cache: dict) -> Dict[int, Optional[Tuple]]:

@@ -206,6 +206,55 @@ def test_a_regression_minibatched_by_subsample_size_settles_on_its_posterior(min
     assert all(((r > 0.8) & (r < 1.25)).all() for r in ratios[1:]), ratios
 
 
+def minibatched(how, n=2000, batch=100):
+    """A regression on 3 weights whose rows are minibatched ``how``, and its data."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, 3, generator=g)
+    x = x + 0.9 * x[:, :1]  # (correlated weights: the coupled step reads the plan's N / B)
+    y = x @ torch.tensor([1.0, -2.0, 0.5]) + 0.5 * torch.randn(n, generator=g)
+
+    def model(x, y):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+        if how == "poutine.scale":
+            idx = torch.randperm(n)[:batch]
+            with pyro.plate("data", batch), poutine.scale(scale=n / batch):
+                pyro.sample("obs", dist.Normal((x[idx] * w).sum(-1), 0.5), obs=y[idx])
+        elif how == "both":  # (a subsampled plate, and a likelihood tempered by hand)
+            with pyro.plate("data", n, subsample_size=batch) as idx, poutine.scale(scale=2.0):
+                pyro.sample("obs", dist.Normal((x[idx] * w).sum(-1), 0.5), obs=y[idx])
+        else:
+            with pyro.plate("data", n, subsample_size=batch if how == "subsample_size" else None) as idx:
+                pyro.sample("obs", dist.Normal((x[idx] * w).sum(-1), 0.5), obs=y[idx])
+    return model, x, y
+
+
+@pytest.mark.parametrize("how, expected", [("subsample_size", 19.0), ("poutine.scale", 19.0), ("both", 39.0),
+                                           ("none", 0.0)])
+def test_the_plan_reads_n_over_b_of_a_minibatch_once(how, expected):
+    """N / B - 1 of a minibatch, read off the model: a subsampled plate's own N / B was counted twice
+    (the site's scale holds it already: 399 for 100 of 2,000); a scale set by hand on top multiplies."""
+    from pyro_ngvi.guide_trace import subsampling
+
+    model, x, y = minibatched(how)
+    assert subsampling(model, x, y) == pytest.approx(expected)
+
+
+def test_the_guide_given_to_ngvi_leaves_the_minibatch_read():
+    """NGVI(guide=guide) takes NGVI()'s steps on a minibatched model (one draw: nothing else differs);
+    its own step's frame was taken for SVI.step's, no model was found and N / B was read as 1."""
+    model, x, y = minibatched("subsample_size")
+    found = []
+    for given in (False, True):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        guide = AutoNormal(model)
+        svi = SVI(model, guide, NGVI(guide=guide) if given else NGVI(), Trace_ELBO())
+        for _ in range(60):
+            svi.step(x, y)
+        found.append(guide.locs.w.detach().clone())
+    torch.testing.assert_close(found[1], found[0], rtol=0, atol=0)
+
+
 def test_a_model_with_obs_mask_trains_and_its_flat_entries_stay_finite():
     """Pyro's obs_mask: the guide's ``y_unobserved`` latent holds an entry for every row, and the
     model depends only on the missing ones. The others have no curvature and no prior, so their
