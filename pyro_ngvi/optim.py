@@ -13,6 +13,7 @@ torch optimizer, trains everything else; it keeps state per site for
 import copy
 import math
 import numbers
+import warnings
 import weakref
 from typing import Dict, List, Optional
 
@@ -269,15 +270,16 @@ class NGVI(PyroOptim):
     # ---------------------------------------------------------------- sites and state
     def _plan(self, params, svi=None) -> "Plan":
         """The guide's sites and other parameters (:func:`~pyro_ngvi.family.split_params`), with
-        what NGVI keeps per guide structure, remembered while the param store holds its tensors."""
+        what NGVI keeps per guide structure, remembered while the param store holds its tensors.
+        A site with a tensor frozen (``requires_grad_(False)``) is no site here (:func:`_unfrozen`)."""
         guide = _guide_of(self.guide, svi)
-        key = (id(guide), frozenset(map(id, params)))
+        key = (id(guide), frozenset(map(id, params)), frozenset(id(p) for p in params if not p.requires_grad))
         plan = self._plans.get(key)
         store = pyro.get_param_store()._params
         if plan is not None and all(still_stored(site, store) for site in plan.sites):
             plan.reweigh(guide)  # (poutine.scale factors may change between steps: KL annealing)
             return plan
-        sites, others, parts = split_params(guide, params)
+        sites, others, parts = _unfrozen(*split_params(guide, params))
         self._guide_parts.update((p, True) for p in parts)
         self._low_rank_locs.note(guide_parts(guide))
         # plans whose tensors left the param store (pyro.clear_param_store()) leave no trace
@@ -415,6 +417,26 @@ def _guide_of(given, svi=None):
             "guide, NGVI(..., guide=guide), when calling it yourself."
         )
     return svi.guide
+
+
+def _unfrozen(sites, others, parts):
+    """``split_params``' answer with the sites of which a tensor is frozen (``requires_grad_(False)``)
+    taken out, as torch's optimizers leave a tensor without a gradient: one frozen whole stays as it
+    is, and of one frozen in part (its scale, say) the rest is a guide part's param, which the point
+    optimizer trains. Left in, a frozen tensor has no gradient and refused every step: a guide part
+    frozen in an ``AutoGuideList`` stopped the training of the others, which Pyro's Adam trains."""
+    frozen = [site for site in sites if not all(t.requires_grad for t in site.tensors)]
+    if not frozen:
+        return sites, others, parts
+    out = {id(site) for site in frozen}
+    rest = [t for site in frozen for t in site.tensors if t.requires_grad]
+    partly = [site.name for site in frozen if any(t.requires_grad for t in site.tensors)]
+    if partly:
+        warnings.warn(f"the guide sites {', '.join(map(repr, partly))} have some of their params frozen "
+                      "(requires_grad_(False)): NGVI's natural-gradient step moves a site's mean and scale "
+                      "together, so their other params are trained by the point optimizer (Adam, as a guide "
+                      "part's), which is slower. Freeze all of a site's params or none.", NGVIWarning, stacklevel=5)
+    return [site for site in sites if id(site) not in out], others + rest, parts + rest
 
 
 def _checked_guide(guide):
