@@ -10,6 +10,7 @@ import torch
 
 import pyro
 import pyro.distributions as dist
+from pyro import poutine
 from pyro.infer import SVI, Predictive, Trace_ELBO, TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
 
@@ -59,7 +60,7 @@ def test_draws_read_are_those_the_gradients_came_from(vectorize):
 
 
 def test_draws_of_other_calls_are_never_taken():
-    """A guide called by hand with gradients on between steps adds a call: that step's draws are
+    """A guide traced by hand with gradients on between steps adds a call: that step's draws are
     unknown (None), not mixed; params changed since the draws make them stale too."""
     pyro.clear_param_store()
     guide = AutoNormal(seen_through_its_sum)
@@ -72,7 +73,7 @@ def test_draws_of_other_calls_are_never_taken():
     elbo.loss_and_grads(seen_through_its_sum, guide, OBS)
     assert list(recorder.take([loc], 3)) == [id(loc)]
     elbo.loss_and_grads(seen_through_its_sum, guide, OBS)
-    guide(OBS)  # one call too many
+    poutine.trace(guide).get_trace(OBS)  # one call too many
     assert recorder.take([loc], 3) == {}
     elbo.loss_and_grads(seen_through_its_sum, guide, OBS)
     with torch.no_grad():
@@ -228,7 +229,7 @@ def test_a_guide_called_many_times_between_steps_holds_no_more_than_its_size():
     svi = SVI(seen_through_its_sum, guide, optim, Trace_ELBO(num_particles=4))
     svi.step(OBS)
     for _ in range(200):
-        guide(OBS)
+        poutine.trace(guide).get_trace(OBS)
     recorder = optim._draws._recorders[guide]
     loc = guide.locs.t
 
@@ -251,3 +252,47 @@ def test_a_guide_called_many_times_between_steps_holds_no_more_than_its_size():
     mean, precision = exact_posterior(OBS)
     expected = torch.linalg.solve(precision, loc.grad) + mean - loc.detach()
     torch.testing.assert_close(guide.scales.t.detach() * eps, expected, rtol=0.0, atol=2e-4)
+
+
+def correlated_regression(x, y):
+    """y = x w + noise, the columns of x correlated 0.9: a posterior correlated as strongly."""
+    w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([x.shape[1]]).to_event(1))
+    with pyro.plate("data", x.shape[0]):
+        pyro.sample("y", dist.Normal((x * w).sum(-1), NOISE), obs=y)
+
+
+def test_a_guide_called_by_hand_between_steps_leaves_the_step_its_draws():
+    """``guide(x)`` with gradients on between steps (samples to log) is no ELBO's call (those are
+    traced): the step's draws stay its own, exact as in the first test; counted, they made every
+    such step's draws unknown, and 300 steps of 8 particles with a sample logged per step ended
+    4.5 mean-field sd off the exact posterior mean of a correlated regression (0.03 now, as
+    without the calls)."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = AutoNormal(seen_through_its_sum)
+    optim = NGVI(guide=guide)
+    svi = SVI(seen_through_its_sum, guide, optim, Trace_ELBO(num_particles=4))
+    svi.step(OBS)
+    guide(OBS)
+    guide.zero_grad()
+    Trace_ELBO(num_particles=4).loss_and_grads(seen_through_its_sum, guide, OBS)
+    loc, scale = guide.locs.t, guide.scales.t.detach()
+    ((eps, _, count),) = optim._draws._recorders[guide].take([loc], 4).values()
+    mean, precision = exact_posterior(OBS)
+    torch.testing.assert_close(scale * eps, torch.linalg.solve(precision, loc.grad) + mean - loc.detach(),
+                               rtol=0.0, atol=2e-4)
+    generator = torch.Generator().manual_seed(0)
+    x = 0.9**0.5 * torch.randn(50, 1, generator=generator) + 0.1**0.5 * torch.randn(50, 4, generator=generator)
+    y = x @ torch.tensor([1.0, -2.0, 0.5, 0.0]) + NOISE * torch.randn(50, generator=generator)
+    precision = torch.eye(4) + x.T @ x / NOISE**2
+    mean = torch.linalg.solve(precision, x.T @ y / NOISE**2)
+    pyro.clear_param_store()
+    pyro.set_rng_seed(1)
+    guide = AutoNormal(correlated_regression)
+    elbo = Trace_ELBO(num_particles=8, vectorize_particles=True, max_plate_nesting=1)
+    svi = SVI(correlated_regression, guide, NGVI(), elbo)
+    for _ in range(300):
+        svi.step(x, y)
+        guide(x, y)
+    sd = precision.diagonal().rsqrt()
+    assert float(((guide.locs.w.detach() - mean).abs() / sd).max()) < 0.5
