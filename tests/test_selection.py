@@ -209,3 +209,26 @@ def test_a_validation_split_without_matching_targets_is_refused():
     bnn = BayesianNet(nn.Linear(4, 3), "categorical", num_data=20)
     with pytest.raises(ValueError, match="num_samples"):
         validation_nll(bnn, bnn.guide(), x, y, num_samples=0)
+
+
+def test_a_bad_prior_beside_given_candidates_and_non_finite_training_data_are_refused():
+    """``prior`` went unchecked where ``prior_scales`` were given (nan, -1, 'a' trained as if
+    valid), and a training split of inf targets (a Gaussian likelihood's support takes them) trained
+    every candidate on steps all skipped, returning the untrained guide; both are refused, named,
+    before any training."""
+    x, y = classification(40)
+    for prior in (float("nan"), -1.0, "a", None):
+        with pytest.raises(ValueError, match="prior must be"):
+            select_by_validation(nn.Linear(4, 3), "categorical", x[:20], y[:20], x[20:], y[20:],
+                                 epochs=1, prior_scales=[1.0], prior=prior)
+    targets = torch.randn(40, generator=torch.Generator().manual_seed(0))
+    for bad in (float("inf"), float("nan")):
+        broken = targets.clone()
+        broken[3] = bad
+        with pytest.raises(ValueError, match="x and y must be finite"):
+            select_by_validation(nn.Linear(4, 1), "gaussian", x[:20], broken[:20], x[20:], targets[20:],
+                                 epochs=1, noise_scale=1.0)
+        inputs = x.clone()
+        inputs[5, 1] = bad
+        with pytest.raises(ValueError, match="x and y must be finite"):
+            select_by_validation(nn.Linear(4, 3), "categorical", inputs[:20], y[:20], x[20:], y[20:], epochs=1)

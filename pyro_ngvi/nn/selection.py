@@ -150,10 +150,11 @@ def _check(name: str, value, low: int = 1) -> int:
 
 
 def _candidate_scales(prior_scales, prior, num_data: int) -> List[float]:
-    """The candidate prior scales (the defaults from ``prior``), checked."""
+    """The candidate prior scales (the defaults from ``prior``), checked (``prior`` also where
+    ``prior_scales`` are given, and unused: a bad value is a mistake either way)."""
+    if isinstance(prior, bool) or not isinstance(prior, numbers.Real) or not 0 < prior < math.inf:
+        raise ValueError(f"prior must be a positive finite number, got {prior!r}")
     if prior_scales is None:
-        if isinstance(prior, bool) or not isinstance(prior, numbers.Real) or not 0 < prior < math.inf:
-            raise ValueError(f"prior must be a positive finite number, got {prior!r}")
         return _default_scales(prior, num_data)
     return positive_numbers("prior_scales", prior_scales)
 
@@ -165,6 +166,8 @@ def _check_split(bnn: BayesianNet, x, y, names: str) -> None:
     if not (torch.is_tensor(x) and torch.is_tensor(y)) or y.dim() == 0 or len(x) != len(y) or len(x) == 0:
         raise ValueError(f"{names} must be non-empty and of one length (tensors), got "
                          f"{getattr(x, 'shape', type(x).__name__)} and {getattr(y, 'shape', type(y).__name__)}")
+    if not all(bool(torch.isfinite(t).all()) for t in (x, y) if t.is_floating_point()):
+        raise ValueError(f"{names} must be finite (every step on them would be skipped), got a nan or inf")
     try:
         with torch.no_grad(), pyro.validation_enabled():
             bnn._check_targets(y, bnn.net(x))
