@@ -265,6 +265,12 @@ def test_error_cases():
     with pytest.raises(ValueError, match="num_particles"):
         CurvatureELBO("ef", num_particles=0)
     assert CurvatureELBO("ef", num_particles=np.int64(2), max_plate_nesting=np.int64(1)).num_particles == 2
+    # a tensor: one of two elements raised torch's "Boolean value of Tensor ... is ambiguous", and
+    # tensor(inf) passed the check to reach Pyro as a tensor
+    for value in (torch.tensor([1.0, 2.0]), torch.tensor(math.inf), -1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="max_plate_nesting"):
+            CurvatureELBO("ef", max_plate_nesting=value)
+    assert CurvatureELBO("ef", max_plate_nesting=math.inf).max_plate_nesting == math.inf
     x = torch.linspace(0, 1, 5)
     with pytest.raises(ValueError, match="no pyro.plate"):
         SVI(unplated, AutoNormal(unplated), NGVI(), CurvatureELBO("ef")).step(x, x)

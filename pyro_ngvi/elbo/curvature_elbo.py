@@ -111,7 +111,7 @@ class CurvatureELBO(ELBO):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(deterministic, bool):
             raise ValueError(f"deterministic must be True or False, got {deterministic!r}")
-        if not (max_plate_nesting == math.inf or (
+        if not ((isinstance(max_plate_nesting, float) and max_plate_nesting == math.inf) or (
                 isinstance(max_plate_nesting, numbers.Integral) and not isinstance(max_plate_nesting, bool)
                 and max_plate_nesting >= 0)):
             raise ValueError(
