@@ -83,9 +83,13 @@ class BackpackStep(BackpackTwin):
                 check_output=partial(model._check_targets, y) if particle == 0 else None,
             )
             site_grads = [result.grads[w.index] for w in model._latents]
-            if curvature == "reparam":  # h = g eps / sigma (the first particle's into buffers kept for it)
-                site_curvatures = [torch.mul(g, e, out=self._buffer("curvature", j, g) if particle == 0 else None)
-                                   .div_(s) for j, (g, e, s) in enumerate(zip(site_grads, noises, stddevs))]
+            if curvature == "reparam":  # h = g eps / sigma (the first particle's into buffers kept for it;
+                # three calls for all sites, not two per site: on a GPU every call is a kernel launch)
+                site_curvatures = ([self._buffer("curvature", j, g) for j, g in enumerate(site_grads)]
+                                   if particle == 0 else [torch.empty_like(g) for g in site_grads])
+                torch._foreach_copy_(site_curvatures, site_grads)
+                torch._foreach_mul_(site_curvatures, noises)
+                torch._foreach_div_(site_curvatures, stddevs)
             else:
                 site_curvatures = [result.curvatures[w.index] for w in model._latents]
             site_point_grads = [result.grads[w.index] for w in model._point_estimates]
@@ -219,11 +223,10 @@ class BackpackStep(BackpackTwin):
         if deterministic:
             torch._foreach_copy_(model._latent_params, locs)
             return None
-        noises = []
-        for j, (param, loc, stddev) in enumerate(zip(model._latent_params, locs, stddevs)):
-            noise = self._buffer("noise", j, loc).normal_()
-            torch.addcmul(loc, stddev, noise, out=param)
-            noises.append(noise)
+        noises = [self._buffer("noise", j, loc).normal_() for j, loc in enumerate(locs)]
+        params = list(model._latent_params)
+        torch._foreach_copy_(params, locs)  # (two calls for all sites, not one per site)
+        torch._foreach_addcmul_(params, stddevs, noises)
         return noises
 
     def _buffer(self, name: str, index: int, like: torch.Tensor) -> torch.Tensor:
