@@ -100,7 +100,10 @@ def main(argv=None):
         with warnings.catch_warnings(), pyro.validation_enabled(False):
             if rank != 0:  # rank 0 speaks for all: the ranks take the same steps
                 warnings.simplefilter("ignore")
-            return _train(args, rank, world, device)
+            summary = _train(args, rank, world, device)
+        if owns_group:  # (all ranks leave together: gloo aborted a rank that tore down while rank 0 still wrote)
+            dist.barrier()
+        return summary
     finally:
         torch.set_num_threads(threads)
         if owns_group:
