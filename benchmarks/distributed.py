@@ -167,6 +167,8 @@ def variance_worker(args):
                 "var_precision": float(precision_changes.var(0).sum()),
             }
             Path(args.result).write_text(json.dumps(result))
+        if owns_group:  # (all ranks leave together: see examples/distributed_bnn.py)
+            torch.distributed.barrier()
     finally:
         if owns_group:
             torch.distributed.destroy_process_group()
