@@ -35,8 +35,8 @@ from .monitor import NGVIWarning, SpreadWatch
 from .plan import Plan, still_stored
 from .policies import (DENSE, DENSE_SAMPLED, FULL_BATCH, MINIBATCH, Checked, Schedule, Settings, check_schedule,
                        defaults, number, resolve)
-from .point import (LowRankLocs, check_point_args, check_point_optim, check_point_states, decay_guide_part_lr,
-                    param_label, probe_point_step)
+from .point import (LowRankLocs, check_point_args, check_point_optim, check_point_states, clamp_gradients,
+                    decay_guide_part_lr, param_label, probe_point_step)
 from .state import SiteState, check_pending, check_state, restore_scales, warn_unmatched
 from .statistics import Buffers, step_statistics, warn_loss_function
 from .steps import Options
@@ -242,6 +242,7 @@ class NGVI(PyroOptim):
                 self._point_checked[p] = True
         if self._point_decay:  # a low-rank guide's loc steps in units of its marginal sd, as it stood
             self._low_rank_locs.measure(others)
+            clamp_gradients(self._low_rank_locs.others(others))  # (as Pyro's ClippedAdam: pyro_ngvi.point)
         super().__call__(others, *args, **kwargs)
 
     def _point_args(self, p: torch.Tensor) -> Dict:

@@ -40,13 +40,16 @@ regression's mean, 70 posterior sds away, was still 69 away after 500 steps); on
 bounds it where the guide is much wider than the posterior, which makes that estimate too large
 (as NGVI's ``max_step`` bounds its own sampled mean steps in sds).
 
-Adam's :math:`\\beta_2` is 0.99 by default, not torch's 0.999: its second moment forgets a
-gradient's square in about 100 steps. A sparse GP's first draw (a lengthscale of :math:`e^2` from
-the autoguides' start, Kuu near singular) gave ``u_scale_tril`` a gradient 2,000 times those that
-followed; remembered for thousands of steps, it held Adam's steps on ``u`` a hundred times below
-its step size while NGVI's sites moved on to a short lengthscale that explains the data as noise
-(4 of 5 seeds at -ELBO 70-75 after 2,000 steps; with 0.99, -22.3 to -26.2, ClippedAdam's -24.6 to
--25.3).
+By default each gradient element is clamped to :math:`\\pm 10` before Adam's step (as Pyro's
+``ClippedAdam``, whose ``clip_norm`` is 10), with torch's :math:`\\beta_2 = 0.999`; not a low-rank
+guide's loc, whose step above is in its marginal sds at any scale and bounded by one. A sparse GP's first
+draw (a lengthscale of :math:`e^2` from the autoguides' start, Kuu near singular) gave
+``u_scale_tril`` a gradient 2,000 times those that followed; unclamped, Adam's second moment
+remembered it for thousands of steps and held the steps on ``u`` a hundred times below their step
+size while NGVI's sites moved on to a short lengthscale that explains the data as noise (4 of 5
+seeds at -ELBO 70-75 after 2,000 steps; clamped, -25.0 to -25.7 on seeds 1-4, ClippedAdam's -24.6 to
+-25.3: ``benchmarks/sparse_gp.py``). A shorter memory instead (:math:`\\beta_2 = 0.99`) trained that
+GP less well (-20.8 to -24.3) and made Pyro's ``test_exact_tree[AutoGaussian]`` fail.
 
 Arguments given (``point_optim_args``) run as given, for every parameter.
 """
@@ -63,14 +66,25 @@ from pyro.infer.autoguide import AutoLowRankMultivariateNormal
 
 #: Adam's step size for the model's parameters by default
 POINT_LR = 0.01
-#: Adam's averaging rates by default: :math:`\beta_2` remembers a gradient's square for about
-#: 100 steps (torch's 0.999: 1,000; the module docstring says why)
-POINT_BETAS = (0.9, 0.99)
+#: Adam's averaging rates by default (torch's)
+POINT_BETAS = (0.9, 0.999)
+#: By default each element of a point parameter's gradient is clamped to +-POINT_CLIP before
+#: Adam's step (Pyro's ``ClippedAdam``'s ``clip_norm``; the module docstring says why)
+POINT_CLIP = 10.0
 #: :math:`\alpha_0` and :math:`T` of the decaying step size of guide parts' params by default
 GUIDE_PART_LR = 0.05
 GUIDE_PART_DECAY_STEPS = 50.0
 #: the most an ``AutoLowRankMultivariateNormal``'s loc moves in one step, in its own marginal sds
 LOW_RANK_LOC_TRUST = 1.0
+
+
+def clamp_gradients(params: List[torch.Tensor]) -> None:
+    """Clamp each element of the ``params``' gradients to :math:`\\pm` :data:`POINT_CLIP`, in place
+    (the default point optimizer's first move, as Pyro's ``ClippedAdam``'s)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        torch._foreach_clamp_min_(grads, -POINT_CLIP)
+        torch._foreach_clamp_max_(grads, POINT_CLIP)
 
 
 def decay_guide_part_lr(optimizer: torch.optim.Optimizer) -> None:
@@ -162,6 +176,10 @@ class LowRankLocs:
     def note(self, parts) -> None:
         """Take note of the low-rank guides among the leaf guides ``parts``."""
         self._names.update(low_rank_locs(parts))
+
+    def others(self, params) -> List[torch.Tensor]:
+        """``params`` less the low-rank locs (their step, in marginal sds, is bounded already)."""
+        return [p for p in params if p not in self._names]
 
     def measure(self, params) -> None:
         """Set each low-rank loc's step units to its guide's marginal sds, as they stand."""

@@ -25,14 +25,16 @@ def _adam_path(gradients, lr, betas, eps=1e-8):
     return theta
 
 
-def test_the_point_optimizer_forgets_a_first_gradient_spike_within_a_few_hundred_steps():
+def test_the_point_optimizer_clamps_a_first_gradient_spike_as_clipped_adam_does():
     """The sparse GP's first draw (a lengthscale of e^2 from the autoguides' start: Kuu near
-    singular) gives u_scale_tril a gradient 2,000 times those that follow; with torch's beta_2 of
-    0.999 Adam's second moment remembered it for thousands of steps and its steps on u stayed a
-    hundred times below its lr while NGVI's sites moved on: 4 of 5 seeds settled at log-lengthscale
-    -3.2 to -3.8 (-ELBO 70-75, ClippedAdam -24.6 to -25.3). The default's beta_2 is 0.99. A model
-    param with a gradient of 1000 at the first step and 1 after it moves as Adam with those betas
-    (the reference: its iterates in plain floats), 1.26 times as far in 300 steps as with 0.999."""
+    singular) gives u_scale_tril a gradient 2,000 times those that follow; with torch's Adam its
+    second moment remembered it for thousands of steps and its steps on u stayed a hundred times
+    below its lr while NGVI's sites moved on: 4 of 5 seeds settled at log-lengthscale -3.2 to -3.8
+    (-ELBO 70-75; ClippedAdam -24.6 to -25.3; clamped, -25.0 to -25.7 on seeds 1-4:
+    ``benchmarks/sparse_gp.py``). The default point optimizer clamps each gradient element to +-10
+    first, as Pyro's ClippedAdam: a model param with a gradient of 1000 at the first step and 1
+    after it moves as Adam on the clamped gradients (the reference: its iterates in plain floats),
+    more than 3 times as far in 300 steps as Adam on the raw ones."""
     def model(spike):
         theta = pyro.param("theta", torch.tensor(0.0))
         pyro.factor("slope", -spike * theta)
@@ -50,5 +52,6 @@ def test_the_point_optimizer_forgets_a_first_gradient_spike_within_a_few_hundred
     for spike in spikes:
         svi.step(spike)
     theta = pyro.param("theta").item()
-    assert theta == pytest.approx(_adam_path(spikes, 0.01, (0.9, 0.99)), rel=1e-4)
-    assert theta < 1.2 * _adam_path(spikes, 0.01, (0.9, 0.999))  # (both negative: it went further)
+    clamped = [min(g, 10.0) for g in spikes]
+    assert theta == pytest.approx(_adam_path(clamped, 0.01, (0.9, 0.999)), rel=1e-4)
+    assert theta < 3 * _adam_path(spikes, 0.01, (0.9, 0.999))  # (both negative: it went further)
