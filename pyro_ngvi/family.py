@@ -549,12 +549,13 @@ def _read_runs(guide, args: Sequence, kwargs: dict, model, elbo):
 
 def split_params(guide, params, args: Optional[Sequence] = None, kwargs: Optional[dict] = None,
                  warned: Optional[set] = None,
-                 model=None) -> Tuple[List[Site], List[torch.Tensor], List[torch.Tensor]]:
+                 model=None) -> Tuple[List[Site], List[torch.Tensor], List[torch.Tensor], List[torch.Tensor]]:
     """
     Split the tensors ``SVI.step`` hands an optimizer into the Gaussian sites of
     ``guide`` (:func:`guide_view`) whose ``loc`` is among them, and everything else
     (model parameters, params of guide parts that are not Gaussians), which a point
-    optimizer trains, and of those the params of guide parts that are not Gaussians; warns
+    optimizer trains, and of those the params of guide parts that are not Gaussians, and
+    of those the params of score-function sites (``NotGaussian.score_function``); warns
     (:func:`warn_not_gaussian`) about those parts. A site's scale need not be among ``params``: an ELBO that hands
     :math:`\\sigma` over in :class:`SiteCurvature` need not read it through ``pyro.param``
     (:class:`~pyro_ngvi.BayesianNet`'s fast path does not).
@@ -593,4 +594,6 @@ def split_params(guide, params, args: Optional[Sequence] = None, kwargs: Optiona
     used = {id(t) for site in sites for t in site.tensors}
     others = [p for p in params if id(p) not in used]
     in_parts = {id(store[name]) for part in view.others for name in part.params if name in store}
-    return sites, others, [p for p in others if id(p) in in_parts]
+    score = {id(store[name]) for part in view.others if part.score_function for name in part.params if name in store}
+    parts = [p for p in others if id(p) in in_parts]
+    return sites, others, parts, [p for p in parts if id(p) in score]

@@ -60,11 +60,15 @@ class NotGaussian:
     :param str site: the guide's sample site.
     :param str reason: why it is not read as a Gaussian.
     :param tuple params: the param-store names it trains.
+    :param bool score_function: whether the site is drawn without a reparameterised sample
+        (``has_rsample`` false) and not enumerated: its params' gradients are score-function
+        estimates, which the point optimizer does not clamp (:mod:`pyro_ngvi.point`).
     """
 
     site: str
     reason: str
     params: Tuple[str, ...]
+    score_function: bool = False
 
 
 # --------------------------------------------------------------------------- #
@@ -257,7 +261,8 @@ def read_trace(trace: poutine.Trace, claimed: Iterable[torch.Tensor] = (), store
             if param is not None and param not in params:
                 params.append(param)
         if params:
-            others.append(NotGaussian(name, reasons.get(name, "it depends on params"), tuple(sorted(params))))
+            score = not getattr(site["fn"], "has_rsample", True) and not site["infer"].get("enumerate")
+            others.append(NotGaussian(name, reasons.get(name, "it depends on params"), tuple(sorted(params)), score))
     unique = {id(blocks[name]): blocks[name] for name, _ in sites if name in blocks}  # (a joined block once)
     return list(unique.values()), others
 

@@ -145,7 +145,7 @@ class NGVI(PyroOptim):
         self.watch_elbo = True  #: the ELBO watch (pyro_ngvi.monitor) on; laplace's line search turns it off
         super().__init__(point_optim, check_point_optim(point_optim, point_optim_args))
         self._point_decay = point_optim is torch.optim.Adam and point_optim_args is None
-        self._guide_parts = WeakIdKeyDictionary()  # params of guide parts that are not Gaussians
+        self._guide_parts = WeakIdKeyDictionary()  # params of guide parts not Gaussians (True: score-function)
         self._low_rank_locs = LowRankLocs()  # AutoLowRankMultivariateNormal locs: Adam in sd units
         self.guide = _checked_guide(guide)
         self.num_steps = 0
@@ -242,7 +242,8 @@ class NGVI(PyroOptim):
                 self._point_checked[p] = True
         if self._point_decay:  # a low-rank guide's loc steps in units of its marginal sd, as it stood
             self._low_rank_locs.measure(others)
-            clamp_gradients(self._low_rank_locs.others(others))  # (as Pyro's ClippedAdam: pyro_ngvi.point)
+            clamp_gradients([p for p in self._low_rank_locs.others(others)  # (as Pyro's ClippedAdam, not a
+                             if not self._guide_parts.get(p, False)])  # score-function estimate: pyro_ngvi.point)
         super().__call__(others, *args, **kwargs)
 
     def _point_args(self, p: torch.Tensor) -> Dict:
@@ -280,8 +281,9 @@ class NGVI(PyroOptim):
         if plan is not None and all(still_stored(site, store) for site in plan.sites):
             plan.reweigh(guide)  # (poutine.scale factors may change between steps: KL annealing)
             return plan
-        sites, others, parts = _unfrozen(*split_params(guide, params))
-        self._guide_parts.update((p, True) for p in parts)
+        sites, others, parts, score = _unfrozen(*split_params(guide, params))
+        scored = {id(p) for p in score}
+        self._guide_parts.update((p, id(p) in scored) for p in parts)  # (True: a score-function site's)
         self._low_rank_locs.note(guide_parts(guide))
         # plans whose tensors left the param store (pyro.clear_param_store()) leave no trace
         self._plans = {k: p for k, p in self._plans.items() if all(still_stored(s, store) for s in p.sites)}
@@ -420,7 +422,7 @@ def _guide_of(given, svi=None):
     return svi.guide
 
 
-def _unfrozen(sites, others, parts):
+def _unfrozen(sites, others, parts, score):
     """``split_params``' answer with the sites of which a tensor is frozen (``requires_grad_(False)``)
     taken out, as torch's optimizers leave a tensor without a gradient: one frozen whole stays as it
     is, and of one frozen in part (its scale, say) the rest is a guide part's param, which the point
@@ -428,7 +430,7 @@ def _unfrozen(sites, others, parts):
     frozen in an ``AutoGuideList`` stopped the training of the others, which Pyro's Adam trains."""
     frozen = [site for site in sites if not all(t.requires_grad for t in site.tensors)]
     if not frozen:
-        return sites, others, parts
+        return sites, others, parts, score
     out = {id(site) for site in frozen}
     rest = [t for site in frozen for t in site.tensors if t.requires_grad]
     partly = [site.name for site in frozen if any(t.requires_grad for t in site.tensors)]
@@ -437,7 +439,7 @@ def _unfrozen(sites, others, parts):
                       "(requires_grad_(False)): NGVI's natural-gradient step moves a site's mean and scale "
                       "together, so their other params are trained by the point optimizer (Adam, as a guide "
                       "part's), which is slower. Freeze all of a site's params or none.", NGVIWarning, stacklevel=5)
-    return [site for site in sites if id(site) not in out], others + rest, parts + rest
+    return [site for site in sites if id(site) not in out], others + rest, parts + rest, score
 
 
 def _checked_guide(guide):

@@ -14,6 +14,7 @@ import pyro
 import pyro.distributions as dist
 from pyro import poutine
 from pyro.distributions import constraints
+from pyro.distributions.testing import fakes
 from pyro.infer import SVI, Trace_ELBO, TraceEnum_ELBO
 from pyro.infer.autoguide import (
     AutoCallable,
@@ -609,6 +610,57 @@ def test_an_autodelta_with_sites_named_loc_and_scale_trains_exactly_as_with_adam
     assert not torch.equal(results[0]["AutoDelta.loc"], torch.tensor(0.0))
 
 
+def beta_bernoulli(y):
+    p = pyro.sample("p", dist.Beta(1.0, 1.0))
+    with pyro.plate("data", len(y)):
+        pyro.sample("obs", dist.Bernoulli(p), obs=y)
+
+
+def score_function_guide(y):
+    a = pyro.param("a", torch.tensor(2.0), constraint=constraints.positive)
+    b = pyro.param("b", torch.tensor(2.0), constraint=constraints.positive)
+    pyro.sample("p", fakes.NonreparameterizedBeta(a, b))
+
+
+def test_a_score_function_sites_params_train_as_with_unclipped_adam():
+    """A guide site drawn without rsample gives its params score-function gradients, whose clamp at
+    +-10 would bias them: the point optimizer trains them step for step as Pyro's plain Adam with
+    the default's decaying step size (ClippedAdam, which the old code matched, ends elsewhere)."""
+    y = torch.cat([torch.ones(70), torch.zeros(30)])
+    ends = []
+    for optimizer, args in ((None, None), (torch.optim.Adam, {}),
+                            (pyro.optim.clipped_adam.ClippedAdam, {"clip_norm": 10.0, "lrd": 1.0})):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        optim = NGVI() if optimizer is None else pyro.optim.LambdaLR(
+            {"optimizer": optimizer, "optim_args": {"lr": 0.05, "betas": (0.9, 0.999), **args},
+             "lr_lambda": lambda t: 1.0 / (1.0 + t / 50.0)})
+        svi = SVI(beta_bernoulli, score_function_guide, optim, Trace_ELBO())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", NotGaussianWarning)
+            for _ in range(30):
+                svi.step(y)
+                if optimizer is not None:
+                    optim.step()
+        ends.append(torch.stack([pyro.param("a"), pyro.param("b")]).detach())
+    torch.testing.assert_close(ends[0], ends[1], rtol=1e-6, atol=0.0)
+    assert (ends[0] - ends[2]).abs().max() > 0.05  # (the clamp engaged: the two differ)
+    trace = poutine.trace(score_function_guide).get_trace(y)
+    _, (part,) = read_trace(trace)
+    assert part.score_function and part.params == ("a", "b")
+
+
+def test_an_enumerated_or_reparameterised_guide_site_is_no_score_function():
+    def guide():
+        pyro.sample("z", dist.Bernoulli(pyro.param("q", torch.tensor(0.3), constraint=constraints.unit_interval)),
+                    infer={"enumerate": "parallel"})
+        pyro.sample("g", dist.Gamma(pyro.param("c", torch.tensor(2.0), constraint=constraints.positive), 1.0))
+        pyro.sample("d", dist.Bernoulli(pyro.param("r", torch.tensor(0.3), constraint=constraints.unit_interval)))
+
+    parts = {part.site: part.score_function for part in read_trace(poutine.trace(guide).get_trace())[1]}
+    assert parts == {"z": False, "g": False, "d": True}
+
+
 def test_a_models_own_param_named_loc_is_not_a_gaussian():
     def model(y):
         loc = pyro.param("loc", torch.tensor(0.0))
@@ -624,7 +676,7 @@ def test_a_models_own_param_named_loc_is_not_a_gaussian():
     svi = SVI(model, guide, NGVI(), Trace_ELBO())
     svi.step(y)
     params = [pyro.get_param_store()._params[n] for n in ("loc", "q_m", "q_s")]
-    sites, others, _ = split_params(guide, params, (y,), {})
+    sites, others, _, _ = split_params(guide, params, (y,), {})
     assert [s.name for s in sites] == ["w"] and sites[0].loc is params[1]
     assert [id(p) for p in others] == [id(params[0])]
 
