@@ -64,12 +64,12 @@ def take_step(optim, config: Config, request: Request) -> bool:
     """
     plan, states, stats, others, learned, svi = request[:6]
     sites, mean_field, dense_sites = plan.sites, plan.mean_field, plan.dense_sites
-    objective = next((s.objective for s in stats.values()
-                      if isinstance(s, SiteCurvature) and s.objective is not None), None)
+    evaluation = next((s for s in stats.values() if isinstance(s, SiteCurvature) and s.objective is not None), None)
+    objective, arguments = (None, None) if evaluation is None else (evaluation.objective, evaluation.arguments)
     # 1. F compares guide steps only: not while other parameters move with them
     guarded = (config.safeguard and objective is not None and not callable(config.lr) and not learned
                and not any(p.grad is not None for p in others))
-    if guarded and plan.newton.rejects(mean_field, objective, optim.num_steps):
+    if guarded and plan.newton.rejects(mean_field, objective, optim.num_steps, arguments):
         optim.num_rejected_steps += 1
         for site in sites:
             request.state_of(site).momentum = None
@@ -119,7 +119,7 @@ def take_step(optim, config: Config, request: Request) -> bool:
     # 6. the writes
     request.point_step(others)  # before any guide write: it may still fail
     if guarded:  # the point to come back to
-        plan.newton.keep(mean_field, objective)
+        plan.newton.keep(mean_field, objective, arguments)
     coupled_start = None if cross is None else start_of(cross.sites, plan.subsampling)
     new_scales = {}  # sigma after the update, for the prior M-step
     for group, st, (grad, curvature) in zip(groups, group_stats, flats):

@@ -88,6 +88,9 @@ class SiteCurvature:
         :math:`F(\\mu) = -\\log p(x, T(\\mu)) - \\log|\\det J_T(\\mu)|` there (the same
         for every site of the evaluation), whose Newton step the update is; NGVI's
         step safeguard compares it between steps. ``None`` otherwise.
+    :param list arguments: what ``objective`` was evaluated on, the model and its arguments
+        (:func:`~pyro_ngvi.safeguards.evaluated_on`): the safeguard compares values of
+        :math:`F` on the same ones only. ``None``: not known (compared).
     :param int num_data: set when ``grad`` and ``curvature`` are minibatch
         estimates of sums over ``num_data`` examples (a
         :class:`~pyro_ngvi.BayesianNet`'s): :class:`~pyro_ngvi.NGVI` then resolves
@@ -134,6 +137,7 @@ class SiteCurvature:
     eps_mean: Optional[torch.Tensor] = None
     eps_sq_mean: Optional[torch.Tensor] = None
     objective: Optional[float] = None
+    arguments: Optional[list] = None
     num_data: Optional[int] = None
     min_precision: Optional[torch.Tensor] = None
     loss: Optional[torch.Tensor] = None

@@ -290,6 +290,56 @@ def warn_dense_stall(site, state) -> None:
             "curvature (CurvatureELBO('hessian')).", NGVIWarning, stacklevel=5)
 
 
+def evaluated_on(model, args, kwargs) -> list:
+    """What an evaluation of :math:`F` at the mean was made on, for :class:`NewtonGuard` to tell
+    whether two values of :math:`F` are of one function: the model and its arguments, flattened
+    through lists, tuples and dicts, each tensor with its version counter (an in-place write
+    bumps it). Kept by reference: a later minibatch cannot reuse a freed tensor's identity."""
+    leaves = []
+
+    def walk(x):
+        if torch.is_tensor(x):
+            leaves.append((x, x._version))
+        elif isinstance(x, (list, tuple)):
+            leaves.append((type(x), len(x)))
+            for v in x:
+                walk(v)
+        elif isinstance(x, dict):
+            leaves.append((dict, len(x)))
+            for k, v in x.items():
+                leaves.append((k, None))
+                walk(v)
+        else:
+            leaves.append((x, None))
+
+    walk((model, args, sorted(kwargs.items(), key=lambda item: item[0])))
+    return leaves
+
+
+def same_evaluation(saved: Optional[list], new: Optional[list]) -> bool:
+    """Whether :func:`evaluated_on` records ``saved`` and ``new`` are of the same :math:`F` (unknown,
+    ``None``: taken as the same): the same model and arguments, a tensor either the same one at
+    the same version or another one with equal values; other objects the same one or equal."""
+    if saved is None or new is None:
+        return True
+    if len(saved) != len(new):
+        return False
+    for (a, version), (b, _) in zip(saved, new):
+        if torch.is_tensor(a) and torch.is_tensor(b):
+            if a is b:
+                if a._version != version:
+                    return False
+            elif a.shape != b.shape or a.dtype != b.dtype or a.device != b.device or not torch.equal(a, b):
+                return False
+        elif a is not b:
+            try:
+                if type(a) is not type(b) or bool(a != b):
+                    return False
+            except Exception:  # (a comparison that is no bool: an array)
+                return False
+    return True
+
+
 class NewtonGuard:
     """
     Accept-or-damp for steps whose statistics were evaluated at the mean (a
@@ -306,11 +356,18 @@ class NewtonGuard:
     (:math:`f = 1`) that decreases :math:`F` passes untouched, so ``lr = beta = 1``
     with exact curvature is still one Newton step where that step is good.
 
+    :math:`F` is compared only between evaluations of the same model on the same arguments
+    (:func:`same_evaluation`): on other data (a minibatch passed without a subsampling
+    plate, a batch of another size, the next task) :math:`F` is another function, whose value
+    says nothing of the last step, which is then kept and :math:`F` there becomes the reference
+    (steps on 5, 20 and 12 rows in turn were each undone before, on the ground that the sum over
+    more rows is larger: the guide stayed at its initial point).
+
     [1] `Damping Parameter in Marquardt's Method`, Hans Bruun Nielsen (IMM-REP-1999-05,
         Technical University of Denmark, 1999)
     """
 
-    __slots__ = ("factor", "nu", "reference", "saved", "predicted", "rejected")
+    __slots__ = ("factor", "nu", "reference", "saved", "predicted", "rejected", "arguments")
 
     def __init__(self):
         self.factor, self.nu = 1.0, 2.0
@@ -318,14 +375,16 @@ class NewtonGuard:
         self.saved: List = []  # (site, loc, raw scale) before the last step
         self.predicted = 0.0
         self.rejected = 0
+        self.arguments: Optional[list] = None  # what F at the saved point was evaluated on (None: unknown)
 
     def _same_sites(self, sites) -> bool:
         return len(self.saved) == len(sites) and all(
             s.loc is site.loc and s.raw_scale is site.raw_scale for (s, _, _), site in zip(self.saved, sites))
 
-    def rejects(self, sites, objective: float, step: int) -> bool:
-        """Undo the last step if ``objective`` (F at its result) is worse than before it."""
-        if self.reference is None or not self._same_sites(sites):
+    def rejects(self, sites, objective: float, step: int, arguments: Optional[list] = None) -> bool:
+        """Undo the last step if ``objective`` (F at its result, evaluated on ``arguments``:
+        :func:`evaluated_on`) is worse than before it, on the same arguments."""
+        if self.reference is None or not self._same_sites(sites) or not same_evaluation(self.arguments, arguments):
             return False
         # a rise within the round-off of F in the sites' dtype is none (float32 sums of many terms)
         rounding = max((16 * torch.finfo(site.loc.dtype).eps for site in sites), default=0.0)
@@ -378,12 +437,13 @@ class NewtonGuard:
             return False
         self.factor, self.nu, self.reference = entry["factor"], entry["nu"], entry["reference"]
         self.predicted, self.rejected = entry["predicted"], entry["rejected"]
+        self.arguments = None  # (not kept: compared as the uninterrupted run compared them)
         self.saved = [(site, loc.to(site.loc).clone(), raw.to(site.raw_scale).clone())
                       for site, (loc, raw) in zip(sites, saved.values())]
         return True
 
-    def keep(self, sites, objective: float) -> None:
-        """Remember the point the coming step starts from, and F there."""
+    def keep(self, sites, objective: float, arguments: Optional[list] = None) -> None:
+        """Remember the point the coming step starts from, and F there (evaluated on ``arguments``)."""
         with torch.no_grad():
             if self._same_sites(sites):
                 for site, loc, raw_scale in self.saved:
@@ -393,3 +453,4 @@ class NewtonGuard:
                 self.saved = [(site, site.loc.detach().clone(), site.raw_scale.detach().clone())
                               for site in sites]
         self.reference = objective
+        self.arguments = arguments

@@ -5,9 +5,13 @@ import torch
 
 import pyro
 
-from pyro_ngvi import NGVIWarning
+import pyro.distributions as dist
+from pyro.infer import SVI
+from pyro.infer.autoguide import AutoNormal
+
+from pyro_ngvi import NGVI, CurvatureELBO, NGVIWarning
 from pyro_ngvi.family import GaussianSite
-from pyro_ngvi.safeguards import NewtonGuard, clamp_precision_, finite
+from pyro_ngvi.safeguards import NewtonGuard, clamp_precision_, evaluated_on, finite
 
 
 def make_site(name, value, dtype):
@@ -213,3 +217,58 @@ def test_a_full_covariance_mean_that_stalls_far_from_the_posterior_is_reported()
     assert off > 50 and len(stalls) == 1 and "'AutoMultivariateNormal'" in str(stalls[0].message)
     off, stalls = run(0, 100.0, 400)  # the same start, converged: no warning
     assert off < 0.5 and not stalls
+
+
+def normal_mean(data):
+    mu = pyro.sample("mu", dist.Normal(0.0, 2.0))
+    with pyro.plate("data", len(data)):
+        pyro.sample("obs", dist.Normal(mu, 1.0), obs=data)
+
+
+def test_the_newton_guard_compares_f_only_on_the_same_data():
+    """F at the mean is a sum over the rows given: a step on 20 rows after one on 5 'raised' it
+    from 13.1 to 79.3, and every step on more rows than the last was undone (and the one before
+    with it): after 100 steps on 5, 20 and 12 rows in turn and 300 on all 20, the guide was still
+    at its start (mean 0, sd 0.1; the posterior's 2.318, 0.222). F on other data is not compared:
+    no step is undone, and the steps on all the data land on the closed-form posterior."""
+    data = torch.randn(20, generator=torch.Generator().manual_seed(0)) + 2.0
+    guide, optim = AutoNormal(normal_mean), NGVI()
+    svi = SVI(normal_mean, guide, optim, CurvatureELBO("hessian", deterministic=True))
+    for step in range(30):
+        svi.step(data[:(5, 20, 12)[step % 3]])
+    assert optim.num_rejected_steps == 0
+    for _ in range(30):
+        svi.step(data)
+    precision = 0.25 + len(data)
+    torch.testing.assert_close(guide.locs.mu.detach(), data.sum() / precision, rtol=1e-5, atol=0)
+    torch.testing.assert_close(guide.scales.mu.detach(), torch.tensor(precision ** -0.5), rtol=1e-5, atol=0)
+
+
+def test_the_newton_guard_takes_equal_data_as_the_same_and_a_written_tensor_as_other():
+    """Arguments are the same F where they are the same tensors, unwritten since, or equal copies
+    (data made anew each step); a tensor written in place since, or other rows, are other data."""
+    site = make_site("w", [1.0, 2.0], torch.float32)
+    x = torch.arange(6.0)
+    cases = [((x.clone(),), True),          # an equal copy: compared, and the rise undone
+             ((x[:3],), False),             # fewer rows: another F, the step kept
+             ((x,), True)]                  # the same tensor, unwritten
+    for args, compared in cases:
+        guard = NewtonGuard()
+        guard.keep([site], 10.0, evaluated_on(normal_mean, (x,), {"n": 2}))
+        with torch.no_grad():
+            site.loc.add_(1.0)
+        moved = site.loc.detach().clone()
+        if compared:
+            with pytest.warns(NGVIWarning, match="undid step"):
+                assert guard.rejects([site], 11.0, 1, evaluated_on(normal_mean, args, {"n": 2}))
+            assert torch.equal(site.loc, moved - 1.0)
+        else:
+            assert not guard.rejects([site], 11.0, 1, evaluated_on(normal_mean, args, {"n": 2}))
+            assert torch.equal(site.loc, moved)
+    guard = NewtonGuard()
+    guard.keep([site], 10.0, evaluated_on(normal_mean, (x,), {"n": 2}))
+    x.add_(1.0)  # written in place: other data
+    assert not guard.rejects([site], 11.0, 1, evaluated_on(normal_mean, (x,), {"n": 2}))
+    assert not guard.rejects([site], 11.0, 1, evaluated_on(normal_mean, (x,), {"n": 3}))  # another kwarg
+    guard.keep([site], 10.0, evaluated_on(normal_mean, (x,), {"n": 2}))
+    assert not guard.rejects([site], 11.0, 1, evaluated_on(lambda data: None, (x,), {"n": 2}))  # another model

@@ -19,6 +19,7 @@ import torch
 import pyro
 
 from ..family import SiteCurvature, attach_curvature
+from ..safeguards import evaluated_on
 from .learned_priors import without_shared_priors
 from .particle import particle
 from .protocol import statistics_hints
@@ -78,6 +79,7 @@ def mean_field_loss_and_grads(elbo, model, guide, args, kwargs) -> float:
                 particles=draws,
                 # deterministic (one draw, at the mean): the merit of NGVI's Newton safeguard
                 objective=objective[0] if objective else None,
+                arguments=evaluated_on(model, args, kwargs) if objective else None,
                 loss=loss,
                 **hints(name, elbo.deterministic),
             ),
