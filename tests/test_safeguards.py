@@ -243,6 +243,17 @@ def test_the_newton_guard_compares_f_only_on_the_same_data():
     torch.testing.assert_close(guide.locs.mu.detach(), data.sum() / precision, rtol=1e-5, atol=0)
     torch.testing.assert_close(guide.scales.mu.detach(), torch.tensor(precision ** -0.5), rtol=1e-5, atol=0)
 
+    # equal halves, each standing for all the data (poutine.scale): half the steps were undone
+    # before, and the guide never left its start (mean 0.0 after 200 steps)
+    pyro.clear_param_store()
+    halves = pyro.poutine.scale(normal_mean, scale=2.0)
+    guide, optim = AutoNormal(halves), NGVI()
+    svi = SVI(halves, guide, optim, CurvatureELBO("hessian", deterministic=True))
+    for step in range(20):
+        svi.step(data[:10] if step % 2 else data[10:])
+    assert optim.num_rejected_steps == 0
+    assert abs(guide.locs.mu.item() - data.sum().item() / precision) < 1.0
+
 
 def test_the_newton_guard_takes_equal_data_as_the_same_and_a_written_tensor_as_other():
     """Arguments are the same F where they are the same tensors, unwritten since, or equal copies
