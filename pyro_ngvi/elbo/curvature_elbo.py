@@ -171,7 +171,7 @@ class CurvatureELBO(ELBO):
                 "the guide and train nothing. Use NGVI, or Trace_ELBO with this optimizer."
             )
         with handing_over():
-            step = own_step(model, self.curvature, self.antithetic)
+            step = own_step(model, self.curvature, self.antithetic, guide)
             if step is not None:
                 loss = step(guide, *args, curvature=self.curvature, num_particles=self.num_particles,
                             deterministic=self.deterministic, mc_samples=self.mc_samples, **kwargs)

@@ -7,6 +7,8 @@ what class a model is.
 tracing says so:
 
 - ``model.curvature_sources``: the sources it serves (a tuple of names);
+- ``model.serves_guide(guide)`` (optional): whether its fast path takes this guide
+  (``False``: the traced path serves it, as any model's; default: every guide);
 - ``model.curvature_step(guide, *args, curvature=, num_particles=,
   deterministic=, mc_samples=, **kwargs)``: does what
   :meth:`~pyro_ngvi.CurvatureELBO.loss_and_grads` does (attach a
@@ -35,10 +37,12 @@ from typing import Callable, Dict, Optional
 from ..family import begin_handover, end_handover
 
 
-def own_step(model, curvature: str, antithetic: bool) -> Optional[Callable]:
-    """``model.curvature_step`` when the model serves ``curvature`` itself (and the
-    draws are not antithetic pairs, which only the traced path makes), else ``None``."""
-    if curvature in getattr(model, "curvature_sources", ()) and not antithetic:
+def own_step(model, curvature: str, antithetic: bool, guide=None) -> Optional[Callable]:
+    """``model.curvature_step`` when the model serves ``curvature`` and ``guide`` itself (and
+    the draws are not antithetic pairs, which only the traced path makes), else ``None``."""
+    serves_guide = getattr(model, "serves_guide", None)
+    if (curvature in getattr(model, "curvature_sources", ()) and not antithetic
+            and (serves_guide is None or serves_guide(guide))):
         return model.curvature_step
     return None
 

@@ -250,13 +250,19 @@ class BackpackStep(BackpackTwin):
             )
         if y is None:
             raise ValueError("curvature_step needs the targets y")
-        if not hasattr(guide, "_get_loc_and_scale") or not hasattr(guide, "prototype_trace"):
+        if not serves(guide):
             raise NotImplementedError(
                 f"The BayesianNet fast path needs an AutoNormal guide (or a KroneckerNormal), got "
                 f"{type(guide).__name__}. For another guide, CurvatureELBO's traced path computes the "
-                "statistics by autograd: give SVI a wrapper, model = lambda x, y=None: bnn(x, y), with "
-                "model.statistics_hints = bnn.statistics_hints (the recipe's defaults and noise limit)"
+                "statistics by autograd: SVI(bnn, guide, NGVI(), CurvatureELBO(...)) takes it by itself"
             )
+
+
+def serves(guide) -> bool:
+    """Whether the fast path takes ``guide``: an AutoNormal (or a KroneckerNormal), whose
+    locs and scales it reads per site."""
+    return isinstance(guide, KroneckerNormal) or (hasattr(guide, "_get_loc_and_scale")
+                                                  and hasattr(guide, "prototype_trace"))
 
 
 class FastPath:
@@ -268,6 +274,12 @@ class FastPath:
 
     #: Curvature sources :meth:`curvature_step` supports.
     curvature_sources = BackpackStep.sources
+
+    def serves_guide(self, guide) -> bool:
+        """Whether :meth:`curvature_step` takes ``guide`` (an AutoNormal or a KroneckerNormal);
+        :class:`~pyro_ngvi.CurvatureELBO` traces the model for any other (e.g. an
+        ``AutoMultivariateNormal``, which ``laplace(..., covariance="full")`` makes)."""
+        return serves(guide)
 
     def curvature_step(
         self,
