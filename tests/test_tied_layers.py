@@ -50,3 +50,31 @@ def test_backpack_sources_refuse_a_layer_called_twice(source):
     with pytest.raises(NotImplementedError, match="more than once.*reparam"):
         svi.step(x, y)
     assert all(isinstance(p, nn.Parameter) for p in net.parameters())
+
+
+class CalledTwice(nn.Module):
+    """A network of a class of its own whose forward calls one layer twice."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.block, self.head = nn.Linear(4, 4), nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.block(torch.tanh(self.block(x)))))
+
+
+@pytest.mark.parametrize("source", ["ggn", "ggn_mc"])
+def test_second_order_sources_name_a_layer_called_twice_in_a_forward_of_its_own(source):
+    """The forward of a class of its own reaches BackPACK as a torch.fx graph; with a layer called
+    twice BackPACK's converter refuses it ('Cycle with parameters detected ... used 2 times'), and the
+    refusal said only 'does not have an extension for Module CalledTwice', as if the container were
+    an unknown layer: it now cites the converter's reason."""
+    bnn = BayesianNet(CalledTwice(), "gaussian", num_data=32, noise_scale=0.5)
+    x, y = data()
+    svi = SVI(bnn, bnn.guide(), NGVI(), CurvatureELBO(source))
+    with pytest.raises(NotImplementedError, match=r"did not become a graph of its layers.*used 2 times.*'reparam'"):
+        svi.step(x, y)
+    pyro.clear_param_store()
+    svi = SVI(bnn, bnn.guide(), NGVI(), CurvatureELBO("reparam"))  # (what it names trains)
+    assert torch.isfinite(torch.tensor(svi.step(x, y)))

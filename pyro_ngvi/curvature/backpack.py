@@ -256,9 +256,13 @@ def network_curvature(
                         instead = f"a KroneckerNormal guide needs them: train an AutoNormal guide with {instead}"
                     else:
                         instead = f"use {instead}"
+                    why = str(error)
+                    unconverted = getattr(net, "backpack_conversion_error", None)  # (twin.py: a container as it is)
+                    if unconverted is not None:
+                        why += f": its forward did not become a graph of its layers for BackPACK, {unconverted}"
                     raise NotImplementedError(
                         f"the {source!r} curvature needs BackPACK's {type(extension).__name__} for every "
-                        f"module of this network and its loss, and BackPACK has none here ({error}); {instead}."
+                        f"module of this network and its loss, and BackPACK has none here ({why}); {instead}."
                     ) from error
                 except AttributeError as error:  # (a module called twice: BackPACK kept one call's tensors)
                     if not any(f"attribute '{name}'" in str(error) for name in ("output", "input0")):

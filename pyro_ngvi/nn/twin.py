@@ -99,7 +99,9 @@ def _extended(twin: nn.Module) -> nn.Module:
     layer by layer, as through an ``nn.Sequential``. The graph is the ``forward`` traced once: what
     it does in Python besides tensor operations (a branch on ``self.training``, a counter) is read at
     that trace, in training mode. A ``forward`` that ``torch.fx`` cannot trace (control flow on
-    values) stays as it is: then only sources that need no pass through the container run."""
+    values, a layer called twice) stays as it is: then only sources that need no pass through the
+    container run, and the converter's reason is kept as ``backpack_conversion_error`` (what the
+    refusal of the others cites)."""
     if (type(twin).__module__.startswith("torch.") or isinstance(twin, nn.Sequential)
             or not any(True for _ in twin.children())):
         return extend(twin)
@@ -107,7 +109,8 @@ def _extended(twin: nn.Module) -> nn.Module:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             converted = extend(activations_as_modules(torch.fx.symbolic_trace(twin)), use_converter=True)
-    except Exception:  # (a forward torch.fx cannot trace)
+    except Exception as error:  # (a forward torch.fx cannot trace, a layer called twice)
+        twin.backpack_conversion_error = f"{type(error).__name__}: {error}"
         return extend(twin)
     return extend(twin) if _sums_a_number(converted) else converted
 
