@@ -189,7 +189,7 @@ def predictive_probs_from_logits(logits) -> torch.Tensor:
     .. math:: \\bar p_{nk} = \\frac{1}{S} \\sum_s \\mathrm{softmax}(f^{(s)}_n)_k.
 
     Binary logits of shape ``(S, N)`` (log-odds of class 1) use the sigmoid and
-    give ``(N, 2)`` as in :func:`predictive_probs`.
+    give ``(N, 2)`` as in :func:`predictive_probs`; ``(S, N, 1)`` is refused (one class).
 
     :param torch.Tensor logits: logit samples, ``(S, N, K)`` or ``(S, N)``.
     :returns: mean probabilities, ``(N, K)`` or ``(N, 2)``.
@@ -199,6 +199,9 @@ def predictive_probs_from_logits(logits) -> torch.Tensor:
     if logits.dim() == 2:
         p1 = torch.sigmoid(logits).mean(0)
         return torch.stack([1 - p1, p1], dim=-1)
+    if logits.shape[-1] == 1:  # (a softmax over one class is 1 whatever the logit)
+        raise ValueError(f"logits of shape {tuple(logits.shape)} hold one class; binary log-odds are (S, N): "
+                         "logits.squeeze(-1)")
     if bool(torch.isneginf(logits).all(-1).any()):  # (its softmax is NaN)
         raise ValueError("logits must not be -inf for every class of an example (no class has a probability)")
     return torch.softmax(logits, dim=-1).mean(0)
@@ -501,9 +504,7 @@ def gaussian_log_likelihood(
     :rtype: torch.Tensor
     """
     loc_samples, y = _check_regression(loc_samples, y, "loc_samples")
-    scale = torch.as_tensor(
-        scale, dtype=loc_samples.dtype, device=loc_samples.device
-    )
+    scale = torch.as_tensor(scale, dtype=loc_samples.dtype, device=loc_samples.device)
     try:
         shape = torch.broadcast_shapes(scale.shape, loc_samples.shape)
     except RuntimeError:

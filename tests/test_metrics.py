@@ -353,6 +353,17 @@ def test_predictive_probs_from_logits_rejects_wrong_rank():
         predictive_probs_from_logits(torch.zeros(3))
 
 
+def test_one_logit_per_example_is_refused_and_named_not_read_as_one_certain_class():
+    """(S, N, 1) logits (a Linear(D, 1) head's Bernoulli log-odds, unsqueezed) gave probabilities of
+    1.0 for every example (a softmax over one class): predictive_entropy 0 and ood_auroc 0.5 whatever
+    the logits; they are refused now, and the squeezed logits give the sigmoid's mean."""
+    logits = torch.tensor([[[2.0], [-1.0]], [[0.0], [3.0]]])
+    with pytest.raises(ValueError, match=r"^logits of shape \(2, 2, 1\) hold one class.*squeeze\(-1\)"):
+        predictive_probs_from_logits(logits)
+    p1 = torch.sigmoid(logits.squeeze(-1)).mean(0)
+    assert torch.allclose(predictive_probs_from_logits(logits.squeeze(-1)), torch.stack([1 - p1, p1], -1))
+
+
 def test_gaussian_log_likelihood_rejects_invalid_inputs():
     loc = torch.zeros(2, 3)
     with pytest.raises(ValueError, match=r"^y must have shape \(3,\)"):
