@@ -91,10 +91,9 @@ from pyro.infer import SVI
 from pyro.infer.autoguide import AutoMultivariateNormal, AutoNormal
 from pyro.infer.autoguide.initialization import init_to_feasible
 
-from .curvature import check_source
+from .curvature import check_source, refuse_random_modules
 from .elbo import CurvatureELBO
-from .family import FullCovarianceSite, GaussianSite, _full_covariance_site, _is_automultivariatenormal
-from .family import pop_curvature
+from .family import FullCovarianceSite, GaussianSite, _full_covariance_site, _is_automultivariatenormal, pop_curvature
 from .optim import NGVI
 from .policies import check_schedule, positive_numbers
 
@@ -239,10 +238,11 @@ def laplace(
         a given ``guide`` decides it by its type (an ``AutoNormal`` refuses ``"full"``; default: ``"diagonal"``).
     :param kwargs: the model's keyword arguments.
     :returns: a :class:`LaplaceResult`.
-    :raises ValueError: for ``curvature="reparam"`` (a sampling estimate), or a
-        non-positive or non-finite precision at the mode.
+    :raises ValueError: for ``curvature="reparam"`` (a sampling estimate), a model (an ``nn.Module``)
+        with ``Dropout`` in training mode (a random log joint), or a non-positive or non-finite precision at the mode.
     """
     check_source(curvature)
+    refuse_random_modules(model, "laplace")
     if curvature == "reparam":
         raise ValueError(
             "laplace needs curvature evaluated at the mean: use 'hessian', 'ggn' or 'ef' "

@@ -42,3 +42,19 @@ def check_source(curvature: str) -> str:
         listing = "; ".join(f"'{k}': {v}" for k, v in SOURCES.items())
         raise ValueError(f"curvature must be one of {list(SOURCES)}, got {curvature!r}. Sources: {listing}")
     return curvature
+
+
+def refuse_random_modules(model, caller: str) -> None:
+    """Raise a ValueError naming ``model``'s modules that draw noise in training mode (``Dropout``
+    of any kind with :math:`p > 0`), for a ``caller`` that evaluates the model's density
+    :math:`p(\\mathcal{D}, w)` at given weights as a function of them (the Laplace search): with
+    them the function is random, and a line search on it halves its step to nothing."""
+    from torch import nn
+
+    found = [name or type(module).__name__ for name, module in model.named_modules()
+             if isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p > 0
+             ] if isinstance(model, nn.Module) else []
+    if found:
+        raise ValueError(f"{caller}: the model runs {', '.join(found)} (Dropout) in training mode, so its log "
+                         "joint at the mean is random and has no mode to find; call model.eval() first (BatchNorm "
+                         "then reads its running statistics) or put only the Dropout modules in eval mode")
