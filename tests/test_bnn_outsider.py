@@ -101,3 +101,27 @@ def test_laplace_refuses_dropout_in_training_mode_and_in_eval_mode_is_the_net_wi
     with_dropout, without = fit(dropout=True, train=False), fit(dropout=False, train=True)
     assert with_dropout.converged and without.converged
     assert with_dropout.log_evidence == pytest.approx(without.log_evidence, abs=1e-9)
+
+
+def test_share_at_the_noise_limit_refuses_a_tolerance_of_one_or_more_and_other_guides():
+    """share_at_noise_limit compared sigma^2 / cap^2 with (1 - tolerance)^2: a tolerance of 2 (every
+    sigma within it) counted as one of 0 and gave 0.0 where 1.0 was meant. Tolerances outside (0, 1)
+    are refused now, and so are guides it cannot read (a KroneckerNormal raised AttributeError)."""
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 4, generator=generator), torch.randint(0, 3, (32,), generator=generator)
+    bnn = BayesianNet(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)), "categorical", num_data=32)
+    guide = bnn.guide()
+    svi = SVI(bnn, guide, NGVI(), CurvatureELBO("ggn"))
+    for _ in range(3):
+        svi.step(x, y)
+    at = total = 0
+    for site in bnn.latent_sites:
+        scale, cap = guide._get_loc_and_scale(site)[1].detach(), bnn.max_scale(site)
+        at, total = at + int((scale >= 0.5 * cap).sum()), total + scale.numel()
+    assert 0 < at < total
+    assert bnn.share_at_noise_limit(guide, tolerance=0.5) == pytest.approx(at / total, abs=1e-12)
+    for bad in (1.0, 2.0):
+        with pytest.raises(ValueError, match=r"tolerance must lie in \(0, 1\)"):
+            bnn.share_at_noise_limit(guide, tolerance=bad)
+    with pytest.raises(TypeError, match="guide must be this net's mean-field guide"):
+        bnn.share_at_noise_limit(AutoMultivariateNormal(bnn))

@@ -174,8 +174,18 @@ class NoiseLimit:
         \\,\\lambda_{\\min}^{-1/2}` (``nan`` without a limit). Near 1, the family is a point
         estimate with fixed jitter: its spread is the limit's, not what the data left uncertain,
         and longer training can over-fit as a MAP network does (the small-data pages of the docs).
+
+        :param guide: this net's trained :meth:`guide` (an AutoNormal).
+        :param float tolerance: in :math:`(0, 1)` (default: 0.01).
         """
         tolerance = positive_finite("tolerance", tolerance)
+        if tolerance >= 1:  # ((1 - tolerance)^2 below: a tolerance of 2 counted as one of 0)
+            raise ValueError(f"tolerance must lie in (0, 1), got {tolerance!r}")
+        if not hasattr(guide, "_get_loc_and_scale"):
+            raise TypeError(f"guide must be this net's mean-field guide (bnn.guide(), an AutoNormal), got "
+                            f"{type(guide).__name__}: the noise limit binds the mean-field family only")
+        if not hasattr(guide, "locs"):
+            raise ValueError("guide has not run yet: take a step (or call guide(x, y)) first")
         means_scales = [guide._get_loc_and_scale(site) for site in self.latent_sites]
         floors = (self._mean_floor([mean for mean, _ in means_scales]) if self.noise_limit_mode == "mean"
                   else self._noise_floor())
