@@ -16,7 +16,7 @@ linear-Gaussian model, training task by task ends on the posterior of all data.
     https://arxiv.org/abs/1710.10628
 """
 
-from typing import Callable, Dict, List
+from typing import Callable, Dict, Iterable, List
 
 import torch
 from torch.distributions import biject_to
@@ -96,6 +96,8 @@ def posterior_as_prior(guide, sites=None) -> Dict[str, torch.distributions.Distr
     if sites is None:
         names = known
     else:
+        if not isinstance(sites, (str, Iterable)):
+            raise TypeError(f"posterior_as_prior: sites must be a site name or a list of them, got {sites!r}")
         names = [sites] if isinstance(sites, str) else list(sites)
         for name in names:
             if name not in known:

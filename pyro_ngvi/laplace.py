@@ -537,7 +537,7 @@ def optimize_prior_precision(
     if not isinstance(refit, bool) or not (callback is None or callable(callback)):
         raise ValueError(f"refit must be True or False and callback callable or None, got {refit!r} and {callback!r}")
     if sites is not None:
-        sites = [sites] if isinstance(sites, str) else list(sites)  # (one name, as posterior_as_prior takes)
+        sites = list(sites) if isinstance(sites, Iterable) and not isinstance(sites, str) else [sites]  # (one name too)
         if not sites or len(set(sites)) != len(sites) or not all(isinstance(n, str) for n in sites):
             raise ValueError(f"sites must be a non-empty list of distinct site names, got {sites!r}")
     results: Dict = {}

@@ -125,3 +125,19 @@ def test_share_at_the_noise_limit_refuses_a_tolerance_of_one_or_more_and_other_g
             bnn.share_at_noise_limit(guide, tolerance=bad)
     with pytest.raises(TypeError, match="guide must be this net's mean-field guide"):
         bnn.share_at_noise_limit(AutoMultivariateNormal(bnn))
+
+
+@pytest.mark.parametrize("sites", [3, 1.5, True])
+def test_posterior_as_prior_names_sites_that_are_not_names(sites):
+    """posterior_as_prior(guide, sites=3) raised TypeError "'int' object is not iterable", naming
+    nothing; it names sites now. A name or a list of names still works (the guide's own numbers)."""
+    from pyro_ngvi import posterior_as_prior
+    x, y = linear_regression(n=16)
+    bnn = BayesianNet(nn.Linear(3, 1).double(), "gaussian", num_data=16, noise_scale=0.5)
+    guide = bnn.guide()
+    guide(x, y)
+    with pytest.raises(TypeError, match="posterior_as_prior: sites must be a site name or a list"):
+        posterior_as_prior(guide, sites=sites)
+    loc, scale = guide._get_loc_and_scale("weight")
+    prior = posterior_as_prior(guide, sites="weight")["weight"]
+    assert torch.equal(prior.mean, loc.detach()) and torch.equal(prior.stddev, scale.detach())

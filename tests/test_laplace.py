@@ -582,7 +582,7 @@ def test_a_per_site_search_for_a_site_the_model_has_not_is_refused():
         optimize_prior_precision(lambda alpha: regression, [1.0, 2.0], x, y, sites=["W"])
 
 
-@pytest.mark.parametrize("sites", [[], ["w", "w"], [3]])
+@pytest.mark.parametrize("sites", [[], ["w", "w"], [3], -1.0, True])  # (a number: TypeError "not iterable")
 def test_per_site_search_rejects_bad_site_lists(sites):
     x, y = orthogonal_design()
     with pytest.raises(ValueError, match="sites"):
