@@ -141,3 +141,55 @@ def test_posterior_as_prior_names_sites_that_are_not_names(sites):
     loc, scale = guide._get_loc_and_scale("weight")
     prior = posterior_as_prior(guide, sites="weight")["weight"]
     assert torch.equal(prior.mean, loc.detach()) and torch.equal(prior.stddev, scale.detach())
+
+
+class PerPosition(nn.Module):
+    """Class logits per position of a sequence: (B, T, 4) -> (B, T, 3)."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden, self.head = nn.Linear(4, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.hidden(x)))
+
+
+@pytest.mark.parametrize("kind", ["own class", "sequential"])
+@pytest.mark.parametrize("source", ["ef", "reparam"])
+def test_categorical_logits_per_position_take_the_fast_path_with_first_order_sources(kind, source):
+    """A categorical net with logits (B, T, K) and targets (B, T), which the model and the traced path
+    take, crashed on the fast path with every source (CrossEntropyLoss: 'Expected target size [8, 3],
+    got [8, 5]': the classes go second there); ef and reparam now get g and h of autograd's per-example
+    (per-sequence) gradients at the same draw (to 1e-10); ggn / ggn_mc, which need (B, K), say so."""
+    from torch.func import functional_call, grad, vmap
+    torch.manual_seed(0)
+    net = (PerPosition() if kind == "own class" else nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)))
+    bnn = BayesianNet(net.double(), "categorical", num_data=20)
+    x, y = torch.randn(8, 6, 4, dtype=torch.float64), torch.randint(0, 3, (8, 6))
+    guide = bnn.guide()
+    guide(x, y)
+    loc_scale = {site: tuple(t.detach() for t in guide._get_loc_and_scale(site)) for site in bnn.latent_sites}
+    torch.manual_seed(1)
+    bnn.curvature_step(guide, x, y, source, deterministic=source == "ef")
+    torch.manual_seed(1)
+    noises = {s: torch.zeros_like(m) if source == "ef" else torch.randn_like(m) for s, (m, _) in loc_scale.items()}
+    weights = {s: m + sd * noises[s] for s, (m, sd) in loc_scale.items()}
+
+    def nll(params, x, y):
+        return -dist.Categorical(logits=functional_call(bnn.net, params, (x,))).log_prob(y).sum()
+
+    scale = 20 / 8
+    gradient = grad(nll)(weights, x, y)
+    per_example = vmap(grad(nll), in_dims=(None, 0, 0))(weights, x.unsqueeze(1), y.unsqueeze(1))
+    store = pyro.get_param_store()
+    from pyro_ngvi.family import pop_curvature
+    for site, (_, sd) in loc_scale.items():
+        stats = pop_curvature(store[f"AutoNormal.locs.{site}"])
+        curvature = (scale * per_example[site].pow(2).sum(0) if source == "ef"
+                     else scale * gradient[site] * noises[site] / sd)
+        torch.testing.assert_close(stats.grad, scale * gradient[site], rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(stats.curvature, curvature, rtol=1e-10, atol=1e-10)
+    pyro.clear_param_store()
+    svi = SVI(bnn, bnn.guide(), NGVI(), CurvatureELBO("ggn"))
+    with pytest.raises(NotImplementedError, match=r"'ggn' curvature needs class logits of shape \(B, K\).*'ef'"):
+        svi.step(x, y)

@@ -240,13 +240,13 @@ def network_curvature(
         warnings.filterwarnings("ignore", _FIRST_LAYER_HOOK_WARNING, UserWarning)
         warnings.filterwarnings("ignore", _CONTAINER_WARNING, UserWarning)
         if extension is None:
-            loss = loss_module(_checked(net(x), check_output), y)
+            loss = loss_module(_checked(net(x), check_output, loss_module), y)
             loss.backward()
             curvatures: List[Optional[torch.Tensor]] = [None] * len(params)
         else:
             extend(loss_module)
             with backpack(extension):
-                loss = loss_module(_checked(net(x), check_output), y)
+                loss = loss_module(_checked(net(x), check_output, loss_module), y)
                 try:
                     loss.backward()
                 except NotImplementedError as error:  # (a module or loss BackPACK has no extension for)
@@ -312,9 +312,14 @@ def _scaled(loss, grads, curvatures, source, loss_scale) -> NetworkCurvature:
     return NetworkCurvature(loss, grads, curvatures)
 
 
-def _checked(output: torch.Tensor, check_output) -> torch.Tensor:
+def _checked(output: torch.Tensor, check_output, loss_module=None) -> torch.Tensor:
+    """``output`` (checked by ``check_output``) as ``loss_module`` takes it: class logits ``(B, ..., K)``
+    with the classes second, ``(B, K, ...)``, for a ``CrossEntropyLoss`` (per-position classes: a
+    sequence's)."""
     if check_output is not None:
         check_output(output.detach())
+    if isinstance(loss_module, nn.CrossEntropyLoss) and output.dim() > 2:
+        return output.movedim(-1, 1)
     return output
 
 

@@ -69,7 +69,7 @@ class InputChecks:
                 f"of {batch} inputs; it must return the batch first, (B, ...) (one input of shape (D,) is "
                 "x.unsqueeze(0), a batch of one)")
 
-    def _check_targets(self, y: torch.Tensor, output: torch.Tensor, values: bool = True) -> None:
+    def _check_targets(self, y: torch.Tensor, output: torch.Tensor, values: bool = True, source: str = "") -> None:
         """
         Refuse targets the model's likelihood would refuse, for a path that does not
         evaluate its ``log_prob`` (the BackPACK fast path): the shape (the likelihood
@@ -79,8 +79,15 @@ class InputChecks:
         class indices in ``[0, K)`` (integral, e.g. no ``-100``), Bernoulli
         targets in ``{0, 1}``. Gaussian targets are any real number (a non-finite
         one makes the step non-finite: the optimizer skips it). ``values=False``: the
-        shape and dtype only (the model's own path, whose ``log_prob`` checks the values).
+        shape and dtype only (the model's own path, whose ``log_prob`` checks the values). The
+        fast path's ``source`` ``ggn`` / ``ggn_mc`` needs class logits ``(B, K)``: one output per
+        position, ``(B, T, K)``, is refused (``ef`` and ``reparam`` take it).
         """
+        if source in ("ggn", "ggn_mc") and self.likelihood == "categorical" and output.dim() > 2:
+            raise NotImplementedError(
+                f"BayesianNet (categorical): the {source!r} curvature needs class logits of shape (B, K), the "
+                f"network returned {tuple(output.shape)}; CurvatureELBO('ef') or CurvatureELBO('reparam') "
+                "takes logits per position (B, ..., K)")
         param = self._likelihood_param(output)
         expected = param.shape[:-1] if self.likelihood == "categorical" else param.shape
         key = (y.shape, y.dtype, output.shape)

@@ -80,7 +80,7 @@ class BackpackStep(BackpackTwin):
                 x, target, source,
                 mc_samples=mc_samples, loss_scale=loss_scale,
                 params=self.params,
-                check_output=partial(model._check_targets, y) if particle == 0 else None,
+                check_output=partial(model._check_targets, y, source=curvature) if particle == 0 else None,
             )
             site_grads = [result.grads[w.index] for w in model._latents]
             if curvature == "reparam":  # h = g eps / sigma (the first particle's into buffers kept for it;

@@ -49,7 +49,8 @@ class BayesianNet(WeightPriors, NoiseLimit, GuideFactory, InputChecks, FastPath,
     Likelihoods, for a network output :math:`f`:
 
     * ``"categorical"``: :math:`\\mathrm{Categorical}(\\mathrm{logits}=f)`, output
-      ``(B, K)``, integer targets ``(B,)``;
+      ``(B, K)``, integer targets ``(B,)`` (or classes per position, ``(B, T, K)`` and ``(B, T)``:
+      the fast path's ``ef`` and ``reparam`` take those, ``ggn`` / ``ggn_mc`` need ``(B, K)``);
     * ``"bernoulli"``: :math:`\\mathrm{Bernoulli}(\\mathrm{logits}=f)`, targets 0/1;
     * ``"gaussian"``: :math:`\\mathcal{N}(f, \\sigma^2)`, with ``noise_scale``
       :math:`\\sigma` fixed, or a positive ``pyro.param`` (point-estimated) when
