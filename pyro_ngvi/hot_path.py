@@ -12,10 +12,14 @@ step is mostly fixed cost).
 * :func:`no_grad`: ``torch.no_grad()`` as a decorator at the cost of a flag: torch's makes two
   context-manager objects per call (~6 us on the CPU); this one reads the grad mode, and sets and
   restores it only where it is on.
+
+And :func:`same`, the check by identity that a step's plan (made once, kept while the guide's
+structure stands) still holds, as a plain loop: ``all(a is b for a, b in zip(...))`` runs a
+generator frame per element.
 """
 
 import functools
-from typing import Callable, Dict, Tuple, TypeVar
+from typing import Callable, Dict, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -52,3 +56,13 @@ def no_grad(function: F) -> F:
         finally:
             torch._C._set_grad_enabled(True)
     return without_grad
+
+
+def same(objects: Sequence, others: Sequence) -> bool:
+    """Whether the two sequences hold the same objects (identity, not ``==``: tensors), in order."""
+    if len(objects) != len(others):
+        return False
+    for a, b in zip(objects, others):
+        if a is not b:
+            return False
+    return True

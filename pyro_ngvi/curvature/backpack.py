@@ -76,6 +76,7 @@ from backpack.extensions import KFAC, KFLR, SumGradSquared
 from backpack.extensions.backprop_extension import BackpropExtension
 from backpack.extensions.saved_quantities import SavedQuantities
 
+from ..hot_path import same
 from . import mlp
 from .batch_norm import EmpiricalFisherBackprop, frozen_ggn, frozen_ggn_mc, has_batch_statistics
 from .embedding import sparse_embedding_rule
@@ -182,6 +183,7 @@ def network_curvature(
     loss_scale: Union[float, torch.Tensor] = 1.0,
     params: Optional[List[torch.Tensor]] = None,
     check_output: Optional[Callable[[torch.Tensor], None]] = None,
+    plans: Optional[Dict[int, tuple]] = None,
 ) -> NetworkCurvature:
     """
     Gradient and diagonal curvature of :math:`L(w) = c\\,\\mathrm{loss}(f(x; w), y)`
@@ -210,6 +212,8 @@ def network_curvature(
         found from ``net``).
     :param check_output: called with the network output before the loss (to
         refuse targets that do not fit it) (default: None).
+    :param dict plans: where to keep the closed-form plan of ``net`` between calls
+        (:func:`~pyro_ngvi.curvature.mlp.planned`; default: made anew every call).
     :rtype: NetworkCurvature
     :raises ValueError: for an unknown source or an unsupported loss module.
     :raises RuntimeError: when BackPACK produced no curvature for a parameter
@@ -217,9 +221,10 @@ def network_curvature(
     """
     _check_source(source)
     check_loss_module(loss_module)
-    closed_form = mlp.plan(net) if source in mlp.SOURCES else None
-    if closed_form is not None and (params is None or len(params) == len(closed_form.params)
-                                    and all(p is q for p, q in zip(params, closed_form.params))):
+    closed_form = None
+    if source in mlp.SOURCES:
+        closed_form = mlp.plan(net) if plans is None else mlp.planned(net, plans)
+    if closed_form is not None and (params is None or same(params, closed_form.params)):
         result = mlp.mlp_curvature(closed_form, loss_module, x, y, source, check_output, mc_samples)
         if result is not None:
             for p in closed_form.params:

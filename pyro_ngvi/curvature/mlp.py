@@ -39,7 +39,7 @@ and :math:`A = \\frac1B \\sum_i a_i a_i^\\top`. :func:`plan` says whether a netw
 """
 
 import math
-from typing import Callable, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
@@ -88,10 +88,13 @@ def _gelu_derivative(z: torch.Tensor, approximate: str) -> torch.Tensor:
 
 class Plan(NamedTuple):
     """The layers of an MLP in order: ``("flatten", module)`` (first only), ``("linear",
-    module)`` or ``("activation", module)``; ``params`` in ``net.parameters()`` order."""
+    module)`` or ``("activation", module)``; ``params`` in ``net.parameters()`` order; per
+    layer, a ``Linear``'s weight and bias as ``(weight, bias, position of the weight in params,
+    of the bias or None)``, an activation's ``(forward, derivative)`` of :data:`ACTIVATIONS`."""
 
     layers: List[Tuple[str, nn.Module]]
     params: List[torch.Tensor]
+    parts: List[Optional[tuple]]
 
 
 #: Hooks that may be skipped: BackPACK's own, which store inputs for its extensions.
@@ -152,7 +155,67 @@ def plan(net: nn.Module) -> Optional[Plan]:
     params = [p for kind, m in layers if kind == "linear" for p in (m.weight, m.bias) if p is not None]
     if not all(p.requires_grad for p in params) or len(set(map(id, params))) != len(params):
         return None  # (a frozen layer, or one layer twice: its parameters would be listed once)
-    return Plan(layers, params)
+    parts, position = [], 0
+    for kind, module in layers:
+        if kind == "linear":
+            bias = None if module.bias is None else position + 1
+            parts.append((module.weight, module.bias, position, bias))
+            position += 1 if bias is None else 2
+        else:
+            parts.append(ACTIVATIONS[type(module)] if kind == "activation" else None)
+    return Plan(layers, params, parts)
+
+
+def planned(net: nn.Module, kept: Dict[int, tuple]) -> Optional[Plan]:
+    """
+    :func:`plan` of ``net``, made once and kept in ``kept`` (the caller's: ``id(net) -> (net, plan,
+    what the plan read)``) while nothing it read has changed: no global hook, and each module it
+    visited of the same class, with the same children, the same parameter tensors (each still
+    requiring a gradient) and the same hooks (compared by identity: a hook added or removed, a
+    layer or a parameter replaced makes the plan anew). A network that is no such MLP (``None``)
+    is asked again every time.
+    """
+    entry = kept.get(id(net))
+    if entry is not None and entry[0] is net and _unchanged(entry[2], entry[1].params):
+        return entry[1]
+    found = plan(net)
+    if found is not None:
+        kept[id(net)] = (net, found, _snapshot(net))
+    return found
+
+
+def _hooks(module: nn.Module) -> tuple:
+    return (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
+
+
+def _snapshot(module: nn.Module) -> list:
+    """What :func:`plan` read of ``module`` and the modules below it (a planned MLP: containers
+    and layers of torch's own classes), copied."""
+    kept = [(module, type(module), dict(module._modules), list(module._parameters.items()),
+             tuple(dict(hooks) for hooks in _hooks(module)))]
+    for child in module._modules.values():
+        kept += _snapshot(child)
+    return kept
+
+
+def _unchanged(snapshot: list, params: List[torch.Tensor]) -> bool:
+    """Whether the modules of ``snapshot`` (:func:`_snapshot`) are as they were, and ``params``
+    still require a gradient."""
+    module_hooks = nn.modules.module
+    if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks \
+            or module_hooks._global_backward_hooks:
+        return False
+    for module, kind, children, parameters, hooks in snapshot:
+        if module.__class__ is not kind or module._modules != children or _hooks(module) != hooks \
+                or len(module._parameters) != len(parameters):
+            return False
+        for name, tensor in parameters:
+            if name not in module._parameters or module._parameters[name] is not tensor:
+                return False
+    for p in params:
+        if not p.requires_grad:
+            return False
+    return True
 
 
 def output_gradient_and_hessian(loss_module: nn.Module, f: torch.Tensor, y: torch.Tensor, need_hessian: bool = True
@@ -294,7 +357,7 @@ def mlp_curvature(mlp: Plan, loss_module: nn.Module, x: torch.Tensor, y: torch.T
     """
     h = x
     saved = []  # per layer: its input (and an activation's output)
-    for kind, module in mlp.layers:
+    for (kind, module), part in zip(mlp.layers, mlp.parts):
         if kind == "flatten":
             h = module(h)
             saved.append(None)
@@ -302,10 +365,9 @@ def mlp_curvature(mlp: Plan, loss_module: nn.Module, x: torch.Tensor, y: torch.T
             if h.dim() != 2:
                 return None
             saved.append(h)
-            h = F.linear(h, module.weight, module.bias)
+            h = F.linear(h, part[0], part[1])
         else:
-            forward, _ = ACTIVATIONS[type(module)]
-            out = forward(module, h)
+            out = part[0](module, h)
             saved.append((h, out))
             h = out
     if check_output is not None:
@@ -320,12 +382,13 @@ def mlp_curvature(mlp: Plan, loss_module: nn.Module, x: torch.Tensor, y: torch.T
     elif source == "kflr":
         hessian.root_rows()
     second_order = source in ("ggn", "kflr")
-    grads, curvatures, inputs = {}, {}, {}
+    count = len(mlp.params)
+    grads, curvatures, inputs = [None] * count, [None] * count, [None] * count  # (in the order of params)
     linears = [k for k, (kind, _) in enumerate(mlp.layers) if kind == "linear"]
     for k in range(len(mlp.layers) - 1, linears[0] - 1, -1):
         kind, module = mlp.layers[k]
         if kind == "activation":
-            derivative = ACTIVATIONS[type(module)][1]
+            derivative = mlp.parts[k][1]
             if derivative is not None:
                 d = derivative(module, *saved[k])
                 delta = delta * d
@@ -333,24 +396,23 @@ def mlp_curvature(mlp: Plan, loss_module: nn.Module, x: torch.Tensor, y: torch.T
                     hessian.activation(d)
             continue
         a = saved[k]
-        weight, bias = module.weight, module.bias
-        inputs[id(weight)] = a
-        grads[id(weight)] = delta.t() @ a
+        weight, bias, at, bias_at = mlp.parts[k]
+        inputs[at] = a
+        grads[at] = delta.t() @ a
         if bias is not None:
-            grads[id(bias)] = delta.sum(0)
+            grads[bias_at] = delta.sum(0)
         if source == "kflr":  # [G, A]: G summed, A averaged over the batch ([G] for the bias)
             output_factor = hessian.output_factor()
-            curvatures[id(weight)] = [output_factor, a.T @ a / len(a)]
+            curvatures[at] = [output_factor, a.T @ a / len(a)]
             if bias is not None:
-                curvatures[id(bias)] = [output_factor]
+                curvatures[bias_at] = [output_factor]
         elif source in ("ef", "ggn"):
             column_square = delta.square() if source == "ef" else hessian.column_square()
-            curvatures[id(weight)] = column_square.t() @ a.square()
+            curvatures[at] = column_square.t() @ a.square()
             if bias is not None:
-                curvatures[id(bias)] = column_square.sum(0)
+                curvatures[bias_at] = column_square.sum(0)
         if k > linears[0]:
             delta = delta @ weight
             if second_order:
                 hessian.linear(weight, last=source == "ggn" and k == linears[1])
-    return (loss, [grads[id(p)] for p in mlp.params],
-            [curvatures.get(id(p)) for p in mlp.params], [inputs.get(id(p)) for p in mlp.params])
+    return loss, grads, curvatures, inputs

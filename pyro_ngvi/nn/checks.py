@@ -37,29 +37,31 @@ class InputChecks:
     it reads ``likelihood`` and ``_likelihood_param``).
     """
 
-    def _check_batch(self, x, y, step: bool = False) -> None:
+    def _check_batch(self, x, y, step: bool = False) -> int:
         """An empty batch, or targets of another length, are refused (no device sync); for a
-        training ``step``, also a batch larger than the data set it stands for."""
+        training ``step``, also a batch larger than the data set it stands for. Returns the batch size."""
         if not torch.is_tensor(x) or (y is not None and not torch.is_tensor(y)):
             bad = "x" if not torch.is_tensor(x) else "y"
             raise TypeError(f"BayesianNet: {bad} must be a torch.Tensor, got {type(x if bad == 'x' else y).__name__}")
-        if len(x) == 0:
+        batch = len(x)
+        if batch == 0:
             raise ValueError(
                 "BayesianNet got an empty batch x: a minibatch needs at least one example "
                 "(its log-likelihood is scaled by num_data / batch size)"
             )
-        if y is not None and (y.dim() == 0 or len(y) != len(x)):
+        if y is not None and (y.dim() == 0 or len(y) != batch):
             raise ValueError(
                 f"BayesianNet: y holds {len(y) if y.dim() else 'no'} targets for a batch of "
-                f"{len(x)} inputs"
+                f"{batch} inputs"
             )
-        if step and len(x) > self.effective_num_data:
+        if step and batch > self.effective_num_data:
             raise ValueError(
-                f"BayesianNet: a training batch of {len(x)} examples for num_data={self.num_data} (the "
+                f"BayesianNet: a training batch of {batch} examples for num_data={self.num_data} (the "
                 f"data set's size; effective {self.effective_num_data}): the likelihood would be scaled "
                 "down by num_data / batch size. Set bnn.num_data to the training set's size (a new "
                 "task's too)"
             )
+        return batch
 
     def _check_output(self, output: torch.Tensor, batch: int) -> None:
         """The network's output must be batch first, ``(B, ...)`` for a batch of ``B`` inputs."""

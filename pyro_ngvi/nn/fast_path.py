@@ -21,11 +21,27 @@ import pyro
 from ..curvature.backpack import network_curvature
 from ..family import SiteCurvature, attach_curvature, scale_transform
 from ..kronecker import KroneckerNormal
-from ..hot_path import no_grad, scalar
+from ..hot_path import no_grad, same, scalar
 from ..scales import known_scale, sum_log_scale
 from .kronecker_step import KroneckerStep
 from .twin import LOSS_MODULES, BackpackTwin, accumulate_grad
 from .value import full_nll, kl, log_ratio
+
+
+def _one_dtype(tensors: List[torch.Tensor]) -> bool:
+    """Whether the tensors share one dtype."""
+    for t in tensors:
+        if t.dtype != tensors[0].dtype:
+            return False
+    return True
+
+
+def _all_in(names: List[str], params: dict) -> bool:
+    """Whether the param store's dict ``params`` holds all ``names``."""
+    for name in names:
+        if name not in params:
+            return False
+    return True
 
 
 class BackpackStep(BackpackTwin):
@@ -46,7 +62,8 @@ class BackpackStep(BackpackTwin):
         self._kronecker_step = KroneckerStep(self)
         self._guide_names = {}  # id(guide) -> (its name, its loc names, its scale names, their transforms)
         self._plain_loss = LOSS_MODULES[likelihood](reduction="sum")  # (a plain backward needs no hooks)
-        self._buffers = {}  # (name, index) -> a tensor reused every step (the draws, the reparam curvature)
+        self._buffers = {}  # name -> a tensor per site reused every step (the draws, the reparam curvature)
+        self._plans = {}  # the closed-form plans of the net and its twin (pyro_ngvi.curvature.mlp.planned)
 
     def __call__(self, model, guide, x: torch.Tensor, y: torch.Tensor, curvature: str, num_particles: int = 1,
                  deterministic: bool = False, mc_samples: int = 1) -> torch.Tensor:
@@ -55,7 +72,7 @@ class BackpackStep(BackpackTwin):
         if isinstance(guide, KroneckerNormal):
             return self._kronecker_step(model, guide, x, y, curvature, num_particles, deterministic, mc_samples)
         self._check_step(guide, y, curvature, deterministic)
-        model._check_batch(x, y, step=True)
+        batch = model._check_batch(x, y, step=True)
         locs, raws, stddevs = self._read_guide(model, guide, x, y)
         points, noise_scale, loss_scale = self.begin(model)
         prior = model._weight_prior()
@@ -81,11 +98,12 @@ class BackpackStep(BackpackTwin):
                 mc_samples=mc_samples, loss_scale=loss_scale,
                 params=self.params,
                 check_output=partial(model._check_targets, y, source=curvature) if particle == 0 else None,
+                plans=self._plans,
             )
             site_grads = [result.grads[w.index] for w in model._latents]
             if curvature == "reparam":  # h = g eps / sigma (the first particle's into buffers kept for it;
                 # three calls for all sites, not two per site: on a GPU every call is a kernel launch)
-                site_curvatures = ([self._buffer("curvature", j, g) for j, g in enumerate(site_grads)]
+                site_curvatures = (list(self._buffers_like("curvature", site_grads))
                                    if particle == 0 else [torch.empty_like(g) for g in site_grads])
                 torch._foreach_copy_(site_curvatures, site_grads)
                 torch._foreach_mul_(site_curvatures, noises)
@@ -107,17 +125,17 @@ class BackpackStep(BackpackTwin):
                 sample_log_ratio = ratio if particle == 0 else sample_log_ratio + ratio
 
         # full-data scale N/B and particle average
-        factor = model.effective_num_data / len(x) / num_particles
+        num_data = model.effective_num_data
+        factor = num_data / batch / num_particles
         # (by a 0-d tensor of their dtype, where they share one: a Python float is cast for every tensor)
-        same = all(t.dtype == grads[0].dtype for t in grads + curvatures) if grads else False
-        by = scalar(factor, grads[0]) if same else factor
+        by = scalar(factor, grads[0]) if grads and _one_dtype(grads + curvatures) else factor
         torch._foreach_mul_(grads, by)
         torch._foreach_mul_(curvatures, by)
         if draws is not None and num_particles > 1:
             for d in draws:
                 torch._foreach_div_(d, num_particles)
         mean_nll = nll / num_particles if num_particles > 1 else nll
-        nll = full_nll(model.effective_num_data, mean_nll, loss_scale, noise_scale, target, len(x))
+        nll = full_nll(num_data, mean_nll, loss_scale, noise_scale, target, batch)
         log_scales = [sum_log_scale(raw, stddev, transform)
                       for raw, stddev, (_, transform) in zip(raws, stddevs, self._guide_names[id(guide)][3])]
         log_scale = log_scales[0] if log_scales else 0.0  # (summed from the first: no 0-d kernel adding it to 0)
@@ -142,6 +160,7 @@ class BackpackStep(BackpackTwin):
         floors = None
         if model.noise_limit_mode == "mean" and not deterministic:  # (a family that moves with its means:
             floors, loss = model._mean_floor(locs), None  # its loss is not one family's, the ELBO watch is not fed)
+        hints = model._sites_hints(deterministic, floors)
         for j, (loc, grad, curv, stddev) in enumerate(zip(locs, grads, curvatures, stddevs)):
             if grad.dtype != loc.dtype:  # (a net converted, .double(), after its guide was made)
                 grad, curv = grad.to(loc.dtype), curv.to(loc.dtype)
@@ -161,7 +180,7 @@ class BackpackStep(BackpackTwin):
                 loss=loss,
                 watched=floors is None,
                 fitted=True,  # (the net's own tensors: the loc's shape, dtype and device)
-                **model._site_hints(j, deterministic, floors),
+                **hints[j],
             )
             attach_curvature(loc, stats)
 
@@ -187,7 +206,7 @@ class BackpackStep(BackpackTwin):
                 [f"{prefix}.scales.{w.site}" for w in model._latents], None)
         _, locs, scales, transforms = names
         params = store._params
-        if not all(loc in params and scale in params for loc, scale in zip(locs, scales)):
+        if not _all_in(locs + scales, params):
             with guide._pyro_context:  # (re-)registers the guide's own tensors
                 for w in model._latents:
                     guide._get_loc_and_scale(w.site)
@@ -201,7 +220,7 @@ class BackpackStep(BackpackTwin):
                         f"{names[0]!r} (or a loaded param store) left it there. Call pyro.clear_param_store(), "
                         "give this guide another name, or set it up with pyro_ngvi.start_task")
         constraints = [store._constraints[name] for name in scales]
-        if transforms is None or any(c is not t[0] for c, t in zip(constraints, transforms)):
+        if transforms is None or not same([t[0] for t in transforms], constraints):
             transforms = [(c, scale_transform(c)) for c in constraints]
             self._guide_names[id(guide)] = names[:3] + (transforms,)
         stddevs = []
@@ -223,19 +242,25 @@ class BackpackStep(BackpackTwin):
         if deterministic:
             torch._foreach_copy_(model._latent_params, locs)
             return None
-        noises = [self._buffer("noise", j, loc).normal_() for j, loc in enumerate(locs)]
+        noises = [noise.normal_() for noise in self._buffers_like("noise", locs)]  # (site by site, in order)
         params = list(model._latent_params)
         torch._foreach_copy_(params, locs)  # (two calls for all sites, not one per site)
         torch._foreach_addcmul_(params, stddevs, noises)
         return noises
 
-    def _buffer(self, name: str, index: int, like: torch.Tensor) -> torch.Tensor:
-        """A tensor like ``like`` kept for the ``index``-th site's ``name`` (made once, written
-        over every step: a fresh tensor of a large site costs page faults on the CPU)."""
-        buffer = self._buffers.get((name, index))
-        if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype or buffer.device != like.device:
-            buffer = self._buffers[(name, index)] = torch.empty_like(like, memory_format=torch.contiguous_format)
-        return buffer
+    def _buffers_like(self, name: str, likes: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Tensors like ``likes`` (one per site) kept for the sites' ``name`` (made once, written
+        over every step: a fresh tensor of a large site costs page faults on the CPU); a site whose
+        tensor changed shape, dtype or device gets a new one."""
+        buffers = self._buffers.setdefault(name, [])
+        if len(buffers) != len(likes):
+            buffers[len(likes):] = []
+            buffers += [None] * (len(likes) - len(buffers))
+        for j, like in enumerate(likes):
+            buffer = buffers[j]
+            if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype or buffer.device != like.device:
+                buffers[j] = torch.empty_like(like, memory_format=torch.contiguous_format)
+        return buffers
 
     def _check_step(self, guide, y, curvature, deterministic):
         if curvature not in self.sources:

@@ -135,6 +135,11 @@ class NoiseLimit:
     def _site_hints(self, index: int, deterministic: bool, floors=None) -> Dict[str, object]:
         """:meth:`statistics_hints` of the ``index``-th latent site (``floors``: the fast path's
         :meth:`_mean_floor`)."""
+        return self._sites_hints(deterministic, floors)[index]
+
+    def _sites_hints(self, deterministic: bool, floors=None) -> List[Dict[str, object]]:
+        """:meth:`statistics_hints` of every latent site, in order (``floors``: the fast path's
+        :meth:`_mean_floor`)."""
         if deterministic:
             floors = None
         elif floors is None:
@@ -145,7 +150,10 @@ class NoiseLimit:
                     "use noise_limit_mode='fan_in' on this path"
                 )
             floors = self._noise_floor()
-        return {"num_data": self.effective_num_data, "min_precision": None if floors is None else floors[index]}
+        num_data = self.effective_num_data
+        if floors is None:
+            return [{"num_data": num_data, "min_precision": None} for _ in self._latents]
+        return [{"num_data": num_data, "min_precision": floor} for floor in floors]
 
     def statistics_hints(self, site: str, deterministic: bool = False) -> Dict[str, object]:
         """

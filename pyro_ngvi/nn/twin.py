@@ -80,9 +80,10 @@ class BackpackTwin:
         for twin_module, module in self.module_pairs:
             if twin_module.training != module.training:
                 twin_module.training = module.training
-        with torch.no_grad():
-            for weight, value in zip(model._point_estimates, points):
-                weight.param.copy_(value)
+        if points:
+            with torch.no_grad():
+                for weight, value in zip(model._point_estimates, points):
+                    weight.param.copy_(value)
         if noise_scale is None:
             loss_scale = 1.0
         elif isinstance(noise_scale, torch.Tensor):  # no .item(): no device sync
