@@ -64,7 +64,7 @@ def take_step(optim, config: Config, request: Request) -> bool:
     """
     plan, states, stats, others, learned, svi = request[:6]
     sites, mean_field, dense_sites = plan.sites, plan.mean_field, plan.dense_sites
-    evaluation = next((s for s in stats.values() if isinstance(s, SiteCurvature) and s.objective is not None), None)
+    evaluation = _evaluation(stats)
     objective, arguments = (None, None) if evaluation is None else (evaluation.objective, evaluation.arguments)
     # 1. F compares guide steps only: not while other parameters move with them
     guarded = (config.safeguard and objective is not None and not callable(config.lr) and not learned
@@ -161,13 +161,24 @@ def take_step(optim, config: Config, request: Request) -> bool:
     return True
 
 
+def _evaluation(stats: Dict) -> Optional[SiteCurvature]:
+    """The first statistics that carry the objective :math:`F` for the Newton guard (``None``: none do)."""
+    for s in stats.values():
+        if isinstance(s, SiteCurvature) and s.objective is not None:
+            return s
+    return None
+
+
 def watch_elbo(plan, stats, tau: float, svi) -> None:
     """Feed the ELBO watch (:mod:`pyro_ngvi.monitor`) the loss this step's ELBO handed over (a
     Pyro loss: the one ``SVI.step`` computed, :func:`~pyro_ngvi.family.step_loss`); at another
     temperature than 1 that loss is not the objective: start again."""
-    if not all(getattr(s, "watched", True) for s in stats.values()):  # (not one family's ELBO)
-        return
-    loss = next((s.loss for s in stats.values() if getattr(s, "loss", None) is not None), None)
+    loss = None
+    for s in stats.values():
+        if not getattr(s, "watched", True):  # (not one family's ELBO)
+            return
+        if loss is None:
+            loss = getattr(s, "loss", None)
     loss = step_loss(svi) if loss is None and svi is not None else loss
     if loss is None:
         return

@@ -90,8 +90,12 @@ def read_flags(flags) -> list:
     from ``SVI.step``'s float loss) go to the device of the others first: one stack, one read."""
     if not flags:
         return []
-    device = next((f.device for f in flags if f.device.type != "cpu"), flags[0].device)
-    return torch.stack([f.to(device) for f in flags]).tolist()
+    device = flags[0].device
+    for f in flags:
+        if f.device.type != "cpu":
+            device = f.device
+            break
+    return torch.stack([f if f.device == device else f.to(device) for f in flags]).tolist()
 
 
 def read_checks(optim, plan, sites, stats, groups, group_stats, flats, others) -> bool:

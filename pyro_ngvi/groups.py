@@ -28,6 +28,7 @@ from torch._utils import _flatten_dense_tensors
 import pyro
 
 from .family import GaussianSite, SiteCurvature
+from .hot_path import same
 
 #: Sites are concatenated into one update up to this many elements: that saves
 #: per-operation overhead on small tensors and bounds the copies it costs.
@@ -97,6 +98,16 @@ def group_sites(sites: List[GaussianSite], stats: Dict[str, SiteCurvature]) -> L
     return list(groups.values())
 
 
+def _unchanged(kept: List[torch.Tensor], versions: List[int], tensors: List[torch.Tensor]) -> bool:
+    """Whether ``tensors`` are the ``kept`` ones, not written since (their ``versions`` then)."""
+    if len(kept) != len(tensors):
+        return False
+    for a, version, b in zip(kept, versions, tensors):
+        if a is not b or b._version != version:
+            return False
+    return True
+
+
 class Group:
     """Sites updated as one flat vector, with what the update needs of them every step and
     the flat buffers that hold their per-element state."""
@@ -134,23 +145,21 @@ class Group:
         step); the result is read-only."""
         if len(tensors) == 1:  # a view: nothing to keep
             return flat(tensors)
-        versions = [t._version for t in tensors]
         kept = self.cache.get(("flat", name))
-        if kept is not None and kept[1] == versions and all(a is b for a, b in zip(kept[0], tensors)):
+        if kept is not None and _unchanged(kept[0], kept[1], tensors):
             return kept[2]
         result = flat(tensors)
-        self.cache[("flat", name)] = (list(tensors), versions, result)
+        self.cache[("flat", name)] = (list(tensors), [t._version for t in tensors], result)
         return result
 
     def least(self, name: str, tensors: List[torch.Tensor]) -> float:
         """The least value of ``tensors`` (a host number), kept while they are the same tensors,
         unchanged (the family's floor: read once, not every step)."""
-        versions = [t._version for t in tensors]
         kept = self.cache.get(("least", name))
-        if kept is not None and kept[1] == versions and all(a is b for a, b in zip(kept[0], tensors)):
+        if kept is not None and _unchanged(kept[0], kept[1], tensors):
             return kept[2]
         result = min(float(t.min()) for t in tensors)
-        self.cache[("least", name)] = (list(tensors), versions, result)
+        self.cache[("least", name)] = (list(tensors), [t._version for t in tensors], result)
         return result
 
     def cached(self, key, make):
@@ -174,7 +183,7 @@ class Group:
         """
         values = [getattr(state, name) for state in states]
         kept = self.cache.get(("state", name))
-        if kept is not None and all(v is k for v, k in zip(values, kept[1])):
+        if kept is not None and same(values, kept[1]):
             return kept[0]
         if fill is None and any(v is None for v in values):
             return None
@@ -190,11 +199,12 @@ class Group:
         """The sites' sigma (``scales``, one each) as one flat vector: the group's own buffer when
         every site's is the view of it that it remembers (the sigma the update wrote last), else
         copied into that buffer; ``None`` when a site's is unknown (``None``)."""
-        if any(scale is None for scale in scales):
-            return None
+        for scale in scales:
+            if scale is None:
+                return None
         own = self.owned("scale")
         views = self.cached("scale views", lambda: self.views(own))
-        if all(scale is view for scale, view in zip(scales, views)):
+        if same(scales, views):
             return own
         if self.one:
             return flat(scales)

@@ -26,13 +26,13 @@ from pyro.optim.optim import PyroOptim
 from .chain import Config, Request, take_step
 from .checkpoint import safe_load
 from .checks import check_step_arguments, read_checks
-from .distributed import all_reduce_stats, without_draws
+from .distributed import all_reduce_stats, is_distributed, without_draws
 from .draws import GuideDraws
 from .family import GaussianSite, SiteCurvature, calling_svi, end_handover, guide_parts, split_params
 from .groups import Workspace
 from .mean_field_kl import analytic_locs, mean_field_elbo, move_prior_to_draws
 from .monitor import NGVIWarning, SpreadWatch
-from .plan import Plan, still_stored
+from .plan import Plan
 from .policies import (DENSE, DENSE_SAMPLED, FULL_BATCH, MINIBATCH, Checked, Schedule, Settings, check_schedule,
                        defaults, number, resolve)
 from .point import (LowRankLocs, check_point_args, check_point_optim, check_point_states, clamp_gradients,
@@ -220,12 +220,16 @@ class NGVI(PyroOptim):
             analytic = move_prior_to_draws(sites, analytic, mean_field_elbo(svi).num_particles == 1, draws)
         stats = step_statistics(sites, svi, self.control_variate, self._buffers, draws,  # (without gradients)
                                 frozenset(analytic))
-        stats = without_draws(stats, sites)  # each process draws its own: no-op without torch.distributed
+        distributed = is_distributed()
+        if distributed:  # each process draws its own
+            stats = without_draws(stats, sites)
         learned = {id(p.unconstrained) for s in stats.values() if isinstance(s, SiteCurvature)
+                   and (s.prior_loc_param is not None or s.prior_scale_param is not None)
                    for p in s.prior_params()}
         if learned:  # prior params set in closed form, not by the point optimizer
             others = [p for p in others if id(p) not in learned]
-        stats = all_reduce_stats(stats, others)  # no-op without torch.distributed
+        if distributed:
+            stats = all_reduce_stats(stats, others)
         config = Config(self.lr, self.beta, self.tau, self.momentum, self.damping, self._options, self.safeguard,
                         self.sync_every, self.compile, self.watch_elbo)
         return take_step(self, config, Request(plan, states, stats, others, bool(learned), svi, self._state,
@@ -275,10 +279,10 @@ class NGVI(PyroOptim):
         what NGVI keeps per guide structure, remembered while the param store holds its tensors.
         A site with a tensor frozen (``requires_grad_(False)``) is no site here (:func:`_unfrozen`)."""
         guide = _guide_of(self.guide, svi)
-        key = (id(guide), frozenset(map(id, params)), frozenset(id(p) for p in params if not p.requires_grad))
+        key = (id(guide), frozenset(map(id, params)), frozenset([id(p) for p in params if not p.requires_grad]))
         plan = self._plans.get(key)
         store = pyro.get_param_store()._params
-        if plan is not None and all(still_stored(site, store) for site in plan.sites):
+        if plan is not None and plan.stored(store):
             plan.reweigh(guide)  # (poutine.scale factors may change between steps: KL annealing)
             return plan
         sites, others, parts, score = _unfrozen(*split_params(guide, params))
@@ -286,7 +290,7 @@ class NGVI(PyroOptim):
         self._guide_parts.update((p, id(p) in scored) for p in parts)  # (True: a score-function site's)
         self._low_rank_locs.note(guide_parts(guide))
         # plans whose tensors left the param store (pyro.clear_param_store()) leave no trace
-        self._plans = {k: p for k, p in self._plans.items() if all(still_stored(s, store) for s in p.sites)}
+        self._plans = {k: p for k, p in self._plans.items() if p.stored(store)}
         plan = self._plans[key] = Plan(sites, others, guide)
         plan.take_newton(self._pending_newton)
         return plan

@@ -41,6 +41,14 @@ class Plan:
         self.skips_in_a_row = 0
         self.deferred = DeferredChecks()  # steps whose checks the host has not read yet
         self.kl_sites: Dict = {}  # TraceMeanField_ELBO: the leaves it draws, per model (pyro_ngvi.mean_field_kl)
+        self.tensors = [pair for site in sites for pair in stored_tensors(site)]  # (name, tensor): stored
+
+    def stored(self, store) -> bool:
+        """Whether the param store (its dict of tensors) still holds the sites' tensors under their names."""
+        for name, tensor in self.tensors:
+            if name not in store or store[name] is not tensor:
+                return False
+        return True
 
     def take_newton(self, pending: List[Dict]) -> None:
         """Take the first of the ``pending`` Newton guards (restored by :meth:`NGVI.set_state`) that is
@@ -66,17 +74,18 @@ class Plan:
 
     def groups_for(self, sites: List[GaussianSite], stats: Dict[str, SiteCurvature]) -> List[Group]:
         """:func:`~pyro_ngvi.groups.group_sites` for these sites and kinds of statistics, remembered."""
-        key = tuple(statistics_kind(stats[site.key]) for site in sites)
+        key = tuple([statistics_kind(stats[site.key]) for site in sites])
         groups = self.groups.get(key)
         if groups is None:
             groups = self.groups[key] = [Group.of(group) for group in group_sites(sites, stats)]
         return groups
 
 
-def still_stored(site, store) -> bool:
-    """Whether the param store still holds the site's tensors under their names."""
+def stored_tensors(site) -> list:
+    """The tensors of ``site`` the param store holds, with their names: ``(name, tensor)``."""
     if isinstance(site, KroneckerSite):
-        return store.get(site.row_name) is site.raw_row_scale_tril and store.get(site.col_name) is site.raw_col_scale_tril
-    if isinstance(site, FullCovarianceSite) and store.get(site.scale_tril_name) is not site.raw_scale_tril:
-        return False
-    return store.get(site.scale_name) is site.raw_scale
+        return [(site.row_name, site.raw_row_scale_tril), (site.col_name, site.raw_col_scale_tril)]
+    pairs = [(site.scale_name, site.raw_scale)]
+    if isinstance(site, FullCovarianceSite):
+        pairs.append((site.scale_tril_name, site.raw_scale_tril))
+    return pairs

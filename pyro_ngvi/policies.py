@@ -77,6 +77,10 @@ DENSE_SAMPLED = Settings(lr=1.0, beta=0.5, momentum=0.0, damping=0.0)
 MINIBATCH = Settings(lr=0.3, beta=0.01, momentum=0.9, damping=CURVATURE_PER_EXAMPLE)
 
 
+#: :data:`MINIBATCH` with its damping for each data size asked so far: ``(type, num_data) -> Settings``
+_MINIBATCH_OF: Dict[tuple, Settings] = {}
+
+
 def defaults(num_data: Optional[int] = None, dense: bool = False, sampled: bool = False) -> Settings:
     """
     NGVI's default ``lr``, ``beta``, momentum and damping for a site's statistics:
@@ -89,9 +93,13 @@ def defaults(num_data: Optional[int] = None, dense: bool = False, sampled: bool 
     value is what it is: :doc:`/guide/update` and :doc:`/guide/bnn`.
     """
     if num_data is not None:
+        found = _MINIBATCH_OF.get((type(num_data), num_data))  # (keyed by type too: True == 1)
+        if found is not None:
+            return found
         if isinstance(num_data, bool) or not isinstance(num_data, numbers.Integral) or num_data < 1:
             raise ValueError(f"num_data must be a positive integer or None, got {num_data!r}")
-        return MINIBATCH._replace(damping=num_data * MINIBATCH.damping)
+        found = _MINIBATCH_OF[(type(num_data), num_data)] = MINIBATCH._replace(damping=num_data * MINIBATCH.damping)
+        return found
     if dense:
         return DENSE_SAMPLED if sampled else DENSE
     return FULL_BATCH
@@ -101,7 +109,7 @@ def resolve(given: Settings, stats, dense: bool = False, sampled: bool = False) 
     """The settings for a site with statistics ``stats``: each value ``given`` (``None``:
     not given), else the default for their kind (:func:`defaults`)."""
     default = defaults(getattr(stats, "num_data", None), dense, sampled)
-    return Settings(*(d if g is None else g for g, d in zip(given, default)))
+    return Settings(*[d if g is None else g for g, d in zip(given, default)])
 
 
 def check_schedule(name: str, value, low: float, high: float, low_open: bool = True, high_open: bool = False):

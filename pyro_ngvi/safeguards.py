@@ -212,11 +212,10 @@ def report(records: List[Safeguards], engaged: List[bool], step: int, spread_wat
     ``step`` is the number of steps taken since)."""
     engaged = iter(engaged)
     for record in records:
-        names = ", ".join(repr(site.name) for site in record.group.sites)
         dtype = record.group.sites[0].loc.dtype
         if next(engaged):
             warnings.warn(
-                f"NGVI clamped the precision of {names} to the range where the scale stays "
+                f"NGVI clamped the precision of {_names(record)} to the range where the scale stays "
                 f"finite and positive in {dtype} (the update left it at step {step - 1}): the "
                 "problem is badly scaled for the guide, e.g. sampled curvature far from the "
                 "optimum. Rescale the data or the model, start the guide nearer (init_loc_fn) "
@@ -225,7 +224,7 @@ def report(records: List[Safeguards], engaged: List[bool], step: int, spread_wat
                 stacklevel=5,
             )
         if record.spreading is not None and next(engaged):
-            message = spread_watch.message(record.group, names, step - 1)
+            message = spread_watch.message(record.group, _names(record), step - 1)
             if message:
                 warnings.warn(message, NGVIWarning, stacklevel=5)
         if record.noisy is not None:
@@ -237,7 +236,7 @@ def report(records: List[Safeguards], engaged: List[bool], step: int, spread_wat
             state.far_steps = state.far_steps + 1 if far else 0
         if far and any(state.far_steps == STALL_STEPS for state in record.states):
             warnings.warn(
-                f"NGVI: the mean of {names} stalls. Its gradient has exceeded {FAR:g} of its "
+                f"NGVI: the mean of {_names(record)} stalls. Its gradient has exceeded {FAR:g} of its "
                 "guide's standard deviations, with the same sign, on most elements for "
                 f"{STALL_STEPS} consecutive steps: the mean is far from where the data put "
                 "it, and under sampled curvature its steps stay within a few standard "
@@ -247,6 +246,11 @@ def report(records: List[Safeguards], engaged: List[bool], step: int, spread_wat
                 NGVIWarning,
                 stacklevel=5,
             )
+
+
+def _names(record: Safeguards) -> str:
+    """The names of the record's sites, for a warning."""
+    return ", ".join(repr(site.name) for site in record.group.sites)
 
 
 def _count_noisy(record: Safeguards, noisy: List[bool]) -> None:

@@ -136,7 +136,7 @@ def schedule_clock(states) -> int:
     sites of one step) has taken, so that each guide keeps its own clock, as each parameter keeps
     its own step count in torch's optimizers (an NGVI shared by two guides steps each as two
     would; one reused after ``pyro.clear_param_store()`` starts again from 0)."""
-    return max((state.taken for state in states), default=0)
+    return max([state.taken for state in states], default=0)
 
 
 def advance(states, by: int = 1) -> None:

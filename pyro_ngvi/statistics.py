@@ -123,6 +123,8 @@ def step_statistics(sites, svi, control_variate: bool = True, buffers: Optional[
     # (SVI replaces the gradients after the step: the recovered statistics may be written over them)
     buffers = None if svi is None else buffers
     draws = draws if control_variate and draws else {}
+    if not analytic and not draws:  # (the common case: no site's loc to look up)
+        return {site.key: site_statistics(site, live, single, control_variate, buffers) for site in sites}
     return {site.key: site_statistics(site, live, single and id(site.loc) not in analytic, control_variate, buffers,
                                       None if id(site.loc) in analytic else draws.get(id(site.loc)))
             for site in sites}
