@@ -1,0 +1,83 @@
+"""
+Whether a change keeps the recipe's steps to the bit (issue 24: the fixed cost cut, the steps
+unchanged): 30 steps of ``bnn.guide()``, ``NGVI()``, ``CurvatureELBO(source)`` for each source
+(``ggn``, ``ef``, ``reparam``) on the tasks of ``step_overhead.py`` (``digits``, ``w100``), a
+non-finite minibatch at step 20 (skipped with a warning), the param store and ``NGVI.get_state()``
+saved; two saved runs compared with ``torch.equal``. Run it in two checkouts::
+
+    PYTHONPATH=/path/to/main python benchmarks/same_steps.py --save /tmp/main.pt
+    PYTHONPATH=. python benchmarks/same_steps.py --save /tmp/ours.pt --compare /tmp/main.pt
+"""
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pyro  # noqa: E402
+
+import harness  # noqa: E402
+import step_overhead  # noqa: E402
+
+
+def _flat(prefix: str, value, out: dict) -> None:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _flat(f"{prefix}/{key}", item, out)
+    elif isinstance(value, (list, tuple)):
+        for key, item in enumerate(value):
+            _flat(f"{prefix}/{key}", item, out)
+    else:
+        out[prefix] = value.detach().clone() if torch.is_tensor(value) else value
+
+
+def run(steps: int = 30) -> dict:
+    saved = {}
+    for task in ("digits", "w100"):
+        for source in ("ggn", "ef", "reparam"):
+            pyro.clear_param_store()
+            harness.seed(0)
+            method = step_overhead.make(task, source)
+            split = method.task.split
+            with pyro.validation_enabled(False), method.active():
+                for step in range(steps):
+                    start = (step * 128) % max(len(split.x_train) - 128, 1)
+                    x, y = split.x_train[start:start + 128], split.y_train[start:start + 128]
+                    if step == 20:  # a non-finite step: skipped, with a warning
+                        x = x.clone()
+                        x[0, 0] = float("nan")
+                    method.step(x, y)
+                _flat(f"{task}/{source}/params", dict(pyro.get_param_store().items()), saved)
+                _flat(f"{task}/{source}/state", method.svi.optim.get_state(), saved)
+    return saved
+
+
+def differences(ours: dict, theirs: dict) -> list:
+    """The entries that differ (``torch.equal`` for tensors), or are in one run only."""
+    keys = sorted(set(ours) | set(theirs))
+    return [k for k in keys if k not in ours or k not in theirs or not (
+        torch.equal(ours[k], theirs[k]) if torch.is_tensor(ours[k]) and torch.is_tensor(theirs[k])
+        else ours[k] == theirs[k])]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser.add_argument("--save", required=True)
+    parser.add_argument("--compare")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    saved = run()
+    torch.save(saved, args.save)
+    if args.compare:
+        differ = differences(saved, torch.load(args.compare, weights_only=False))
+        print(f"{len(saved)} entries, {len(differ)} differ" + "".join(f"\n  {k}" for k in differ))
+        raise SystemExit(1 if differ else 0)
+
+
+if __name__ == "__main__":
+    main()
