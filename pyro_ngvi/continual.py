@@ -324,11 +324,21 @@ def _start_full_at(guide, priors) -> None:
                 f"site's {size} unconstrained coordinates (support {support}), so the guide "
                 "cannot start at it; posterior_as_prior gives such priors. Use carry=False."
             )
+        factor, info = torch.linalg.cholesky_ex(prior[1])  # (of the precision)
+        usable = int(info) == 0 and bool(torch.isfinite(prior[0]).all()) and bool((factor.diagonal() > 0).all())
+        block_covariance = torch.cholesky_inverse(factor) if usable else factor
+        if not (usable and torch.isfinite(block_covariance).all()):
+            raise ValueError(f"start_task: prior for site '{name}' has a non-finite mean or a precision that is not "
+                             "finite and positive definite; the guide cannot start at it")
         mean[block] = prior[0]
         covariance[block, :] = 0.0
         covariance[:, block] = 0.0
-        covariance[block, block] = torch.cholesky_inverse(torch.linalg.cholesky(prior[1]))
-    site.write(mean, torch.linalg.cholesky(covariance))
+        covariance[block, block] = block_covariance
+    factor, info = torch.linalg.cholesky_ex(covariance)
+    if int(info) != 0:
+        raise ValueError("start_task: the guide's covariance with the priors' blocks is not numerically positive "
+                         "definite; the guide cannot start at it")
+    site.write(mean, factor)
 
 
 @torch.no_grad()

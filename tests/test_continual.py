@@ -511,3 +511,33 @@ def test_posterior_as_prior_of_another_guide_names_both_guides_it_reads():
     bnn = BayesianNet(nn.Linear(3, 2), "categorical", 8)
     with pytest.raises(NotImplementedError, match="AutoNormal and AutoMultivariateNormal .*got KroneckerNormal"):
         posterior_as_prior(KroneckerNormal(bnn))
+
+
+@pytest.mark.parametrize("prior", [
+    dist.MultivariateNormal(torch.tensor([float("nan"), 0.0]), torch.eye(2), validate_args=False),
+    dist.MultivariateNormal(torch.tensor([float("inf"), 0.0]), torch.eye(2), validate_args=False),
+    dist.Normal(torch.zeros(2), torch.tensor([0.0, 1.0]), validate_args=False).to_event(1),
+    dist.Normal(torch.zeros(2), torch.tensor([float("inf"), 1.0]), validate_args=False).to_event(1),
+], ids=["nan-mean", "inf-mean", "zero-scale", "inf-scale"])
+def test_start_task_full_covariance_refuses_unusable_prior(prior):
+    """start_task(AutoMultivariateNormal, carry=True) wrote a NaN / inf prior mean into the guide
+    unrefused (its AutoNormal path refuses it), and a zero or infinite prior scale raised torch's
+    LinAlgError, not a ValueError naming the site. A good prior still sets the guide's block."""
+    from pyro.infer.autoguide import AutoMultivariateNormal
+
+    def model(x, y):
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+        with pyro.plate("data", len(y)):
+            pyro.sample("obs", dist.Normal((x * w).sum(-1), 0.5), obs=y)
+
+    pyro.clear_param_store()
+    x, y = torch.randn(5, 2), torch.randn(5)
+    guide = AutoMultivariateNormal(model)
+    with pytest.raises(ValueError, match="site 'w' has a non-finite mean or a precision"):
+        start_task(guide, {"w": prior}, x, y, carry=True)
+    assert guide.prototype_trace is None and not list(pyro.get_param_store().keys())
+    good = dist.MultivariateNormal(torch.tensor([0.5, -1.0]), torch.tensor([[2.0, 0.6], [0.6, 1.0]]))
+    start_task(guide, {"w": good}, x, y, carry=True)  # the refused call left the guide retriable
+    posterior = guide.get_posterior()
+    torch.testing.assert_close(posterior.loc.detach(), good.mean)
+    torch.testing.assert_close(posterior.covariance_matrix.detach(), good.covariance_matrix)
