@@ -32,6 +32,7 @@ nothing is communicated: single-process users pay one function call.
 """
 
 import hashlib
+import numbers
 from dataclasses import replace
 from typing import Dict, List, Sequence, Tuple
 
@@ -83,7 +84,12 @@ def seed_rank(seed: int) -> int:
     be the same on every rank) and before training.
 
     :returns: the seed this rank uses.
+    :raises ValueError: unless ``seed`` is a whole number with every rank's seed in
+        :math:`[0, 2^{32})` (a float was truncated: ``seed_rank(0.5)`` seeded 0).
     """
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed <= 2**32 - get_world_size():
+        raise ValueError(f"seed must be a whole number in [0, 2**32 - {get_world_size()}] (each rank seeds "
+                         f"seed + rank), got {seed!r}")
     rank_seed = int(seed) + get_rank()
     pyro.set_rng_seed(rank_seed)
     return rank_seed
@@ -95,8 +101,15 @@ def shard(num_examples: int) -> torch.Tensor:
     ``num_examples``, every shard of the same length (the last ``num_examples % K``
     examples are dropped), so that all ranks take the same number of steps: a rank
     that takes one step more waits for the others until the group times out.
+
+    :raises ValueError: unless ``num_examples`` is a whole number of at least :math:`K`
+        (a float gave float indices, ``shard(2.5)`` was ``tensor([0., 1.])``; fewer
+        examples than ranks, empty shards).
     """
     world = get_world_size()
+    if isinstance(num_examples, bool) or not isinstance(num_examples, numbers.Integral) or num_examples < world:
+        raise ValueError(f"num_examples must be a whole number of examples, at least the {world} rank(s), "
+                         f"got {num_examples!r}")
     return torch.arange(get_rank(), num_examples - num_examples % world, world)
 
 

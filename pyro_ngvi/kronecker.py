@@ -194,6 +194,8 @@ class KroneckerNormal(AutoGuide):
         if not (isinstance(init_scale, float) and 0 < init_scale < math.inf):  # (a float, as Pyro's AutoNormal)
             raise ValueError(f"init_scale must be a positive float, got {init_scale!r}")
         self.layers: List[KroneckerLayer] = list(layers())
+        if not (init_loc_fn is None or callable(init_loc_fn)):  # (else a TypeError at the first call)
+            raise ValueError(f"init_loc_fn must be a callable of the site or None, got {init_loc_fn!r}")
         self.init_loc_fn = init_loc_fn or getattr(model, "init_loc_fn", init_to_feasible)
         self._init_scale = init_scale
         super().__init__(model)

@@ -119,6 +119,8 @@ class NGVI(PyroOptim):
     #: The host reads the finiteness and safeguard flags every this many steps
     #: (:mod:`pyro_ngvi.checks`; None: 16 on CUDA, 1 elsewhere).
     sync_every = Checked(lambda name, v: _whole_steps(v))
+    #: The ELBO watch (:mod:`pyro_ngvi.monitor`) on; :func:`~pyro_ngvi.laplace` turns it off for its line search.
+    watch_elbo = Checked(lambda name, v: _flag(name, v), optional=False)
 
     def __init__(self, lr: Optional[Schedule] = None, beta: Optional[Schedule] = None,
                  momentum: Optional[float] = None, damping: Optional[float] = None, tau: Schedule = 1.0,
@@ -142,7 +144,7 @@ class NGVI(PyroOptim):
         self.control_variate, self.safeguard = control_variate, safeguard
         self.compile = compile
         self.sync_every: Optional[int] = None
-        self.watch_elbo = True  #: the ELBO watch (pyro_ngvi.monitor) on; laplace's line search turns it off
+        self.watch_elbo = True
         super().__init__(point_optim, check_point_optim(point_optim, point_optim_args))
         self._point_decay = point_optim is torch.optim.Adam and point_optim_args is None
         self._guide_parts = WeakIdKeyDictionary()  # params of guide parts not Gaussians (True: score-function)
@@ -396,6 +398,12 @@ class NGVI(PyroOptim):
             or is not an NGVI state.
         """
         self.set_state(safe_load(filename, map_location, what="NGVI state"))
+
+
+def _flag(name: str, value) -> bool:
+    if not isinstance(value, bool):  # ("no" or "False" would be truthy: the watch silently on)
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
 
 
 def _whole_steps(value) -> int:

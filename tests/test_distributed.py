@@ -393,6 +393,26 @@ def test_single_process_is_untouched():
     assert torch.equal(shard(5), torch.arange(5))
 
 
+@pytest.mark.parametrize("bad", [2.5, -1, 0, True, None, "5"])
+def test_shard_refuses_what_is_not_a_whole_number_of_examples(bad):
+    """shard(2.5) returned float indices, tensor([0., 1.]); shard(-1) raised torch's RuntimeError,
+    shard(None) a TypeError; shard(0) gave every rank an empty shard."""
+    with pytest.raises(ValueError, match="num_examples must be a whole number"):
+        shard(bad)
+    assert torch.equal(shard(7), torch.arange(7))  # one process: every example
+
+
+@pytest.mark.parametrize("bad", [0.5, -1, 2**32, True, None, "3"])
+def test_seed_rank_refuses_what_is_not_a_whole_seed(bad):
+    """seed_rank(0.5) seeded 0 silently (int(0.5)); seed_rank("3") seeded 3; -1 raised Pyro's message."""
+    with pytest.raises(ValueError, match="seed must be a whole number"):
+        seed_rank(bad)
+    assert seed_rank(3) == 3
+    mine = torch.rand(3)
+    torch.manual_seed(3)
+    assert torch.equal(mine, torch.rand(3))
+
+
 if __name__ == "__main__":
     rank, world, port, out_dir = sys.argv[1:]
     _worker(int(rank), int(world), int(port), out_dir)

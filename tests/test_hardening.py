@@ -6,6 +6,7 @@ step leaves no trace, badly scaled problems never write a zero or non-finite sca
 and warn.
 """
 
+import copy
 import math
 import warnings
 
@@ -202,6 +203,18 @@ def test_sync_every_must_be_a_whole_number_of_steps(value):
     assert optim.sync_every == 4 and type(optim.sync_every) is int
     optim.sync_every = None
     assert optim.sync_every is None
+
+
+@pytest.mark.parametrize("value", ["no", "False", 0, None, np.bool_(False)])
+def test_watch_elbo_must_be_true_or_false(value):
+    """watch_elbo was a plain attribute: optim.watch_elbo = "no" (truthy) left the ELBO watch on,
+    unsaid; 0 and None turned it off. It is checked when set, as sync_every is."""
+    optim = NGVI()
+    with pytest.raises(ValueError, match="watch_elbo must be True or False"):
+        optim.watch_elbo = value
+    assert optim.watch_elbo is True
+    optim.watch_elbo = False
+    assert copy.deepcopy(optim).watch_elbo is False
 
 
 @pytest.mark.parametrize("name", ["lr", "tau"])

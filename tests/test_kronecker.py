@@ -406,3 +406,17 @@ def test_a_stale_guide_param_of_another_layer_shape_is_refused_naming_the_layer(
     svi_of(4).step(x, y)
     with pytest.raises(ValueError, match=r"layer '0''s mean of shape \(4, 4\).*needs \(5, 4\).*clear_param_store"):
         svi_of(5).step(x, y)
+
+
+def test_init_loc_fn_must_be_callable():
+    """KroneckerNormal(bnn, init_loc_fn=3) was taken, and its first call raised TypeError
+    ('int' object is not callable); a callable still sets the guide's means."""
+    pyro.clear_param_store()
+    bnn = BayesianNet(nn.Linear(2, 1), "gaussian", num_data=5, noise_scale=0.5)
+    with pytest.raises(ValueError, match="init_loc_fn must be a callable"):
+        KroneckerNormal(bnn, init_loc_fn=3)
+    x, y = torch.randn(5, 2), torch.randn(5)
+    guide = KroneckerNormal(bnn, init_loc_fn=lambda site: torch.full(site["fn"].shape(), 0.25))
+    guide(x, y)
+    locs = [v for k, v in pyro.get_param_store().items() if ".locs." in k]
+    assert len(locs) == 1 and torch.equal(locs[0].detach(), torch.full((1, 3), 0.25))
