@@ -244,8 +244,10 @@ class LowRankSite:
             raise ValueError(
                 f"NGVI's step for the LowRankPrecisionNormal '{self.name}' reads its curvature off the "
                 "draw its gradients were taken at (Price's theorem): train it with a one-particle "
-                f"pyro.infer.Trace_ELBO, TraceGraph_ELBO or TraceEnum_ELBO (found {len(draws)} draws since the last step"
-                f"{'' if self.loc.grad is not None else ' and no gradient on its loc'}).")
+                "pyro.infer.Trace_ELBO, TraceGraph_ELBO or TraceEnum_ELBO ("
+                + ("the loss is not one of those with num_particles=1" if not one_draw else
+                   f"found {len(draws)} draws since the last step")  # (vectorised particles: one batched draw)
+                + f"{'' if self.loc.grad is not None else ' and no gradient on its loc'}).")
         grad = self.loc.grad.detach()
         plus, minus = low_rank.price_factors(self.factor, self.diag, draws[0][None], grad[None])
         return LowRankCurvature(grad, plus, minus, displacement=draws[0].detach() if control_variate else None)

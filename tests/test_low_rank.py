@@ -301,6 +301,22 @@ def test_several_particles_are_refused_with_what_is_supported():
         svi.step(*data)
 
 
+def test_vectorised_particles_are_refused_naming_the_loss_not_one_draw():
+    """Under Trace_ELBO(num_particles=8, vectorize_particles=True) the refusal said 'found 1 draws
+    since the last step' (the 8 particles are one batched draw), as if one draw were the fault."""
+    def model(x, y):  # (broadcasts over the particles' plate)
+        w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+        with pyro.plate("data", len(y)):
+            pyro.sample("obs", dist.Normal((x * w.unsqueeze(-2)).sum(-1), 0.5), obs=y)
+
+    data = torch.randn(10, 3), torch.randn(10)
+    guide = LowRankPrecisionNormal(model, rank=2)
+    svi = SVI(model, guide, NGVI(), Trace_ELBO(num_particles=8, vectorize_particles=True, max_plate_nesting=1))
+    with pytest.raises(ValueError, match="one-particle .*the loss is not one of those with num_particles=1") as error:
+        svi.step(*data)
+    assert "found 1 draws" not in str(error.value)
+
+
 def test_site_writes_back_what_it_reads():
     guide = LowRankPrecisionNormal(transformed_model, rank=2)
     guide(torch.zeros(2, dtype=F64))
