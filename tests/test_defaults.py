@@ -20,6 +20,7 @@ from pyro.infer import SVI, Predictive, Trace_ELBO, TraceEnum_ELBO, TraceGraph_E
 from pyro.infer.autoguide import AutoDiagonalNormal, AutoLowRankMultivariateNormal, AutoNormal
 
 from pyro_ngvi import NGVI, CurvatureELBO, NGVIWarning, NotGaussianWarning
+import pyro_ngvi.point as point
 from pyro_ngvi.family import pop_curvature
 
 
@@ -563,6 +564,57 @@ def test_low_rank_guide_loc_still_travels_many_sds():
             svi.step(X, y)
     assert start > 60
     assert ((guide.loc.detach() - mean) / sd).abs().max() < 20
+
+
+def test_low_rank_guide_started_narrower_than_the_posterior_reaches_its_mean():
+    """A conjugate model, x ~ N(0, 1) with 20 observations N(x, 1) (posterior N(sum / 21, 1 / 21),
+    sd 0.218, its mean about 10 sds from the prior's median) beside z ~ N(1, 0.5), under
+    AutoLowRankMultivariateNormal(init_scale=0.08): the loc's distance estimate sigma_i^2 |m_i|
+    was (sigma_guide / sigma_post)^2 too short and Adam's sqrt(v) remembered the early large
+    gradients, so x's loc was still 3.5 posterior sds off after 300 steps (1.0 after 1,500); the
+    gradient's signal-to-noise ratio m_i / s_i measures the distance in guide sds at any width."""
+    torch.manual_seed(123)
+    data = 2.4 + torch.randn(20)
+    mean, sd = data.sum().item() / 21, 21 ** -0.5
+
+    def model():
+        x = pyro.sample("x", dist.Normal(0.0, 1.0))
+        pyro.sample("z", dist.Normal(1.0, 0.5))
+        with pyro.plate("data", 20):
+            pyro.sample("obs", dist.Normal(x, 1.0), obs=data)
+
+    errors = []
+    for seed in range(2):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(seed)
+        guide = AutoLowRankMultivariateNormal(model, init_scale=0.08)
+        svi = SVI(model, guide, NGVI(), Trace_ELBO())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", NotGaussianWarning)
+            for _ in range(300):
+                svi.step()
+        errors.append(abs(guide.loc[0].item() - mean) / sd)
+    assert max(errors) < 0.5
+
+
+def test_low_rank_loc_gradient_noise_is_the_averaged_half_squared_change():
+    """gradient_noise's s^2 is the bias-corrected average, at rate beta, of (g_k - g_(k-1))^2 / 2
+    (against the sum written out), none before LOW_RANK_NOISE_COUNT changes, and about the draws'
+    variance for independent draws."""
+    torch.manual_seed(0)
+    grads = torch.randn(30, 3) * torch.tensor([0.1, 1.0, 10.0]) + 5.0
+    state, beta = {}, point.LOW_RANK_NOISE_BETA
+    noises = [point.gradient_noise(state, g) for g in grads]
+    assert all(noise is None for noise in noises[:point.LOW_RANK_NOISE_COUNT])
+    noise = noises[-1]
+    weights = beta ** torch.arange(28, -1, -1.0)
+    expected = (weights[:, None] * (grads[1:] - grads[:-1]).pow(2) / 2).sum(0) * (1 - beta) / (1 - beta ** 29)
+    assert noise == pytest.approx(expected.sqrt(), rel=1e-5)
+    many = torch.randn(3000, 3) * torch.tensor([0.1, 1.0, 10.0])
+    state = {}
+    for g in many:
+        noise = point.gradient_noise(state, g)
+    assert noise == pytest.approx(torch.tensor([0.1, 1.0, 10.0]), rel=0.25)
 
 
 @pytest.mark.parametrize("given", [None, {"lr": 0.05}])

@@ -3,6 +3,7 @@ The step of an AutoLowRankMultivariateNormal's loc under NGVI() (issue 23; ``pyr
 against the variants measured while choosing it (``results/pyro_suite.md``):
 
 - ``adopted``: Adam's step in the guide's marginal sds times max(1, sigma_i |m_i|), within one sd;
+  at least alpha_t sigma_i (|m_i| / s_i - 0.23), s_i the gradient's draw noise (pyro_ngvi/point.py);
 - ``trust3``: the same within 3 sds (NGVI's max_step);
 - ``sd``: Adam's step in plain sd units, alpha_t sigma_i m / sqrt(v);
 - ``const``: the same at a constant alpha = 0.1 (no decay);
