@@ -180,12 +180,16 @@ def mean_field_pass(b: Branches, t: Inputs, n: Numbers, transform, w: Scratch = 
     (``out_*``, the momentum buffer) the results are written there.
     """
     mean, mask = t.mean, t.mask
+    adaptive = b.rates == "adaptive"
     if b.branch_free:  # (compiled: no input is changed but those written; the copies are fused away)
         t = t._replace(grad=t.grad.clone(), curvature=t.curvature.clone())
         w = NO_SCRATCH
-    precision, grad, target = _prepare(b, t, n, transform, w)
+    precision, grad, target, root = _prepare(b, t, n, transform, w)
+    if b.branch_free:  # (compiled: as it was)
+        root = None
+    elif adaptive and root is None:  # (read again by the trust region's radius)
+        root = torch.rsqrt(precision, out=w.scale)
     prior_precision = t.prior_precision if b.prior else None
-    adaptive = b.rates == "adaptive"
     direction = _momentum(b, t, grad, n.rho, w)
     pull = dot = None  # the exact prior's gradient, lambda_0 (mu - m_0)
     if b.prior:
@@ -202,7 +206,7 @@ def mean_field_pass(b: Branches, t: Inputs, n: Numbers, transform, w: Scratch = 
     steps = None
     if adaptive:
         steps = adaptive_rates(grad, direction, t.drift, pull, target, precision, t.count, t.hdrift, t.fresh, mask,
-                               t.noise, n.lr, n.beta, n.rho, _adaptive_scratch(b, t, w), t.levels)
+                               t.noise, n.lr, n.beta, n.rho, _adaptive_scratch(b, t, w), t.levels, root)
         step_beta, step_lr = steps.beta, steps.lr
     elif b.rates == "warm":
         step_beta, step_lr = warm_start_rates(t.fresh, target, precision, n.beta, n.lr, out=w.rate)
@@ -229,8 +233,12 @@ def mean_field_pass(b: Branches, t: Inputs, n: Numbers, transform, w: Scratch = 
     predicted = None
     out_mean = _out(b, t.out_mean, mean, w.mean)
     if b.trust:  # the trust region bounds the likelihood part of the step, not the prior's
-        new_mean = trusted_mean_step(mean, direction, pull, denominator, step_lr,
-                                     precision.rsqrt_().mul_(n.max_step), out=out_mean, scratch=w.step)
+        if root is None:
+            radius, low = precision.rsqrt_().mul_(n.max_step), None
+        else:  # (sigma's bounds of the step, +-max_step sigma: rounding is symmetric)
+            radius, low = torch.mul(root, n.max_step, out=precision), torch.mul(root, -n.max_step, out=root)
+        new_mean = trusted_mean_step(mean, direction, pull, denominator, step_lr, radius, out=out_mean,
+                                     scratch=w.step, low=low)
     elif b.guarded:  # a Newton step (at the mean) damped by the safeguard
         numerator = direction if pull is None else pull.add_(direction)
         step = torch.mul(numerator, step_lr, out=w.step).div_(denominator)
@@ -289,8 +297,9 @@ def _prepare(b: Branches, t: Inputs, n: Numbers, transform, w: Scratch):
     if b.recover and not b.known_scale:  # (the recovery reads sigma)
         sigma = _forward(b, transform, t.raw_scale, out=w.sigma, scratch=(w.a, w.b))
         precision = torch.pow(sigma, -2, out=w.precision)
+    root = None  # lambda^-1/2, where computed (the control variate's; w.scale)
     if b.prepared:
-        return precision, grad, curvature
+        return precision, grad, curvature, root
     if b.recover:
         t = _recover(b, t, t.scale if b.known_scale else sigma, w)
         grad, curvature = t.grad, t.curvature
@@ -307,8 +316,8 @@ def _prepare(b: Branches, t: Inputs, n: Numbers, transform, w: Scratch):
             eps_sq_minus_one = None
         else:
             eps_sq_minus_one = t.eps_sq_mean.sub(1.0) if b.branch_free else t.eps_sq_mean.sub_(1.0)
-        control_variate(grad, curvature, t.eps_mean, eps_sq_minus_one, precision, prior_precision, known,
-                        baseline, scratch=(w.a, w.b, w.c))
+        root = control_variate(grad, curvature, t.eps_mean, eps_sq_minus_one, precision, prior_precision, known,
+                               baseline, scratch=(w.a, w.scale, w.c))
     target = precision_target(curvature, prior_precision)
     if adaptive:  # an outlier clipped, the clipped part carried to the next steps (state: excess)
         excess = t.excess
@@ -323,7 +332,7 @@ def _prepare(b: Branches, t: Inputs, n: Numbers, transform, w: Scratch):
             if b.masked:
                 new_excess = torch.where(t.ok, new_excess, excess)
             excess.copy_(new_excess)
-    return precision, grad, target
+    return precision, grad, target, root
 
 
 def _recover(b: Branches, t: Inputs, sigma: torch.Tensor, w: Scratch) -> Inputs:
@@ -355,9 +364,9 @@ def noise_pass(b: Branches, t: Inputs, n: Numbers, transform, w: Scratch = NO_SC
     squared innovations over the elements seen, with their count
     (:func:`~pyro_ngvi.policies.noise_sums`), for this span.
     """
-    precision, grad, target = _prepare(b, t, n, transform, w)
+    precision, grad, target, root = _prepare(b, t, n, transform, w)
     drift = t.momentum if b.momentum != "none" else t.drift
-    sigma = torch.rsqrt(precision, out=w.scale)
+    sigma = torch.rsqrt(precision, out=w.scale) if root is None else root
     _, squares = innovations(target, precision, grad, drift, t.hdrift, sigma, (w.c, w.ab))
     return noise_sums(squares, seen_elements(t.fresh, t.mask, w.flag), t.noise.lengths)
 

@@ -270,7 +270,7 @@ class AdaptiveScratch(NamedTuple):
 
 def adaptive_rates(grad, direction, drift, pull, target, precision, count, hdrift, fresh, mask, noise: NoiseState,
                    lr: float, beta: float, momentum: float, w: AdaptiveScratch = AdaptiveScratch(),
-                   levels=None) -> AdaptiveSteps:
+                   levels=None, sigma=None) -> AdaptiveSteps:
     """
     Per-element steps from the measured signal-to-noise ratio of the two
     natural-gradient innovations, :math:`\\hat g` and :math:`(\\hat h - \\lambda)/\\lambda`:
@@ -289,13 +289,18 @@ def adaptive_rates(grad, direction, drift, pull, target, precision, count, hdrif
     yet (``None``: none). Returns :math:`(\\beta_t, \\alpha_t)` per element and the new count,
     running means and pooled noise (:class:`AdaptiveSteps`), written into the buffers of ``w``
     where given. ``levels``: the pooled noise (:func:`pooled_levels`) when it was pooled before
-    (a large site's, over all its spans). No device sync, no branch on values.
+    (a large site's, over all its spans); ``sigma``: :math:`\\lambda^{-1/2}` when the caller has it.
+    No device sync, no branch on values.
     """
     base = 1.0 / beta
-    rate = torch.add(count, 1.0, out=w.rate).reciprocal_()
-    sigma = torch.rsqrt(precision, out=w.sigma)
-    # innovations and their deviation from the running means so far (noise, pooled)
-    innovation, squares = innovations(target, precision, grad, drift, hdrift, sigma, (w.innovation, w.pair))
+    grown = torch.add(count, 1.0, out=w.grown)  # (n + 1, read again below)
+    rate = torch.reciprocal(grown, out=w.rate)
+    if sigma is None:
+        sigma = torch.rsqrt(precision, out=w.sigma)
+    # innovations and their deviation from the running means so far (noise, pooled; the squares
+    # only where they are pooled here)
+    innovation, squares = innovations(target, precision, grad, drift, hdrift, sigma, (w.innovation, w.pair),
+                                      squared=levels is None)
     if levels is None:
         levels = pooled_noise(squares, seen_elements(fresh, mask, w.seen), noise)
     low, high, steps, pooled = levels
@@ -313,7 +318,7 @@ def adaptive_rates(grad, direction, drift, pull, target, precision, count, hdrif
         if not momentum:
             drift = torch.where(mask, drift, old_drift, out=w.drift)
     # (the deviations are pooled: their rows take the signal)
-    signal = squares if w.pair is not None else None
+    signal = w.pair  # (None: stacked below)
     total = drift if pull is None else torch.add(drift, pull, out=None if signal is None else signal[0])
     if signal is None:
         signal = torch.stack([(total * sigma).square_().div_(drift_rate), hdrift.square().div_(rate)])
@@ -324,7 +329,6 @@ def adaptive_rates(grad, direction, drift, pull, target, precision, count, hdrif
         torch.square(hdrift, out=signal[1]).div_(rate)
         stalled = torch.lt(_row_sum(signal, low, w.z), STALL_Z2, out=w.flag)  # (0 / 1)
         drifting = torch.gt(_row_sum(signal, high, w.z), DRIFT_Z2, out=w.flag2)
-    grown = torch.add(count, 1.0, out=w.grown)
     held = torch.clamp(count, min=base, out=w.held)
     new_count = select(stalled, grown, torch.minimum(grown, held, out=held), w.weight, out=held)
     # a drifting element halves its count (not below 1/beta): a drift that lasts falls back to
@@ -412,12 +416,14 @@ def pooled_levels(totals, counts, state: NoiseState) -> Tuple[torch.Tensor, torc
     return low, high, steps, noise
 
 
-def innovations(target, precision, grad, drift, hdrift, sigma, out=(None, None)):
+def innovations(target, precision, grad, drift, hdrift, sigma, out=(None, None), squared: bool = True):
     """The two innovations' deviations from their running means so far, in standard-deviation
     units, squared: :math:`((g - \\bar g)\\sigma)^2` and :math:`((\\hat h - \\lambda)/\\lambda - \\bar e)^2`
     (``out``: a buffer for the innovation :math:`(\\hat h - \\lambda)/\\lambda`, kept, and a
-    ``(2, n)`` one for the squares)."""
+    ``(2, n)`` one for the squares; ``squared=False``: the innovation alone, the squares ``None``)."""
     innovation = torch.sub(target, precision, out=out[0]).div_(precision)
+    if not squared:
+        return innovation, None
     if out[1] is None:
         return innovation, torch.stack([torch.sub(grad, drift).mul_(sigma), innovation - hdrift]).square_()
     squares = out[1]

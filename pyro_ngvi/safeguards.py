@@ -90,6 +90,15 @@ def clip_target(target: torch.Tensor, precision: torch.Tensor, excess: Optional[
     high = torch.mul(precision, 1.0 + INNOVATION_MAX, out=scratch[1])
     if excess is None:
         return torch.clamp(target, min=low, max=high, out=target), None
+    if out is excess:  # (eagerly, in place: the sum in excess's buffer, the clipped target in target's)
+        raw = torch.add(target, excess, out=excess)
+        target = torch.clamp(raw, min=low, max=high, out=target)
+        new_excess = raw.sub_(target)
+        if count is not None:  # |r'| <= share n lambda, one clamp (the bounds' buffers are free)
+            radius = torch.mul(precision, count, out=scratch[1])
+            low = torch.mul(radius, -EXCESS_SHARE, out=scratch[0])  # (rounding is symmetric)
+            clip_(new_excess, radius.mul_(EXCESS_SHARE), low)
+        return target, new_excess
     raw = target.add_(excess)
     clipped = torch.clamp(raw, min=low, max=high, out=low)
     new_excess = torch.sub(raw, clipped, out=out)
@@ -111,8 +120,11 @@ def precision_trust_region(new_precision: torch.Tensor, precision: torch.Tensor,
     return torch.clamp(new_precision, min=lower, max=upper, out=new_precision)
 
 
-def clip_(step: torch.Tensor, radius: torch.Tensor) -> torch.Tensor:
-    """Clip ``step`` to :math:`[-r, r]` element-wise, in place (``radius`` is negated in place)."""
+def clip_(step: torch.Tensor, radius: torch.Tensor, low: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Clip ``step`` to :math:`[-r, r]` element-wise, in place (``radius`` :math:`r \\ge 0` is negated in
+    place, unless ``low``, :math:`-r`, is given: then one clamp)."""
+    if low is not None:
+        return torch.clamp(step, min=low, max=radius, out=step)
     step = torch.minimum(step, radius, out=step)
     return torch.maximum(step, radius.neg_(), out=step)
 

@@ -65,7 +65,7 @@ LEVEL_RESTART = 1e4
 
 
 def control_variate(grad, curvature, eps_mean, eps_sq_mean_minus_one, precision, prior_precision, known,
-                    baseline, scratch=(None, None, None)) -> None:
+                    baseline, scratch=(None, None, None)) -> torch.Tensor:
     """
     Subtract, in place, the diagonal control variates of known draws :math:`\\epsilon`
     from :math:`\\hat g` and :math:`\\hat h`:
@@ -80,22 +80,23 @@ def control_variate(grad, curvature, eps_mean, eps_sq_mean_minus_one, precision,
     exact: then :math:`\\hat g(\\mu + \\sigma\\epsilon) = b + c\\sigma\\epsilon`.
     ``eps_sq_mean_minus_one`` is consumed; ``None`` for a curvature exact at the draw (not a Price
     estimate, whose noise these terms of :math:`\\hat h` are): the gradient's alone. ``scratch``:
-    three buffers of the length.
+    three buffers of the length. Returns :math:`\\sigma = \\lambda^{-1/2}` (into the second).
+    ``precision`` is :math:`\\sigma^{-2} \\ge 0` (without a prior :math:`c = \\lambda`: no clamp).
     """
     work, sigma, product = scratch
     # (known: a 0 / 1 mask; finite c and baseline: a product is the masked fill)
     if prior_precision is None:
-        c = torch.clamp(precision, min=0.0, out=work)
+        c = torch.mul(precision, known, out=work)
     else:
-        c = torch.sub(precision, prior_precision, out=work).clamp_(min=0.0)
-    c.mul_(known)
+        c = torch.sub(precision, prior_precision, out=work).clamp_(min=0.0).mul_(known)
     sigma = torch.rsqrt(precision, out=sigma)
     grad.sub_(torch.mul(c, sigma, out=product).mul_(eps_mean))
     if eps_sq_mean_minus_one is None:
-        return
+        return sigma
     curvature.sub_(eps_sq_mean_minus_one.mul_(c))
     if baseline is not None:
         curvature.sub_(torch.mul(baseline, known, out=product).mul_(eps_mean).div_(sigma))
+    return sigma
 
 
 def structure_key(sites: List[GaussianSite]) -> str:

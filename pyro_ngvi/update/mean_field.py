@@ -76,11 +76,13 @@ def mean_step(mean, direction, pull, denominator, lr, out=None, scratch=None) ->
     return torch.addcdiv(mean, numerator, denominator, value=-lr, out=out)
 
 
-def trusted_mean_step(mean, direction, pull, denominator, lr, radius, out=None, scratch=None) -> torch.Tensor:
+def trusted_mean_step(mean, direction, pull, denominator, lr, radius, out=None, scratch=None,
+                      low=None) -> torch.Tensor:
     """The mean step with its likelihood part :math:`\\alpha\\bar g/(\\lambda'+\\gamma)` clipped
     to ``radius`` (the trust region of sampled steps; consumed) and the prior's pull not; into
-    ``out`` (default: a new tensor), ``scratch`` a buffer for the step."""
-    step = clip_(torch.mul(direction, lr, out=scratch).div_(denominator), radius)
+    ``out`` (default: a new tensor), ``scratch`` a buffer for the step; ``low``: :math:`-` ``radius``
+    where the caller has it (one clamp, :func:`~pyro_ngvi.safeguards.clip_`)."""
+    step = clip_(torch.mul(direction, lr, out=scratch).div_(denominator), radius, low)
     new_mean = torch.sub(mean, step, out=out)
     if pull is None:
         return new_mean
