@@ -64,6 +64,8 @@ class Branches(NamedTuple):
     prepared: bool = False  # grad and curvature are the rule's g and target already (noise_pass ran on them)
     recover: bool = False  # grad and curvature are the gradients of loc and raw scale: recover g and h from them
     recover_draws: bool = False  # ... and the draws
+    kept: bool = False  # a run's two passes (eager, adaptive): w.precision, w.scale and w.c are spans of
+    #                     site-long buffers; the first writes lambda, lambda^-1/2 and the innovation, the second reads them
 
 
 class Inputs(NamedTuple):
@@ -159,6 +161,8 @@ class Scratch(NamedTuple):
     ab: Optional[torch.Tensor] = None  # (2, n): the rows a and b
 
 
+#: The dtypes whose far elements are counted by a dot of the two flags (its sums of 0 / 1 exact below 2^24).
+_DOT = (torch.float32, torch.float64)
 #: The number of buffers of :class:`Scratch` (``ab`` aside: a view of two of them).
 SCRATCH_FLOATS = 23
 NO_SCRATCH = Scratch()
@@ -206,7 +210,8 @@ def mean_field_pass(b: Branches, t: Inputs, n: Numbers, transform, w: Scratch = 
     steps = None
     if adaptive:
         steps = adaptive_rates(grad, direction, t.drift, pull, target, precision, t.count, t.hdrift, t.fresh, mask,
-                               t.noise, n.lr, n.beta, n.rho, _adaptive_scratch(b, t, w), t.levels, root)
+                               t.noise, n.lr, n.beta, n.rho, _adaptive_scratch(b, t, w), t.levels, root,
+                               w.c if b.prepared and b.kept else None)
         step_beta, step_lr = steps.beta, steps.lr
     elif b.rates == "warm":
         step_beta, step_lr = warm_start_rates(t.fresh, target, precision, n.beta, n.lr, out=w.rate)
@@ -225,9 +230,14 @@ def mean_field_pass(b: Branches, t: Inputs, n: Numbers, transform, w: Scratch = 
     if b.signs:  # the stall test: |g| sigma beyond FAR with the last step's sign
         signs = _flag(torch.gt, grad, 0, w.signs)  # (0 / 1 in g's dtype)
         if b.far:
-            far = far_elements(grad, precision, signs, t.last_signs, scratch=(w.a, w.b), flags=(w.flag, w.flag2))
-            far = far if mask is None else far.mul_(mask)
-            far = _count(far)  # (a float sum, exact below 2^24 elements (else in float64))
+            # (counted by a dot of the two flags: one pass less than their product's sum)
+            if mask is None and not b.branch_free and grad.numel() < 1 << 24 and grad.dtype in _DOT:
+                far = torch.dot(*far_elements(grad, precision, signs, t.last_signs, scratch=(w.a, w.b),
+                                              flags=(w.flag, w.flag2), product=False))  # (exact: integers < 2^24)
+            else:
+                far = far_elements(grad, precision, signs, t.last_signs, scratch=(w.a, w.b), flags=(w.flag, w.flag2))
+                far = far if mask is None else far.mul_(mask)
+                far = _count(far)  # (a float sum, exact below 2^24 elements (else in float64))
 
     # the mean, and its safeguards
     predicted = None
@@ -287,7 +297,10 @@ def _prepare(b: Branches, t: Inputs, n: Numbers, transform, w: Scratch):
     """The precision and the step's statistics as the rule takes them (in place on ``t.grad`` and
     ``t.curvature``): :math:`\\lambda`, :math:`\\hat g` and the target :math:`\\hat\\lambda` (tempered,
     the control variate subtracted, the prior added, an outlier clipped); ``prepared``: done before,
-    by :func:`noise_pass` (only the precision is read again)."""
+    by :func:`noise_pass` (only the precision is read again; ``kept``: not even that). Returns also
+    :math:`\\lambda^{-1/2}` where computed (else ``None``)."""
+    if b.prepared and b.kept:  # (the first pass's, in its buffers)
+        return w.precision, t.grad, t.curvature, w.scale
     # the precision the ELBO read this step (else the one NGVI wrote, else the raw scale's)
     if b.known_scale:
         precision = torch.pow(t.scale, -2, out=w.precision)

@@ -159,6 +159,7 @@ def read_pass(ctx, group: Group, stats: List[SiteCurvature], grad: torch.Tensor,
         in_place=in_place or (fuse and group.one and mask is None), masked=masked_write,
         prepared=run is not None and adaptive and phase is None,
         recover=first.gradients, recover_draws=first.gradients and first.draws and control,
+        kept=run is not None and adaptive and eager and ctx.workspace is not None,
     )
     numbers = Numbers(lr, beta, rho, settings.damping, tau, options.max_step,
                       ctx.guarded.factor if guarded else 1.0, first_count(beta, options.warm_start))
@@ -311,6 +312,7 @@ class Spans:
         self.adaptive = self.levels = None  # the adaptive steps' inputs, and their noise pooled over the spans
         self.sums: list = []  # the first pass's sums of squared innovations and their counts, span by span
         self.slice = slice(0, 0)
+        self.size, self._kept = group.numel, None
         self.clamped: List[torch.Tensor] = []
         self.spread = torch.zeros((), dtype=like.dtype, device=like.device)  # sum lambda_0 (mu - m_0)^2
         self.far = 0
@@ -321,6 +323,16 @@ class Spans:
             self.adaptive = _adaptive_inputs(group, states, settings.beta, settings.momentum,
                                              ctx.options.warm_start, span, ctx.subsampling)
         self.scale = group.sigma(known_scales)
+
+    def kept(self, workspace, w, like: torch.Tensor):
+        """The scratch ``w`` of the current span with its ``precision``, ``scale`` and ``c`` the span of
+        three buffers as long as the site (``Branches.kept``: the adaptive steps' second pass reads the
+        :math:`\\lambda`, :math:`\\lambda^{-1/2}` and innovation of the first instead of computing them
+        again; made once per optimizer, as the workspace's)."""
+        if self._kept is None:
+            self._kept = workspace.take(self.size, like, 3)
+        precision, root, innovation = (buffer[self.slice] for buffer in self._kept)
+        return w._replace(precision=precision, scale=root, c=innovation)
 
     def noise_levels(self):
         """The adaptive steps' noise levels, pooled over the whole site from the first pass's

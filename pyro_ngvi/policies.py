@@ -270,7 +270,7 @@ class AdaptiveScratch(NamedTuple):
 
 def adaptive_rates(grad, direction, drift, pull, target, precision, count, hdrift, fresh, mask, noise: NoiseState,
                    lr: float, beta: float, momentum: float, w: AdaptiveScratch = AdaptiveScratch(),
-                   levels=None, sigma=None) -> AdaptiveSteps:
+                   levels=None, sigma=None, innovation=None) -> AdaptiveSteps:
     """
     Per-element steps from the measured signal-to-noise ratio of the two
     natural-gradient innovations, :math:`\\hat g` and :math:`(\\hat h - \\lambda)/\\lambda`:
@@ -289,7 +289,8 @@ def adaptive_rates(grad, direction, drift, pull, target, precision, count, hdrif
     yet (``None``: none). Returns :math:`(\\beta_t, \\alpha_t)` per element and the new count,
     running means and pooled noise (:class:`AdaptiveSteps`), written into the buffers of ``w``
     where given. ``levels``: the pooled noise (:func:`pooled_levels`) when it was pooled before
-    (a large site's, over all its spans); ``sigma``: :math:`\\lambda^{-1/2}` when the caller has it.
+    (a large site's, over all its spans); ``sigma``: :math:`\\lambda^{-1/2}`, and ``innovation``:
+    :math:`(\\hat h - \\lambda)/\\lambda` (with ``levels`` only), when the caller has them.
     No device sync, no branch on values.
     """
     base = 1.0 / beta
@@ -299,8 +300,9 @@ def adaptive_rates(grad, direction, drift, pull, target, precision, count, hdrif
         sigma = torch.rsqrt(precision, out=w.sigma)
     # innovations and their deviation from the running means so far (noise, pooled; the squares
     # only where they are pooled here)
-    innovation, squares = innovations(target, precision, grad, drift, hdrift, sigma, (w.innovation, w.pair),
-                                      squared=levels is None)
+    if innovation is None:
+        innovation, squares = innovations(target, precision, grad, drift, hdrift, sigma, (w.innovation, w.pair),
+                                          squared=levels is None)
     if levels is None:
         levels = pooled_noise(squares, seen_elements(fresh, mask, w.seen), noise)
     low, high, steps, pooled = levels

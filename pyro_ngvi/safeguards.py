@@ -164,17 +164,18 @@ def mostly(flags: torch.Tensor, mask) -> torch.Tensor:
 
 
 def far_elements(grad: torch.Tensor, precision: torch.Tensor, positive: torch.Tensor,
-                 last_positive: torch.Tensor, scratch=(None, None), flags=(None, None)) -> torch.Tensor:
+                 last_positive: torch.Tensor, scratch=(None, None), flags=(None, None), product: bool = True):
     """Elements whose gradient exceeds :data:`FAR` standard deviations,
     :math:`g^2 > \\text{FAR}^2 \\lambda`, with the sign of the last step, as 0 / 1 in ``grad``'s
-    dtype (the signs so too; ``scratch``, ``flags``: two buffers each; the result is the first flag)."""
+    dtype (the signs so too; ``scratch``, ``flags``: two buffers each; the result is the first flag).
+    ``product=False``: the two factors (far, same sign), for a caller that only counts them."""
     dtype = grad.dtype
     persistent = torch.eq(positive, last_positive, out=flags[1])
     square = torch.square(grad, out=scratch[0])
     far = torch.gt(square, torch.mul(precision, FAR**2, out=scratch[1]), out=flags[0])
     if flags[0] is None:
         far, persistent = far.to(dtype), persistent.to(dtype)
-    return far.mul_(persistent)
+    return far.mul_(persistent) if product else (far, persistent)
 
 
 class Safeguards(NamedTuple):

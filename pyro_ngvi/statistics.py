@@ -192,6 +192,15 @@ class Buffers:
         return value.view_as(like), flag.view_as(like)
 
 
+def _all_nonzero(x: torch.Tensor, flag: torch.Tensor) -> bool:
+    """Whether no element of ``x`` is 0: the sum of ``x != 0`` as 0 / 1 in ``flag`` (``x``'s float
+    dtype; exact: integers below 2^24, else summed in float64) is the length. Two cheap passes where
+    ``count_nonzero`` (an integer reduction) cost 2-4x more on the CPU."""
+    ones = torch.ne(x, 0, out=flag)
+    total = ones.sum(dtype=torch.float64) if x.numel() >= 1 << 24 or not x.is_floating_point() else ones.sum()
+    return int(total) == x.numel()
+
+
 def reparam_curvature(site: GaussianSite, one_draw: bool = False, buffers: Optional[Buffers] = None,
                       draws: Optional[tuple] = None) -> SiteCurvature:
     """The Price estimate of a mean-field site from the gradients on its ``loc`` and raw
@@ -211,7 +220,7 @@ def reparam_curvature(site: GaussianSite, one_draw: bool = False, buffers: Optio
     weight = getattr(site, "weight", 1.0)
     if (buffers is not None and weight == 1.0 and grad.numel() >= RECOVER_IN_PASS and draws is None
             and hasattr(transform, "inverse_and_log")
-            and int(torch.count_nonzero(scale_grad)) == scale_grad.numel()):  # (no row untouched)
+            and _all_nonzero(scale_grad, flag)):  # (no row untouched)
         return SiteCurvature(grad, scale_grad, sampled=True, fitted=True, gradients=True, draws=one_draw)
     if isinstance(transform, FastExp):  # d sigma / d r = sigma
         scale_grad.div_(scale)

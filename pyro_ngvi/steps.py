@@ -139,12 +139,15 @@ def span_step(ctx: Context, group: Group, stats: List[SiteCurvature], grad: torc
     args = read_pass(ctx, group, stats, grad, curvature, settings, tau, states, fuse, SPAN, run, phase)
     branches, inputs, numbers = args
     g = inputs.grad  # (the span's, in a run of spans)
+    scratch = None if fuse else _scratch(ctx.workspace, g.numel(), g)
+    if branches.kept:
+        scratch = run.kept(ctx.workspace, scratch, g)
     if phase == "noise":
-        return noise_pass(branches, inputs, numbers, group.transform, _scratch(ctx.workspace, g.numel(), g))
+        return noise_pass(branches, inputs, numbers, group.transform, scratch)
     if fuse:
         out = fused.run(mean_field_pass, branches, True, inputs, numbers, None)
     else:
-        out = mean_field_pass(branches, inputs, numbers, group.transform, _scratch(ctx.workspace, g.numel(), g))
+        out = mean_field_pass(branches, inputs, numbers, group.transform, scratch)
     return keep_pass(ctx, group, states, args, out, run, SPAN)
 
 
