@@ -29,7 +29,7 @@ import torch
 from .family import GaussianSite
 from .monitor import SKIPS_IN_A_ROW, NGVIWarning, power_of_two, stuck_message
 from .point import param_label
-from .safeguards import finite, report
+from .safeguards import finite, report, sums
 from .state import advance
 from .statistics import tensors
 
@@ -87,7 +87,8 @@ def check_step_arguments(args: tuple) -> None:
 
 def read_flags(flags) -> list:
     """The 0-d ``flags`` as Python values, in one device sync. Those of the host (the ELBO watch's,
-    from ``SVI.step``'s float loss) go to the device of the others first: one stack, one read."""
+    from ``SVI.step``'s float loss) go to the device of the others first: one stack, one read (of one
+    dtype: with sums among the flags, the flags come back as 0.0 / 1.0)."""
     if not flags:
         return []
     device = flags[0].device
@@ -96,6 +97,13 @@ def read_flags(flags) -> list:
             device = f.device
             break
     return torch.stack([f if f.device == device else f.to(device) for f in flags]).tolist()
+
+
+def _all_finite(values: list) -> bool:
+    for value in values:
+        if not math.isfinite(value):
+            return False
+    return True
 
 
 def read_checks(optim, plan, sites, stats, groups, group_stats, flats, others) -> bool:
@@ -107,14 +115,18 @@ def read_checks(optim, plan, sites, stats, groups, group_stats, flats, others) -
     checked = [((grad, curvature), st[0].mask) for (grad, curvature), st in zip(flats, group_stats)]
     checked += [((p.grad,), None) for p in others_with_grad]
     checked += [(tensors(stats[site.key]), None) for site in sites if not isinstance(site, GaussianSite)]
-    finite_flags = [finite(*t, mask=mask) for t, mask in checked]
+    parts = [sums(*t, mask=mask) for t, mask in checked]  # (read on the host: finite iff all their sums are)
     pending = plan.deferred.take()
     records, plan.safeguards = plan.safeguards, []
     elbo_flag, plan.elbo_flag = plan.elbo_flag, None
     flags = [f for step in pending for f in step.flags] + [f for r in records for f in r.flags()]
     flags += [] if elbo_flag is None else [elbo_flag]
-    checks = read_flags(finite_flags + flags)
-    ok, engaged = checks[: len(finite_flags)], checks[len(finite_flags):]
+    checks = read_flags([s for p in parts for s in p] + flags)
+    ok, at = [], 0
+    for p in parts:
+        ok.append(_all_finite(checks[at:at + len(p)]))
+        at += len(p)
+    engaged = checks[at:]
     engaged = _deferred_skips(optim, plan, pending, engaged)
     if not all(ok):  # or finite values whose sum overflowed: tell them apart
         ok = [good or bool(finite(*t, mask=mask, exact=True)) for good, (t, mask) in zip(ok, checked)]
