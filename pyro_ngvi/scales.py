@@ -266,9 +266,10 @@ def scale_transform(constraint) -> Transform:
 
 def sum_log_scale(raw: torch.Tensor, sigma: torch.Tensor, transform) -> torch.Tensor:
     """:math:`\\sum\\log\\sigma` of a site: the sum of its raw scale where :math:`\\sigma = e^r`
-    (no logarithm), else of :math:`\\log\\sigma`."""
+    (no logarithm), else of :math:`\\log\\sigma`; to be called without gradients (the raw scale, a
+    guide's parameter, is summed as it is, not detached first)."""
     if isinstance(transform, FastExp):
-        return raw.detach().sum()
+        return raw.sum()
     return torch.log(sigma).sum()
 
 

@@ -136,18 +136,8 @@ class BackpackStep(BackpackTwin):
                 torch._foreach_div_(d, num_particles)
         mean_nll = nll / num_particles if num_particles > 1 else nll
         nll = full_nll(num_data, mean_nll, loss_scale, noise_scale, target, batch)
-        log_scales = [sum_log_scale(raw, stddev, transform)
-                      for raw, stddev, (_, transform) in zip(raws, stddevs, self._guide_names[id(guide)][3])]
-        log_scale = log_scales[0] if log_scales else 0.0  # (summed from the first: no 0-d kernel adding it to 0)
-        for term in log_scales[1:]:
-            log_scale = log_scale + term
-        if deterministic:
-            loss = (nll + kl(prior, locs, stddevs, log_scale)).detach()
-        else:  # the particle average of sum [lambda_0 (w - m_0)^2 - eps^2] / 2 - log sigma + log s_0
-            if num_particles > 1:
-                sample_log_ratio = sample_log_ratio / num_particles
-            sample_log_ratio = sample_log_ratio - log_scale + prior.log_scale_total
-            loss = (nll + sample_log_ratio).detach()
+        loss = _value(nll, sample_log_ratio, raws, locs, stddevs, self._guide_names[id(guide)][3], prior,
+                      num_particles, deterministic)
         self._hand_over(model, locs, stddevs, grads, curvatures, draws, prior, curvature, deterministic, loss)
         for value, grad in zip(points, point_grads):
             accumulate_grad(value.unconstrained(), grad.mul_(factor))
@@ -281,6 +271,23 @@ class BackpackStep(BackpackTwin):
                 f"{type(guide).__name__}. For another guide, CurvatureELBO's traced path computes the "
                 "statistics by autograd: SVI(bnn, guide, NGVI(), CurvatureELBO(...)) takes it by itself"
             )
+
+
+@no_grad
+def _value(nll, sample_log_ratio, raws, locs, stddevs, transforms, prior, num_particles, deterministic):
+    """:meth:`BackpackStep.__call__`'s value from the particles' ``nll`` and ``sample_log_ratio``
+    (their sums) and the guide: computed without a graph (no ``detach`` of each term)."""
+    log_scale = 0.0  # sum log sigma, summed from the first site: no 0-d kernel adding it to 0
+    for j, (raw, stddev, (_, transform)) in enumerate(zip(raws, stddevs, transforms)):
+        term = sum_log_scale(raw, stddev, transform)
+        log_scale = term if j == 0 else log_scale + term
+    if deterministic:
+        return nll + kl(prior, locs, stddevs, log_scale)
+    # the particle average of sum [lambda_0 (w - m_0)^2 - eps^2] / 2 - log sigma + log s_0
+    if num_particles > 1:
+        sample_log_ratio = sample_log_ratio / num_particles
+    sample_log_ratio = sample_log_ratio - log_scale + prior.log_scale_total
+    return nll + sample_log_ratio
 
 
 def serves(guide) -> bool:
