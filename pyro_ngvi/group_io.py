@@ -271,10 +271,10 @@ def keep_pass(ctx, group: Group, states, args: PassArguments, out, run, span: in
     if out.spread is not None:
         spreading = ctx.spread_watch.flag(group, out.spread / scalar(float(out.mean.numel()), out.spread), ctx.step)
     if mask is None:
-        if out.mean is not group.locs[0]:
-            torch._foreach_copy_(group.locs, out.mean.split_with_sizes(group.sizes))
+        if out.mean is not group.locs[0]:  # (eagerly, from the group's own buffers: their pieces kept)
+            torch._foreach_copy_(group.locs, group.pieces("mean", out.mean))
         if out.raw_scale is not group.raw_scales[0]:
-            torch._foreach_copy_(group.raw_scales, out.raw_scale.split_with_sizes(group.sizes))
+            torch._foreach_copy_(group.raw_scales, group.pieces("raw", out.raw_scale))
         if out.scale is not own_scale:
             own_scale.copy_(out.scale)
         _remember(group, own_scale)

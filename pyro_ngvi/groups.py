@@ -142,9 +142,7 @@ class Group:
     def flat_of(self, name: str, tensors: List[torch.Tensor]) -> torch.Tensor:
         """:func:`flat` of ``tensors``, kept while they are the same tensors, unchanged (a
         fixed prior and the family's floor are: their concatenation is not redone every
-        step); the result is read-only."""
-        if len(tensors) == 1:  # a view: nothing to keep
-            return flat(tensors)
+        step; nor, for one tensor, its flat view: making it is an operation); the result is read-only."""
         kept = self.cache.get(("flat", name))
         if kept is not None and _unchanged(kept[0], kept[1], tensors):
             return kept[2]
@@ -170,6 +168,13 @@ class Group:
         return found
 
     # ------------------------------------------------ per-element state, held flat
+    def pieces(self, name: str, flat_tensor: torch.Tensor) -> List[torch.Tensor]:
+        """``flat_tensor`` split into the sites' flat pieces: kept where it is the group's own ``name``
+        buffer (:meth:`owned`, made once), else split anew."""
+        if flat_tensor is self.cache.get(("owned", name)):
+            return self.cached(("pieces", name), lambda: flat_tensor.split_with_sizes(self.sizes))
+        return flat_tensor.split_with_sizes(self.sizes)
+
     def views(self, flat_tensor: torch.Tensor) -> List[torch.Tensor]:
         """``flat_tensor`` (the group's length) cut into views shaped like the sites' locs."""
         return [piece.view_as(site.loc) for piece, site in zip(flat_tensor.split(self.sizes), self.sites)]

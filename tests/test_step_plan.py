@@ -15,6 +15,7 @@ from pyro.infer.autoguide import AutoNormal
 from pyro_ngvi import NGVI, BayesianNet, CurvatureELBO
 from pyro_ngvi.curvature import mlp
 from pyro_ngvi.curvature.backpack import network_curvature
+from pyro_ngvi.groups import Group, flat
 from pyro_ngvi.hot_path import same
 
 
@@ -134,3 +135,35 @@ def test_same_is_identity_not_equality():
     a, b = torch.ones(3), torch.ones(3)
     assert same([a, b, None], [a, b, None]) and not same([a, b], [a, b.clone()])  # (no elementwise ==)
     assert not same([a], [a, b]) and same([], [])
+
+
+def test_a_groups_kept_flats_and_pieces_are_made_anew_when_their_tensors_change():
+    """Group.flat_of keeps one tensor's flat view too (making it is an operation a step), and
+    Group.pieces the sites' pieces of the group's own buffers: kept while the tensor is the same and
+    unwritten, or the buffer the group's own; each compared with flat() / split_with_sizes afresh."""
+    bnn, guide, svi = _recipe()
+    x, y = _batch()
+    svi.step(x, y)
+    (plan,) = svi.optim._plans.values()
+    (group,) = [g for gs in plan.groups.values() for g in gs]
+    assert len(group.sites) == 4
+    one = Group.of(group.sites[:1])
+    prior = torch.full((1,), 2.0, dtype=torch.float64).expand(7, 5)  # a number broadcast: a strided view
+    kept = one.flat_of("prior", [prior])
+    assert one.flat_of("prior", [prior]) is kept and torch.equal(kept, flat([prior]))
+    other = torch.full((1,), 3.0, dtype=torch.float64).expand(7, 5)  # another tensor under the name
+    assert torch.equal(one.flat_of("prior", [other]), flat([other])) and float(kept[0]) == 2.0
+    strided = torch.arange(35.0, dtype=torch.float64).reshape(5, 7).t()  # its flat form is a copy
+    before = one.flat_of("strided", [strided])
+    strided.add_(1.0)  # written in place: made anew
+    after = one.flat_of("strided", [strided])
+    assert torch.equal(after, flat([strided])) and torch.equal(after, before + 1.0)
+
+    buffer = group.owned("mean")
+    pieces = group.pieces("mean", buffer)
+    assert group.pieces("mean", buffer) is pieces
+    assert all(torch.equal(a, b) for a, b in zip(pieces, buffer.split_with_sizes(group.sizes)))
+    fresh = torch.randn(group.numel, dtype=buffer.dtype)  # not the group's buffer: split anew
+    split = group.pieces("mean", fresh)
+    assert split is not pieces and all(a.data_ptr() == b.data_ptr() and torch.equal(a, b)
+                                       for a, b in zip(split, fresh.split_with_sizes(group.sizes)))
