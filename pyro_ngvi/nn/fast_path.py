@@ -129,8 +129,7 @@ class BackpackStep(BackpackTwin):
         factor = num_data / batch / num_particles
         # (by a 0-d tensor of their dtype, where they share one: a Python float is cast for every tensor)
         by = scalar(factor, grads[0]) if grads and _one_dtype(grads + curvatures) else factor
-        torch._foreach_mul_(grads, by)
-        torch._foreach_mul_(curvatures, by)
+        torch._foreach_mul_(grads + curvatures, by)  # (one call for both)
         if draws is not None and num_particles > 1:
             for d in draws:
                 torch._foreach_div_(d, num_particles)
