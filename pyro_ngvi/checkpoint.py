@@ -23,6 +23,8 @@ from torch.distributions import constraints as torch_constraints
 import pyro
 from pyro.distributions import constraints as pyro_constraints
 
+from .arguments import check_load_arguments
+
 __all__ = ["load_param_store", "safe_load"]
 
 
@@ -33,8 +35,11 @@ def safe_load(filename, map_location=None, allowed: Iterable[type] = (), what: s
 
     :raises ValueError: naming the file, when it holds anything else (a crafted
         file, or one saved from objects this loader does not know); nothing in
-        it has run. Also when it is empty, cut short or not written by ``torch.save``.
+        it has run. Also when it is empty, cut short or not written by ``torch.save``,
+        and naming the argument for a ``filename`` that is not a path or a
+        ``map_location`` torch cannot take (:func:`~pyro_ngvi.arguments.check_load_arguments`).
     """
+    check_load_arguments(filename, map_location)
     with open(filename, "rb") as f, torch.serialization.safe_globals(list(allowed)):
         try:
             return torch.load(f, map_location=map_location, weights_only=True)

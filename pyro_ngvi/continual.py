@@ -26,6 +26,7 @@ import pyro.distributions as dist
 from pyro import poutine
 from pyro.infer.autoguide import AutoMultivariateNormal, AutoNormal
 
+from .arguments import ArgumentError, check_callable, check_guide, check_priors
 from .family import _full_covariance_site, _is_automultivariatenormal
 from .handlers import PriorMessenger
 from .priors import (
@@ -79,8 +80,11 @@ def posterior_as_prior(guide, sites=None) -> Dict[str, torch.distributions.Distr
     :returns: ``{site name: prior distribution}``.
     :raises NotImplementedError: for any other guide, a full-covariance guide
         over several sites or over a site that is not a vector or a scalar.
-    :raises ValueError: if the guide has not been run yet, or for an unknown site.
+    :raises ValueError: if the guide has not been run yet, or for an unknown site; a
+        ``guide`` that is no guide (not callable) or ``sites`` of another type raise
+        :class:`~pyro_ngvi.arguments.ArgumentError` (a ``ValueError`` and a ``TypeError``).
     """
+    check_guide(guide, "posterior_as_prior", "a fitted AutoNormal or AutoMultivariateNormal")
     if isinstance(guide, AutoMultivariateNormal):
         return _full_posterior_as_prior(guide, sites)
     if not isinstance(guide, AutoNormal):
@@ -97,7 +101,7 @@ def posterior_as_prior(guide, sites=None) -> Dict[str, torch.distributions.Distr
         names = known
     else:
         if not isinstance(sites, (str, Iterable)):
-            raise TypeError(f"posterior_as_prior: sites must be a site name or a list of them, got {sites!r}")
+            raise ArgumentError(f"posterior_as_prior: sites must be a site name or a list of them, got {sites!r}")
         names = [sites] if isinstance(sites, str) else list(sites)
         for name in names:
             if name not in known:
@@ -179,8 +183,13 @@ def with_priors(
     :param priors: ``{site name: distribution}``; see :class:`~pyro_ngvi.handlers.PriorMessenger`
         (and :meth:`~pyro_ngvi.nn.BayesianNet.with_priors`) for the checks made.
     :returns: the new model.
+    :raises ValueError: (an :class:`~pyro_ngvi.arguments.ArgumentError`) naming ``model`` when it is
+        not callable, ``priors`` when it is not a dict.
     """
+    check_callable(model, "with_priors: model", "a Pyro model (a callable)")
     own = getattr(model, "with_priors", None)
+    if not (isinstance(priors, dict) and callable(own)):  # (a model's own with_priors checks the values)
+        check_priors(priors, "with_priors")
     if callable(own):
         return own(priors)
     return PriorMessenger(priors)(model)
@@ -250,22 +259,25 @@ def start_task(guide, priors, *args, carry: bool, **kwargs):
         Normal in the site's unconstrained coordinates or whose shape does not
         broadcast to the site's (the site is named). A refused call leaves the param
         store as it was and the guide not set up, so that it may be called again.
+        A ``guide`` that is no guide (not callable), ``priors`` that are not a dict of
+        distributions by site name, or a ``carry`` that is not a bool raise
+        :class:`~pyro_ngvi.arguments.ArgumentError` (a ``ValueError`` and a ``TypeError``)
+        naming the argument, before the param store is touched.
     """
+    check_guide(guide, "start_task", "a new AutoNormal or AutoMultivariateNormal")
     full = _is_automultivariatenormal(guide)
     if not (isinstance(guide, AutoNormal) or full):
         raise NotImplementedError(
             f"start_task supports AutoNormal and AutoMultivariateNormal guides; got {type(guide).__name__}."
         )
     if not isinstance(carry, bool):
-        raise TypeError(f"carry must be True or False, got {carry!r}")
+        raise ArgumentError(f"start_task: carry must be True or False, got {carry!r}")
     if guide.prototype_trace is not None:
         raise ValueError(
             "start_task: the guide has already been run; pass a new AutoNormal "
             "(its initial values are gone once it is set up)."
         )
-    priors = {} if priors is None else priors
-    if not isinstance(priors, dict):
-        raise TypeError(f"priors must be a dict of distributions or None, got {type(priors)}")
+    priors = check_priors(priors, "start_task", allow_none=True)
     store = pyro.get_param_store()
     prefixes = (f"{guide._pyro_name}.locs.", f"{guide._pyro_name}.scales.")
     full_names = {f"{guide._pyro_name}.{part}" for part in ("loc", "scale", "scale_tril")}

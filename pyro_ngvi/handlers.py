@@ -16,6 +16,7 @@ from pyro.poutine.messenger import Messenger
 from pyro.poutine.runtime import _PYRO_STACK
 from pyro.poutine.subsample_messenger import SubsampleMessenger, _Subsample
 
+from .arguments import check_priors
 from .priors import (
     _SiteTransformedDistribution,
     _bijection_and_u_shape,
@@ -129,14 +130,7 @@ class PriorMessenger(Messenger):
 
     def __init__(self, priors: Dict[str, torch.distributions.Distribution]) -> None:
         super().__init__()
-        if not isinstance(priors, dict):
-            raise TypeError(f"priors must be a dict of distributions, got {type(priors)}")
-        for name, prior in priors.items():
-            if not isinstance(prior, torch.distributions.Distribution):
-                raise TypeError(
-                    f"prior for site '{name}' must be a Distribution, got {type(prior)}"
-                )
-        self.priors = dict(priors)
+        self.priors = dict(check_priors(priors, "PriorMessenger"))
         self._seen: set = set()
 
     def __enter__(self):

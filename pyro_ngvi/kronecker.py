@@ -72,6 +72,8 @@ from pyro.infer.autoguide.initialization import init_to_feasible
 from pyro.infer.autoguide.utils import deep_setattr
 from pyro.nn.module import PyroModule, PyroParam
 
+from .arguments import check_callable
+
 
 __all__ = ["KroneckerCurvature", "KroneckerNormal", "KroneckerSite", "MatrixNormal"]
 
@@ -185,6 +187,7 @@ class KroneckerNormal(AutoGuide):
     """
 
     def __init__(self, model, init_loc_fn=None, init_scale: float = 0.1):
+        check_callable(model, "KroneckerNormal: model", "a BayesianNet of Linear layers")  # (a number is no model)
         layers = getattr(model, "kronecker_layers", None)
         if not callable(layers):
             raise NotImplementedError(

@@ -95,6 +95,7 @@ from .curvature import check_source, refuse_random_modules
 from .elbo import CurvatureELBO
 from .family import FullCovarianceSite, GaussianSite, _full_covariance_site, _is_automultivariatenormal, pop_curvature
 from .optim import NGVI
+from .arguments import check_callable, check_guide
 from .policies import check_schedule, positive_numbers
 
 __all__ = ["LaplaceResult", "LaplaceWarning", "PriorPrecisionSearch", "laplace", "optimize_prior_precision"]
@@ -238,16 +239,15 @@ def laplace(
         a given ``guide`` decides it by its type (an ``AutoNormal`` refuses ``"full"``; default: ``"diagonal"``).
     :param kwargs: the model's keyword arguments.
     :returns: a :class:`LaplaceResult`.
-    :raises ValueError: for ``curvature="reparam"`` (a sampling estimate), a model (an ``nn.Module``)
+    :raises ValueError: for a ``model`` or ``guide`` that is not callable (naming it),
+        for ``curvature="reparam"`` (a sampling estimate), a model (an ``nn.Module``)
         with ``Dropout`` in training mode (a random log joint), or a non-positive or non-finite precision at the mode.
     """
     check_source(curvature)
     refuse_random_modules(model, "laplace")
     if curvature == "reparam":
-        raise ValueError(
-            "laplace needs curvature evaluated at the mean: use 'hessian', 'ggn' or 'ef' "
-            "('reparam' is estimated from sampling noise)"
-        )
+        raise ValueError("laplace needs curvature evaluated at the mean: use 'hessian', 'ggn' or 'ef' "
+                         "('reparam' is estimated from sampling noise)")
     if isinstance(num_steps, bool) or not isinstance(num_steps, numbers.Integral) or num_steps < 0:
         raise ValueError(f"num_steps must be a non-negative integer, got {num_steps!r}")
     if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not 0 < lr < math.inf:
@@ -265,10 +265,9 @@ def laplace(
         guide_class = AutoMultivariateNormal if covariance == "full" else AutoNormal
         guide = guide_class(model, init_loc_fn=getattr(model, "init_loc_fn", init_to_feasible))
     elif not (isinstance(guide, AutoNormal) or _is_automultivariatenormal(guide)):
-        raise NotImplementedError(
-            "laplace writes its result into an AutoNormal or AutoMultivariateNormal guide, "
-            f"got {type(guide).__name__}"
-        )
+        check_guide(guide, "laplace", "an AutoNormal or AutoMultivariateNormal, or None")  # (not callable: no guide)
+        raise NotImplementedError(f"laplace writes its result into an AutoNormal or AutoMultivariateNormal guide, got "
+                                  f"{type(guide).__name__}")
     elif covariance == "full" and isinstance(guide, AutoNormal):
         raise ValueError("covariance='full' needs an AutoMultivariateNormal guide (a given guide decides), got AutoNormal")
     sites = _guide_sites(guide, args, kwargs)
@@ -533,6 +532,7 @@ def optimize_prior_precision(
         with that prior. The param store (and the result's guide) holds the best
         approximation.
     """
+    check_callable(make_model, "optimize_prior_precision: make_model", "a function of the prior precision")
     candidates = positive_numbers("candidates", candidates, one=True)
     if not isinstance(refit, bool) or not (callback is None or callable(callback)):
         raise ValueError(f"refit must be True or False and callback callable or None, got {refit!r} and {callback!r}")

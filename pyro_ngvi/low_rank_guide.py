@@ -23,6 +23,7 @@ from pyro.infer.autoguide.initialization import init_to_median
 from pyro.nn.module import PyroParam
 
 from . import low_rank
+from .arguments import check_callable
 from .handover import live_handover
 
 __all__ = ["LowRankCurvature", "LowRankPrecisionMultivariateNormal", "LowRankPrecisionNormal", "LowRankSite"]
@@ -134,6 +135,8 @@ class LowRankPrecisionNormal(AutoContinuous):
     diag_constraint = constraints.softplus_positive
 
     def __init__(self, model, init_loc_fn=init_to_median, init_scale: float = 0.1, rank=None):
+        check_callable(model, "LowRankPrecisionNormal: model", "a Pyro model (a callable)")
+        check_callable(init_loc_fn, "LowRankPrecisionNormal: init_loc_fn", "a function of a site, as Pyro's init_to_*")
         if not (isinstance(init_scale, float) and 0 < init_scale < math.inf):  # (a float, as Pyro's AutoNormal)
             raise ValueError(f"init_scale must be a positive float, got {init_scale!r}")
         if rank is not None and (isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or rank < 1):

@@ -48,8 +48,13 @@ def refuse_random_modules(model, caller: str) -> None:
     """Raise a ValueError naming ``model``'s modules that draw noise in training mode (``Dropout``
     of any kind with :math:`p > 0`), for a ``caller`` that evaluates the model's density
     :math:`p(\\mathcal{D}, w)` at given weights as a function of them (the Laplace search): with
-    them the function is random, and a line search on it halves its step to nothing."""
+    them the function is random, and a line search on it halves its step to nothing. A ``model`` that
+    is not callable raises :class:`~pyro_ngvi.arguments.ArgumentError` naming it."""
     from torch import nn
+
+    from ..arguments import check_callable
+
+    check_callable(model, f"{caller}: model", "a Pyro model (a callable)")
 
     found = [name or type(module).__name__ for name, module in model.named_modules()
              if isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p > 0
