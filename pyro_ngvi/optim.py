@@ -295,6 +295,10 @@ class NGVI(PyroOptim):
         self._plans = {k: p for k, p in self._plans.items() if p.stored(store)}
         plan = self._plans[key] = Plan(sites, others, guide)
         plan.take_newton(self._pending_newton)
+        for site in sites:  # (a guide moved to another dtype or device: its state follows)
+            state = self._states.get(id(site.loc))
+            if state is not None and state.loc() is site.loc:
+                state.follow(site.loc)
         return plan
 
     def _state(self, site) -> SiteState:

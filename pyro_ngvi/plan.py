@@ -42,13 +42,17 @@ class Plan:
         self.deferred = DeferredChecks()  # steps whose checks the host has not read yet
         self.kl_sites: Dict = {}  # TraceMeanField_ELBO: the leaves it draws, per model (pyro_ngvi.mean_field_kl)
         self.tensors = [pair for site in sites for pair in stored_tensors(site)]  # (name, tensor): stored
+        # where their values live: guide.to(torch.float64) or .to(device) gives a param new storage under
+        # the same tensor object, and the groups' views would still show the old one (a new plan is made)
+        self.storage = [(t, t.data_ptr()) for t in [site.loc for site in sites] + [t for _, t in self.tensors]]
 
     def stored(self, store) -> bool:
-        """Whether the param store (its dict of tensors) still holds the sites' tensors under their names."""
+        """Whether the param store (its dict of tensors) still holds the sites' tensors under their names,
+        in the storage they had (not moved to another dtype or device since)."""
         for name, tensor in self.tensors:
             if name not in store or store[name] is not tensor:
                 return False
-        return True
+        return all(tensor.data_ptr() == pointer for tensor, pointer in self.storage)
 
     def take_newton(self, pending: List[Dict]) -> None:
         """Take the first of the ``pending`` Newton guards (restored by :meth:`NGVI.set_state`) that is

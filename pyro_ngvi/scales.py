@@ -280,7 +280,8 @@ _remembered: Dict[int, tuple] = {}
 
 def _entry(raw: torch.Tensor) -> Optional[tuple]:
     entry = _remembered.get(id(raw))
-    if entry is None or entry[0]() is not raw or entry[1] != raw._version:
+    if entry is None or entry[0]() is not raw or entry[1] != raw._version or entry[2].dtype != raw.dtype \
+            or entry[2].device != raw.device:  # (moved by guide.to(...): the remembered sigma is the old one's)
         return None
     return entry
 

@@ -67,6 +67,15 @@ class SiteState:
                 "scale": None if scale is None else scale.clone(),
                 "scale_name": None if scale is None else store.param_name(raw)}
 
+    def follow(self, loc: torch.Tensor) -> None:
+        """Move the buffers to ``loc``'s dtype and device, where the guide was moved
+        (``guide.to(torch.float64)``, ``.to("cuda")``), as torch's optimizers move theirs on a load."""
+        for name in BUFFERS + SITE_TENSORS:
+            value = getattr(self, name)
+            if isinstance(value, dict) or (torch.is_tensor(value) and (value.dtype, value.device) != (loc.dtype,
+                                                                                              loc.device)):
+                setattr(self, name, _copied(value, loc))
+
     @staticmethod
     def check(loc: torch.Tensor, key: str, entry: Dict) -> None:
         """Refuse a saved ``entry`` whose buffers do not fit the site of ``loc``.
