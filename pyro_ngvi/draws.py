@@ -42,6 +42,7 @@ from pyro.poutine.trace_messenger import TraceMessenger
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .family import GaussianSite
+from .guide_trace import reading
 
 #: ELBOs (exactly these classes: the Jit versions trace the guide once) whose gradients of a
 #: Gaussian site are the mean over the particles of each draw's; TraceMeanField_ELBO's only on the
@@ -113,8 +114,10 @@ class _Hooks:
         messenger = None
         # (a call under no_grad, e.g. Predictive's, is no step's; nor one outside any trace: the ELBOs
         # trace the guide, a call by hand (samples to log) does not, and its draw made the step's unknown)
+        # (nor NGVI's own run of the guide to read its structure: a 5th draw of 4 particles made the
+        # first step's draws unknown, and a resumed run left the uninterrupted one's trajectory)
         traced = any(isinstance(m, TraceMessenger) for m in _PYRO_STACK)
-        if recorder is not None and torch.is_grad_enabled() and traced:
+        if recorder is not None and torch.is_grad_enabled() and traced and not reading():
             messenger = _Draws(recorder._sums)
             messenger.__enter__()
         self.open.append(messenger)

@@ -160,16 +160,29 @@ def forked_rng():
     return torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else [])
 
 
+#: How many :func:`_untouched` blocks are open: a guide called inside one is read, not stepped, and
+#: its draws are none of a step's (:mod:`~pyro_ngvi.draws` skips them).
+_reading = [0]
+
+
+def reading() -> bool:
+    """Whether NGVI is running a guide or model to read it (inside :func:`_untouched`)."""
+    return _reading[0] > 0
+
+
 @contextmanager
 def _untouched(module):
-    """Run a block and restore the random streams and ``module`` 's buffers (if it is one)."""
+    """Run a block and restore the random streams and ``module`` 's buffers (if it is one); the
+    guide's calls inside are no step's (:func:`reading`)."""
     buffers = [(b, b.detach().clone()) for b in module.buffers()] if isinstance(module, torch.nn.Module) else []
     python_state = random.getstate()
     numpy_state = _numpy_state()
+    _reading[0] += 1
     try:
         with forked_rng():
             yield
     finally:
+        _reading[0] -= 1
         random.setstate(python_state)
         if numpy_state is not None:
             import numpy

@@ -5,6 +5,8 @@ gradient), never stale ones, and what they buy: the coupled mean step on a corre
 under Trace_ELBO(num_particles=8), where the element-wise steps stalled 1.1-2.1 sd off.
 """
 
+import copy
+
 import pytest
 import torch
 
@@ -12,7 +14,9 @@ import pyro
 import pyro.distributions as dist
 from pyro import poutine
 from pyro.infer import SVI, Predictive, Trace_ELBO, TraceMeanField_ELBO
+from pyro.distributions import constraints
 from pyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
+from pyro.nn import PyroModule, PyroParam
 
 from pyro_ngvi import NGVI
 from pyro_ngvi.draws import GuideDraws
@@ -296,3 +300,44 @@ def test_a_guide_called_by_hand_between_steps_leaves_the_step_its_draws():
         guide(x, y)
     sd = precision.diagonal().rsqrt()
     assert float(((guide.locs.w.detach() - mean).abs() / sd).max()) < 0.5
+
+
+class _ModuleGuide(PyroModule):
+    """A hand-written guide that is a module: NGVI reads it off its trace (a run of its own)."""
+
+    def __init__(self):
+        super().__init__()
+        self.loc = PyroParam(torch.zeros(D))
+        self.scale = PyroParam(0.1 * torch.ones(D), constraint=constraints.positive)
+
+    def forward(self, obs):
+        pyro.sample("t", dist.Normal(self.loc, self.scale).to_event(1))
+
+
+def test_a_module_guide_read_off_its_trace_resumes_bit_for_bit_under_several_particles():
+    """NGVI's own run of the guide, to read its structure, is no particle of a step: it was counted
+    as a 5th draw of 4, the step after a restore went without draws, and the resumed run left the
+    uninterrupted one by 8e-4 in loc after 10 steps (AutoNormal, not traced, was exact)."""
+    def train(guide, optim, steps):
+        svi = SVI(seen_through_its_sum, guide, optim, Trace_ELBO(num_particles=4))
+        return [svi.step(OBS) for _ in range(steps)]
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    guide = _ModuleGuide()
+    optim = NGVI(guide=guide)
+    train(guide, optim, 5)
+    params = copy.deepcopy(pyro.get_param_store().get_state())  # (Pyro hands its own tensors)
+    state, rng = optim.get_state(), pyro.util.get_rng_state()
+    uninterrupted = train(guide, optim, 10)
+    expected = guide.loc.detach().clone()
+
+    pyro.clear_param_store()
+    pyro.get_param_store().set_state(params)
+    guide = _ModuleGuide()
+    guide(OBS)
+    optim = NGVI(guide=guide)
+    optim.set_state(state)
+    pyro.util.set_rng_state(rng)
+    assert train(guide, optim, 10) == uninterrupted
+    assert torch.equal(guide.loc.detach(), expected)
