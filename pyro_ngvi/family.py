@@ -42,8 +42,8 @@ from pyro.distributions import constraints
 from pyro.infer.autoguide import AutoDiagonalNormal, AutoGuideList, AutoMultivariateNormal, AutoNormal
 
 from . import full_covariance
-from .guide_trace import (NotGaussian, elbo_traces, full_covariance_prefixes, model_params, read_trace,
-                          refuse_sampled_tmc, trace_guide)
+from .guide_trace import (NotGaussian, elbo_traces, first_consistent, full_covariance_prefixes, hidden_sites,
+                          model_params, read_trace, refuse_sampled_tmc, trace_guide)
 from .handover import (  # noqa: F401 (re-exported: the ELBOs and NGVI import them from here)
     PriorParam,
     SiteCurvature,
@@ -579,12 +579,11 @@ def split_params(guide, params, args: Optional[Sequence] = None, kwargs: Optiona
         else:
             args = ()
     params = list(params)
-    view = guide_view(guide, args, kwargs, model, elbo)
-    present = {id(p) for p in params}
-    store = pyro.get_param_store()._params
+    present, store = {id(p) for p in params}, pyro.get_param_store()._params
+    view = first_consistent(lambda: guide_view(guide, args, kwargs, model, elbo),  # (a branch the step took)
+                            lambda view: not hidden_sites(view, present, store))
     handed = [part for part in view.others if any(id(store.get(name)) in present for name in part.params)]
-    hidden = [site.name for site in view.sites if id(site.loc) not in present]
-    hidden += [part.site for part in view.others if part not in handed]
+    hidden = hidden_sites(view, present, store)
     # (of a part, only the params SVI hands over are trained: one a handler hides is not)
     handed = [replace(part, params=tuple(name for name in part.params if id(store.get(name)) in present))
               for part in handed]

@@ -180,6 +180,8 @@ def _untouched(module):
     _reading[0] += 1
     try:
         with forked_rng():
+            if _redraw[0] is not None:  # (another draw than the run's: :func:`first_consistent`)
+                _seed(_redraw[0])
             yield
     finally:
         _reading[0] -= 1
@@ -191,6 +193,56 @@ def _untouched(module):
         with torch.no_grad():
             for buffer, saved in buffers:
                 buffer.copy_(saved)
+
+
+#: The seed of the draws :func:`_untouched` blocks make, when not the run's own streams (None).
+_redraw: List[Optional[int]] = [None]
+
+
+def _seed(seed: int) -> None:
+    """Seed torch's CPU stream, those of the CUDA devices in use, Python's and NumPy's (inside
+    :func:`_untouched`, which restores them all; ``torch.manual_seed`` would also queue a seed for
+    CUDA devices not yet initialised, a change left behind)."""
+    torch.default_generator.manual_seed(seed)
+    if torch.cuda.is_initialized():
+        for device in range(torch.cuda.device_count()):
+            torch.cuda.default_generators[device].manual_seed(seed)
+    random.seed(seed)
+    if _numpy_state() is not None:
+        import numpy
+
+        numpy.random.seed(seed)
+
+
+def first_consistent(read, consistent, tries: int = 16):
+    """
+    ``read()`` (a reading of the guide off a run of it), or, where that is not ``consistent``,
+    the first of up to ``tries - 1`` readings off other draws that is (seeds 1, 2, ...; the run's
+    random streams stay as they were), else the first. A guide whose structure depends on its own
+    draws (a branch on a discrete site it samples) may take another branch when NGVI runs it than
+    it took in the step: the reading then shows sites whose params SVI did not hand over (and hides
+    the step's own Gaussians among the other params), which must not stand for the step's structure.
+    """
+    first = read()
+    if consistent(first):
+        return first
+    for seed in range(1, tries):
+        _redraw[0] = seed
+        try:
+            view = read()
+        finally:
+            _redraw[0] = None
+        if consistent(view):
+            return view
+    return first
+
+
+def hidden_sites(view, present: Set[int], store) -> List[str]:
+    """The sites of ``view`` (a :class:`~pyro_ngvi.family.GuideView`) whose params SVI did not hand
+    over (``present``: their ids): Gaussians whose ``loc`` is not among them, other parts none of whose
+    params is (``store``: the param store's dict of tensors)."""
+    return ([site.name for site in view.sites if id(site.loc) not in present]
+            + [part.site for part in view.others if not any(id(store.get(name)) in present for name in part.params)])
 
 
 def _numpy_state():
