@@ -9,7 +9,7 @@ string): loading a crafted file runs its code. Pyro's
 that way. Here both load with ``weights_only=True``, which builds only tensors,
 numbers, strings, containers and the classes allowed explicitly:
 :meth:`pyro_ngvi.NGVI.load` allows none (its state is plain), and
-:func:`load_param_store` allows the constraint classes of
+:func:`~pyro_ngvi.load_param_store` allows the constraint classes of
 :mod:`torch.distributions.constraints` and :mod:`pyro.distributions.constraints`
 (a param store records each parameter's constraint).
 """

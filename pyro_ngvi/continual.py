@@ -2,10 +2,10 @@
 Continual learning: yesterday's posterior is today's prior.
 
 A fitted :class:`~pyro.infer.autoguide.AutoNormal` becomes a dict of priors
-(:func:`posterior_as_prior`), a model takes them (:func:`with_priors`, a
+(:func:`~pyro_ngvi.posterior_as_prior`), a model takes them (:func:`~pyro_ngvi.with_priors`, a
 :class:`~pyro_ngvi.handlers.PriorMessenger`, or a model's own ``with_priors``),
 and the next task's guide starts at them or afresh, as the caller chooses
-(:func:`start_task`). Those priors are Normal in the guide's coordinates, so
+(:func:`~pyro_ngvi.start_task`). Those priors are Normal in the guide's coordinates, so
 :class:`~pyro_ngvi.NGVI` meets them conjugately (:mod:`pyro_ngvi.priors`): for a
 linear-Gaussian model, training task by task ends on the posterior of all data.
 
@@ -173,15 +173,15 @@ def with_priors(
         svi = SVI(model_t2, AutoNormal(model_t2), optim, Trace_ELBO())
 
     A model that knows how to swap its own priors says so with a ``with_priors``
-    method and is asked to: a :class:`~pyro_ngvi.nn.BayesianNet` returns a
-    :class:`~pyro_ngvi.nn.BayesianNet` on the same plain network with those
+    method and is asked to: a :class:`~pyro_ngvi.BayesianNet` returns a
+    :class:`~pyro_ngvi.BayesianNet` on the same plain network with those
     weights' Normal priors replaced, so that :class:`~pyro_ngvi.CurvatureELBO`
     keeps its BackPACK fast path. Any other model is wrapped in a
     :class:`~pyro_ngvi.handlers.PriorMessenger`.
 
     :param model: a Pyro model.
     :param priors: ``{site name: distribution}``; see :class:`~pyro_ngvi.handlers.PriorMessenger`
-        (and :meth:`~pyro_ngvi.nn.BayesianNet.with_priors`) for the checks made.
+        (and :meth:`~pyro_ngvi.BayesianNet.with_priors`) for the checks made.
     :returns: the new model.
     :raises ValueError: (an :class:`~pyro_ngvi.arguments.ArgumentError`) naming ``model`` when it is
         not callable, ``priors`` when it is not a dict.

@@ -131,7 +131,7 @@ def all_reduce_stats(
     stats: Dict[str, SiteCurvature], others: Sequence[torch.Tensor]
 ) -> Dict[str, SiteCurvature]:
     """
-    Average every site's :class:`~pyro_ngvi.family.SiteCurvature` and the ``.grad``
+    Average every site's :class:`~pyro_ngvi.handover.SiteCurvature` and the ``.grad``
     of the point-estimated parameters ``others`` across the ranks of the default
     process group; a no-op (returning ``stats``) without one. Called by
     :class:`~pyro_ngvi.NGVI` before its finiteness check.
@@ -155,7 +155,7 @@ def all_reduce_stats(
     conjugate priors, which parameters have gradients; reading the two is the
     step's device syncs) and one flattened all-reduce per dtype and device.
 
-    :param dict stats: site name -> :class:`~pyro_ngvi.family.SiteCurvature`.
+    :param dict stats: site name -> :class:`~pyro_ngvi.handover.SiteCurvature`.
     :param others: the point-estimated parameters (unconstrained, in the param store).
     :returns: the averaged stats (new objects; the inputs are not modified).
     :raises DistributedError: when a collective fails or times out (another rank

@@ -16,8 +16,8 @@ faults than its arithmetic). Masks are 0 / 1 floats (a comparison into floats is
 on the CPU, into bools it is not) and selections are ``lerp``, exact at 0 and 1.
 
 A large site's statistics may come as the ordinary gradients of its loc and raw scale
-(:class:`~pyro_ngvi.family.SiteCurvature` ``gradients``): the pass recovers them first
-(:func:`_recover`, the equations of :mod:`~pyro_ngvi.statistics`), span by span. Under the
+(:class:`~pyro_ngvi.handover.SiteCurvature` ``gradients``): the pass recovers them first
+(``_recover``, the equations of :mod:`~pyro_ngvi.statistics`), span by span. Under the
 adaptive steps a large site takes two passes: :func:`noise_pass` prepares the statistics
 and sums the noise over the site, then the step (``prepared``).
 """
@@ -373,7 +373,7 @@ def noise_pass(b: Branches, t: Inputs, n: Numbers, transform, w: Scratch = NO_SC
     """
     The first of two passes over a large site under the adaptive steps, whose noise is pooled
     over the whole site before any element steps: the statistics prepared in place
-    (:func:`_prepare`; the second pass, ``prepared``, takes them as they are) and the sums of the
+    (``_prepare``; the second pass, ``prepared``, takes them as they are) and the sums of the
     squared innovations over the elements seen, with their count
     (:func:`~pyro_ngvi.policies.noise_sums`), for this span.
     """

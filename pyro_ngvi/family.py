@@ -557,7 +557,7 @@ def split_params(guide, params, args: Optional[Sequence] = None, kwargs: Optiona
     optimizer trains, and of those the params of guide parts that are not Gaussians, and
     of those the params of score-function sites (``NotGaussian.score_function``); warns
     (:func:`warn_not_gaussian`) about those parts. A site's scale need not be among ``params``: an ELBO that hands
-    :math:`\\sigma` over in :class:`SiteCurvature` need not read it through ``pyro.param``
+    :math:`\\sigma` over in :class:`~pyro_ngvi.handover.SiteCurvature` need not read it through ``pyro.param``
     (:class:`~pyro_ngvi.BayesianNet`'s fast path does not).
 
     :param guide: the guide.

@@ -42,11 +42,13 @@ from typing import Optional, Tuple
 import torch
 
 __all__ = [
+    "controlled_price_statistics",
     "covariance_factor",
     "factor_gradient",
     "precision",
     "precision_cholesky",
     "price_curvature",
+    "recovered_draw",
     "split_factor",
     "unwhiten",
     "whiten",
@@ -158,7 +160,7 @@ def recovered_draw(grad: torch.Tensor, factor_grad: torch.Tensor,
     :math:`g`: column :math:`j` holds :math:`g_i\\epsilon_j` for :math:`i \\ge j`, so
     :math:`\\epsilon_j = \\sum_{i \\ge j} g_i \\bar C_{ij} / \\sum_{i \\ge j} g_i^2`. ``None``
     where that does not reproduce ``factor_grad`` (a column without gradient, gradients
-    of several draws) to :data:`DRAW_RESIDUAL` or :data:`DRAW_RESIDUAL_ULPS` of the dtype the
+    of several draws) to ``DRAW_RESIDUAL`` or ``DRAW_RESIDUAL_ULPS`` of the dtype the
     gradients were ``computed_in`` (default: ``factor_grad``'s).
     """
     lower = factor_grad.tril()

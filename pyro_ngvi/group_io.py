@@ -55,7 +55,7 @@ def read_pass(ctx, group: Group, stats: List[SiteCurvature], grad: torch.Tensor,
     their ``g`` and ``h`` so flattened; ``ctx`` the chain's :class:`~pyro_ngvi.steps.Context`):
     the group's tensors gathered, the parts that apply decided from the sites' state, the
     momentum and adaptive buffers made where new. ``fuse``: the pass runs compiled; ``span``:
-    :data:`~pyro_ngvi.steps.SPAN` (:func:`_pools`); in a ``run`` of spans, its current span, and
+    :data:`~pyro_ngvi.steps.SPAN` (``_pools``); in a ``run`` of spans, its current span, and
     in its ``"noise"`` phase the arguments of :func:`~pyro_ngvi.elementwise.noise_pass`.
     """
     options = ctx.options
@@ -184,7 +184,7 @@ def _pools(group: Group, span: int) -> List[tuple]:
 def _adaptive_inputs(group: Group, states, beta: float, rho: float, warm_start: bool, span: int,
                      subsampling: float = 0.0) -> dict:
     """The adaptive steps' state as the group's flat buffers, and the sites' pooled noise stacked
-    (one pool per block, :func:`_pools`; ``subsampling``: :func:`~pyro_ngvi.policies.noise_constants`)."""
+    (one pool per block, ``_pools``; ``subsampling``: :func:`~pyro_ngvi.policies.noise_constants`)."""
     like = group.like
     pools = _pools(group, span)
     for state, blocks in zip(states, pools):

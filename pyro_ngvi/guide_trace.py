@@ -130,7 +130,7 @@ def subsampling(model, *args, **kwargs) -> float:
     latents' least one, at least 1: a minibatch weighted by N/B by hand; 0 when none subsamples):
     how much noise a minibatch adds to the statistics of the latents its sites depend on, beyond one draw's
     (:func:`~pyro_ngvi.policies.noise_constants`). The model runs once, its draws from the prior, under
-    :func:`_untouched` (random streams and buffers as they were) and without its warnings; a model that
+    ``_untouched`` (random streams and buffers as they were) and without its warnings; a model that
     cannot run alone (it needs the guide's values) counts as not subsampled.
     """
     try:
@@ -270,7 +270,7 @@ def read_trace(trace: poutine.Trace, claimed: Iterable[torch.Tensor] = (), store
     :param store: the param store (default: Pyro's global one).
     :param model_reads: names of the params the model reads (:func:`model_params`): a
         Gaussian built from one of them is not a Gaussian of the guide alone.
-    :returns: ``(gaussians, others)``: :class:`GaussianBlock` s in trace order, and a
+    :returns: ``(gaussians, others)``: :class:`~pyro_ngvi.param_views.GaussianBlock` s in trace order, and a
         :class:`NotGaussian` per site that depends on params outside them (sites that
         depend on no param, e.g. AutoNormal's ``Delta`` after its Gaussian, are neither).
     """
@@ -333,7 +333,7 @@ def read_trace(trace: poutine.Trace, claimed: Iterable[torch.Tensor] = (), store
 
 
 def _gaussian_block(name, site, values, store, producers) -> Tuple[Optional[GaussianBlock], Optional[str]]:
-    """The :class:`GaussianBlock` of a sample site, or ``None`` and why not."""
+    """The :class:`~pyro_ngvi.param_views.GaussianBlock` of a sample site, or ``None`` and why not."""
     fn = site["fn"]
     base = fn
     while isinstance(base, (torch.distributions.Independent, torch.distributions.TransformedDistribution)):

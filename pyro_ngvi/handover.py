@@ -46,7 +46,7 @@ class SiteCurvature:
     """
     What an ELBO hands :class:`~pyro_ngvi.NGVI` for one guide site. Every tensor
     has the shape of the site's ``loc`` (all rows, also under a subsampled plate),
-    except for a :class:`FullCovarianceSite` (``loc`` of shape ``(D,)``), whose
+    except for a :class:`~pyro_ngvi.family.FullCovarianceSite` (``loc`` of shape ``(D,)``), whose
     ``curvature`` and ``prior_precision`` are symmetric ``(D, D)`` matrices.
 
     :param torch.Tensor grad: gradient of the non-conjugate part :math:`\\ell`

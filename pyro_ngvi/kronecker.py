@@ -75,7 +75,8 @@ from pyro.nn.module import PyroModule, PyroParam
 from .arguments import check_callable
 
 
-__all__ = ["KroneckerCurvature", "KroneckerNormal", "KroneckerSite", "MatrixNormal"]
+__all__ = ["KroneckerCurvature", "KroneckerLayer", "KroneckerNormal", "KroneckerSite", "MatrixNormal", "fold_prior",
+           "unfold_prior"]
 
 
 # --------------------------------------------------------------------------- #
@@ -168,7 +169,7 @@ class KroneckerNormal(AutoGuide):
     noisy K-FAC steps) and :class:`~pyro.infer.Predictive`.
 
     The model says which layers it has through a small protocol:
-    ``model.kronecker_layers()`` returns :class:`KroneckerLayer` s, and every
+    ``model.kronecker_layers()`` returns :class:`~pyro_ngvi.kronecker.KroneckerLayer` s, and every
     latent site of the model must be the weight or bias of one of them
     (:meth:`~pyro_ngvi.BayesianNet.kronecker_layers` serves it for networks of
     ``Linear`` layers).
@@ -325,7 +326,7 @@ class KroneckerSite:
 class KroneckerCurvature:
     """
     What an ELBO hands :class:`~pyro_ngvi.NGVI` for one :class:`KroneckerSite`
-    (attached to its ``loc`` like a :class:`~pyro_ngvi.family.SiteCurvature`).
+    (attached to its ``loc`` like a :class:`~pyro_ngvi.handover.SiteCurvature`).
 
     :param grad: :math:`\\bar g`, the gradient of the negative log-likelihood
         w.r.t. :math:`\\bar W`, ``(n, p)``, scaled to the full data.
@@ -333,7 +334,7 @@ class KroneckerCurvature:
     :param output_factor: :math:`\\hat G`, ``(n, n)``, scaled to the full data.
     :param prior_loc: :math:`M_0`, ``(n, p)``.
     :param prior_precision: :math:`\\eta_j` per column, ``(p,)``.
-    :param int handover: set by :func:`~pyro_ngvi.family.attach_curvature`.
+    :param int handover: set by :func:`~pyro_ngvi.handover.attach_curvature`.
     """
 
     grad: torch.Tensor

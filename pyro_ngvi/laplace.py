@@ -466,7 +466,7 @@ def _precision_at_mean(model, guide, elbo, sites, args, kwargs):
 
 # ------------------------------------------------------------ prior precision
 class PriorPrecisionSearch(NamedTuple):
-    """What :func:`optimize_prior_precision` returns (unpacks as a 4-tuple)."""
+    """What :func:`~pyro_ngvi.optimize_prior_precision` returns (unpacks as a 4-tuple)."""
 
     best: Union[float, Dict[str, float]]
     evidence: Dict

@@ -27,7 +27,7 @@ A Gaussian guide site that *is* a model site with a registered KL (a hand-writte
 
 the prior's share taken at the mean, not at the draw: :math:`\\sigma h / g \\ne \\epsilon`, and a
 regression of :math:`g` on the draw points misses by :math:`\\lambda_0\\sigma\\epsilon`. Where the
-prior is a fixed Gaussian in the site's coordinates (:func:`~pyro_ngvi.priors.conjugate_normal`, of
+prior is a fixed Gaussian in the site's coordinates (:func:`~pyro_ngvi.conjugate_normal`, of
 no tensor that requires a gradient) and the site is of weight 1, :func:`move_prior_to_draws` moves
 that share to the draw: with :math:`\\nabla\\ell = g - \\lambda_0(\\mu - m_0)` the draw is
 :math:`\\epsilon = \\sigma(h - \\lambda_0)/\\nabla\\ell` (one particle; several: read as the guide

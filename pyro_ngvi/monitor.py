@@ -10,7 +10,7 @@ wrong says so instead of ending in a guide that predicts nothing (issue 19):
   mean steps are unstable (Gauss-Newton curvature vanishes on confidently wrong
   examples, while their gradient does not);
 * **a training ELBO that keeps getting worse**: the negative ELBO the ELBO
-  evaluations hand over (:attr:`~pyro_ngvi.family.SiteCurvature.loss`), averaged
+  evaluations hand over (``loss`` of a :class:`~pyro_ngvi.handover.SiteCurvature`), averaged
   over windows of :data:`ELBO_WINDOW` accepted steps, rising from each window to
   the next :data:`ELBO_RISES` times in a row, by more than
   :data:`ELBO_SIGNIFICANCE` standard errors in all (the minibatch and sampling

@@ -72,7 +72,7 @@ class NGVI(PyroOptim):
     :doc:`/guide/update`, derives every piece and says how each default was chosen.
 
     :param lr: step :math:`\\alpha > 0` on the mean, or a callable of the guide's step count
-        (default: None, per site by :func:`defaults`)
+        (default: None, per site by :func:`~pyro_ngvi.policies.defaults`)
     :param beta: step :math:`\\beta \\in (0, 1]` of the precision average, or a callable
         (default: None, per site)
     :param momentum: :math:`\\rho \\in [0, 1)` on the mean gradient (default: None, per site)
@@ -393,7 +393,7 @@ class NGVI(PyroOptim):
 
     def load(self, filename, map_location=None) -> None:
         """
-        Restore a state saved by :meth:`save`, loading it with
+        Restore a state saved by ``save`` (Pyro's ``PyroOptim.save``), loading it with
         ``torch.load(..., weights_only=True)``: only tensors, numbers, strings and
         containers are built, so a crafted file cannot run code (Pyro's
         :meth:`PyroOptim.load <pyro.optim.optim.PyroOptim.load>` would run it).

@@ -55,7 +55,7 @@ class Plan:
         return all(tensor.data_ptr() == pointer for tensor, pointer in self.storage)
 
     def take_newton(self, pending: List[Dict]) -> None:
-        """Take the first of the ``pending`` Newton guards (restored by :meth:`NGVI.set_state`) that is
+        """Take the first of the ``pending`` Newton guards (restored by :meth:`~pyro_ngvi.NGVI.set_state`) that is
         of these sites, off the list."""
         for entry in pending:
             if self.newton.restore(entry, self.mean_field):

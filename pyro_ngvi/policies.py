@@ -466,7 +466,7 @@ def dense_count(settings: Settings, state, n: float, newton: torch.Tensor) -> Di
     in the new guide's standard deviations, :math:`z = C'^\\top \\bar g`
     (:math:`\\mathcal{N}(0, I/K)` at the optimum of a Gaussian target, :math:`K`
     particles): with running means :math:`\\bar z` and :math:`v` of :math:`z` and
-    :math:`\\|z\\|^2` (rate :math:`\\rho` = :data:`DENSE_RATE`, started at the first
+    :math:`\\|z\\|^2` (rate :math:`\\rho` = ``DENSE_RATE``, started at the first
     step's), :math:`z^2 = \\|\\bar z\\|^2 (2 - \\rho) / (\\rho v)` is about 1 when
     :math:`z` is pure noise and :math:`(2 - \\rho)/\\rho` = 19 while the mean is far.
     The count grows to :math:`1/\\beta`, beyond that while :math:`z^2 <` 2, and falls

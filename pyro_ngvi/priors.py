@@ -25,7 +25,7 @@ no curvature estimate. Two kinds of prior have this property:
 ``biject_to(constraints.positive)`` is ``ComposeTransform([ExpTransform(),
 AffineTransform(0, 1)])``, which does not compare equal to ``ExpTransform()``.
 
-This module holds that recognition (:func:`conjugate_normal`), the comparison
+This module holds that recognition (:func:`~pyro_ngvi.conjugate_normal`), the comparison
 of supports and transforms by behaviour, and the type-II maximum-likelihood
 update of a conjugate prior's ``loc`` and ``scale`` when they are ``pyro.param``
 values of the model (:func:`prior_param_index`, :func:`update_learned_priors`). Swapping a model's priors is a handler
@@ -252,7 +252,7 @@ def conjugate_normal_parts(
     fn: torch.distributions.Distribution, support=None
 ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
     """
-    As :func:`conjugate_normal`, but the Normal's ``(loc, scale)``
+    As :func:`~pyro_ngvi.conjugate_normal`, but the Normal's ``(loc, scale)``
     :math:`(m_0, s_0)` themselves, expanded to ``batch_shape + unconstrained
     event_shape``: views of the Normal's own tensors, so a ``pyro.param`` they
     broadcast stays recognisable through them (:func:`prior_param_index`).
@@ -295,7 +295,7 @@ def conjugate_multivariate_normal(
     :class:`~torch.distributions.MultivariateNormal` without batch shape on a
     real vector site of ``d`` coordinates, or a ``TransformedDistribution`` of
     one whose transforms do what ``biject_to(support)`` does (see
-    :func:`conjugate_normal`); else ``None``. This is the prior
+    :func:`~pyro_ngvi.conjugate_normal`); else ``None``. This is the prior
     :func:`~pyro_ngvi.posterior_as_prior` makes of a full-covariance guide.
     """
     support = fn.support if support is None else support
@@ -316,7 +316,7 @@ def conjugate_gaussian(
     fn: torch.distributions.Distribution, support=None
 ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
     """
-    :func:`conjugate_normal` or :func:`conjugate_multivariate_normal` in one
+    :func:`~pyro_ngvi.conjugate_normal` or :func:`conjugate_multivariate_normal` in one
     form for a full-covariance guide: ``(prior_loc, prior_precision)`` of shapes
     ``(d,)`` and ``(d, d)`` over the site's ``d`` unconstrained coordinates
     (flattened in the order ``AutoContinuous`` packs them), or ``None``.
@@ -454,7 +454,7 @@ def _pooled(param: PriorParam, entries) -> Tuple[torch.Tensor, torch.Tensor]:
 @torch.no_grad()
 def update_learned_priors(sites: Sequence[Tuple[torch.Tensor, torch.Tensor, SiteCurvature]]) -> None:
     """
-    Set every learned prior param (:class:`~pyro_ngvi.family.PriorParam`) to the
+    Set every learned prior param (:class:`~pyro_ngvi.handover.PriorParam`) to the
     maximiser of the ELBO given the guide: type-II maximum likelihood, the
     M-step of variational EM. Only the prior term of the ELBO depends on the
     hyperparameters; with :math:`q(u_i) = \\mathcal{N}(\\mu_i, \\sigma_i^2)` and the
@@ -481,7 +481,7 @@ def update_learned_priors(sites: Sequence[Tuple[torch.Tensor, torch.Tensor, Site
 
     :param sites: ``(mean, scale, stats)`` per site: the guide's :math:`\\mu`,
         :math:`\\sigma` after this step's update, and the
-        :class:`~pyro_ngvi.family.SiteCurvature` the ELBO handed over (its
+        :class:`~pyro_ngvi.handover.SiteCurvature` the ELBO handed over (its
         ``prior_loc`` and ``prior_precision`` are the prior the step used).
     """
     locs: Dict[int, Tuple[PriorParam, list]] = {}

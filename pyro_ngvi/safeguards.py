@@ -208,7 +208,7 @@ class Safeguards(NamedTuple):
 def noisy_flags(states, subsampling: float = 0.0) -> Optional[List[torch.Tensor]]:
     """
     Per site of the adaptive steps (``None`` where a state has no pooled noise yet): whether, past its
-    first :data:`NOISY_AFTER` steps, the pooled
+    first ``NOISY_AFTER`` steps, the pooled
     noise variance (long memory, :func:`~pyro_ngvi.policies.pooled_levels`) of its relative curvature
     innovation :math:`e = (\\hat h - \\lambda)/\\lambda` exceeds :data:`NOISY_CURVATURE` times
     :math:`2 + N/B - 1`, the variance of one draw at the fixed point of a Gaussian posterior

@@ -1,6 +1,6 @@
 """
 The statistics a step works from, per guide site: taken from the ELBO's hand-over
-(:func:`~pyro_ngvi.family.pop_curvature`, a :class:`~pyro_ngvi.family.SiteCurvature`
+(:func:`~pyro_ngvi.handover.pop_curvature`, a :class:`~pyro_ngvi.handover.SiteCurvature`
 fitted to the site) or, failing that, recovered from the ordinary reparameterised
 gradients that :class:`~pyro.infer.Trace_ELBO` left on the guide's parameters
 (Price's theorem, Opper and Archambeau 2009):
@@ -51,7 +51,7 @@ from .scales import FastExp
 #: A recovered draw :math:`|\epsilon|` beyond this is float32 round-off, not a normal draw.
 EPS_MAX = 8.0
 #: A site of at least this many elements, every row touched, gets its statistics recovered by
-#: the element-wise pass itself, span by span (:class:`~pyro_ngvi.family.SiteCurvature`
+#: the element-wise pass itself, span by span (:class:`~pyro_ngvi.handover.SiteCurvature`
 #: ``gradients``): the recovery's dozen operations then run on cached spans, or compiled
 #: into the pass, instead of over the whole site first. (Smaller sites are recovered here:
 #: the cross terms of a small model read their draws before the pass.)

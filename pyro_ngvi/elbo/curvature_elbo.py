@@ -31,7 +31,7 @@ class CurvatureELBO(ELBO):
               + \\underbrace{\\tfrac{\\lambda_0}{2}(u - m_0)^2}_{\\text{conjugate prior}}
               + \\text{const}.
 
-    A prior that is Normal in ``u`` (:func:`~pyro_ngvi.priors.conjugate_normal`)
+    A prior that is Normal in ``u`` (:func:`~pyro_ngvi.conjugate_normal`)
     is handed over as :math:`(m_0, \\lambda_0)` and enters the update exactly;
     every other prior term (and ``log|det J|``) stays in :math:`\\ell`. Terms of a
     site under a subsampled plate are divided by its plate scale :math:`N/B`; model
@@ -150,7 +150,7 @@ class CurvatureELBO(ELBO):
 
     def loss_and_grads(self, model, guide, *args, **kwargs) -> float:
         """
-        Estimate the loss, attach a :class:`~pyro_ngvi.family.SiteCurvature` to every
+        Estimate the loss, attach a :class:`~pyro_ngvi.handover.SiteCurvature` to every
         guide site's ``loc`` and set ``.grad`` of the other parameters: by the
         model's own ``curvature_step`` where it serves the source, else by tracing
         (:mod:`~pyro_ngvi.elbo.mean_field`, :mod:`~pyro_ngvi.elbo.full_covariance`).

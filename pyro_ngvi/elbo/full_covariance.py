@@ -1,7 +1,7 @@
 """
 :class:`~pyro_ngvi.CurvatureELBO`'s path for an
 :class:`~pyro.infer.autoguide.AutoMultivariateNormal` guide: one
-:class:`~pyro_ngvi.family.SiteCurvature` for its whole latent vector ``z``
+:class:`~pyro_ngvi.handover.SiteCurvature` for its whole latent vector ``z``
 (``D`` coordinates) at :math:`z = \\mu + C\\epsilon` (:math:`\\mu` when
 deterministic), with :math:`g = \\nabla_z \\ell` and a dense ``(D, D)`` curvature
 (:class:`~pyro_ngvi.curvature.traced.Dense`; ``"reparam"``: the Price estimate

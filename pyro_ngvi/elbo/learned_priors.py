@@ -7,8 +7,8 @@ conjugate prior :math:`\\mathcal{N}(u; m_0, \\lambda_0^{-1})` whose ``loc`` and/
     w = pyro.sample("w", dist.Normal(0.0, s).expand([D]).to_event(1))
 
 The site keeps its exact conjugate treatment (the param's current value), and its
-:class:`~pyro_ngvi.family.SiteCurvature` names the param
-(:class:`~pyro_ngvi.family.PriorParam`), which :class:`~pyro_ngvi.NGVI` sets after
+:class:`~pyro_ngvi.handover.SiteCurvature` names the param
+(:class:`~pyro_ngvi.handover.PriorParam`), which :class:`~pyro_ngvi.NGVI` sets after
 each update to the maximiser of the ELBO given the guide, in closed form
 (:func:`~pyro_ngvi.priors.update_learned_priors`). Recognised: the param itself or
 a view of it, with a real, half-line or interval constraint, not both loc and
@@ -77,7 +77,7 @@ def conjugate_prior(site, support, leaf, guide_scale, guide, candidates):
     (the model site's scale :math:`c`, a ``poutine.scale`` or a subsampled plate's
     :math:`N/B`, over the guide site's :math:`g`: Pyro's ELBO has
     :math:`c \\log p_0 - g \\log q`, and the statistics are divided by :math:`g`), and
-    ``learned`` the dict of its learned :class:`~pyro_ngvi.family.PriorParam` s
+    ``learned`` the dict of its learned :class:`~pyro_ngvi.handover.PriorParam` s
     (:func:`learned_prior`, with the ``"weight"`` of each row's KL in the full-data
     ELBO) or ``None`` for a fixed prior; ``None`` when the prior is not conjugate (or
     not recognised as learned, or learned with :math:`c \\neq g`: then an ordinary
@@ -124,7 +124,7 @@ def prior_param_candidates(model_trace, guide, shared) -> Dict[str, torch.Tensor
 
 def learned_prior(name, loc, scale, params, guide) -> Optional[dict]:
     """
-    The :class:`~pyro_ngvi.family.PriorParam` s of a conjugate prior whose
+    The :class:`~pyro_ngvi.handover.PriorParam` s of a conjugate prior whose
     ``loc`` / ``scale`` (those that need a gradient) are ``pyro.param`` values
     of the model, with the prior in full-size rows, as
     ``{"loc": ..., "scale": ..., "full": (m0, lam0)}``; ``None`` when any

@@ -1,8 +1,8 @@
 """
 :class:`~pyro_ngvi.CurvatureELBO`'s traced path for an
 :class:`~pyro.infer.autoguide.AutoNormal` guide: the particles
-(:mod:`.particle`; antithetic pairs :math:`\\mu \\pm \\sigma\\epsilon` when asked)
-averaged, and per site a :class:`~pyro_ngvi.family.SiteCurvature`
+(:mod:`pyro_ngvi.elbo.particle`; antithetic pairs :math:`\\mu \\pm \\sigma\\epsilon` when asked)
+averaged, and per site a :class:`~pyro_ngvi.handover.SiteCurvature`
 
 .. math:: \\bar g = \\frac{\\sum_s g_s}{n}, \\quad \\bar h = \\frac{\\sum_s h_s}{n},
           \\quad \\overline{\\epsilon}, \\ \\overline{\\epsilon^2}

@@ -41,7 +41,7 @@ class Particle(NamedTuple):
     #: site -> (m0, lam0, learned prior params or None), for sites with a conjugate prior
     priors: Dict[str, tuple]
     guide_trace: object
-    #: the sites whose statistics are minibatch estimates (:func:`~.sites.minibatch_sites`)
+    #: the sites whose statistics are minibatch estimates (``pyro_ngvi.elbo.sites.minibatch_sites``)
     minibatch: frozenset = frozenset()
 
 

@@ -12,10 +12,10 @@ tracing says so:
 - ``model.curvature_step(guide, *args, curvature=, num_particles=,
   deterministic=, mc_samples=, **kwargs)``: does what
   :meth:`~pyro_ngvi.CurvatureELBO.loss_and_grads` does (attach a
-  :class:`~pyro_ngvi.family.SiteCurvature` to every guide site's ``loc``, set
+  :class:`~pyro_ngvi.handover.SiteCurvature` to every guide site's ``loc``, set
   ``.grad`` of the other parameters) and returns the loss (:func:`own_step`);
 - ``model.statistics_hints(site, deterministic)`` (optional, also read on the
-  traced path): a dict of further :class:`~pyro_ngvi.family.SiteCurvature` fields
+  traced path): a dict of further :class:`~pyro_ngvi.handover.SiteCurvature` fields
   for the site (``num_data``, ``min_precision``: what NGVI's defaults and the
   variational family follow) (:func:`statistics_hints`).
 
@@ -23,12 +23,12 @@ tracing says so:
 
 **The hand-over to NGVI** (:mod:`pyro_ngvi.family`): one ELBO evaluation is one
 hand-over (:func:`handing_over`): begun before anything is attached
-(:func:`~pyro_ngvi.family.begin_handover`), each site's statistics attached to its
-unconstrained ``loc`` (:func:`~pyro_ngvi.family.attach_curvature`), the gradient of
+(:func:`~pyro_ngvi.handover.begin_handover`), each site's statistics attached to its
+unconstrained ``loc`` (:func:`~pyro_ngvi.handover.attach_curvature`), the gradient of
 every other parameter in its ``.grad``; the optimizer ends it, accepting or
-rejecting the step (:func:`~pyro_ngvi.family.end_handover`). An evaluation that
+rejecting the step (:func:`~pyro_ngvi.handover.end_handover`). An evaluation that
 fails ends it rejected, undoing the side effects registered for the step
-(:func:`~pyro_ngvi.family.on_rejected`).
+(:func:`~pyro_ngvi.handover.on_rejected`).
 """
 
 from contextlib import contextmanager

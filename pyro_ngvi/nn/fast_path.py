@@ -1,12 +1,12 @@
 """
-The fast path of :class:`~pyro_ngvi.nn.BayesianNet` (:class:`FastPath`, the
+The fast path of :class:`~pyro_ngvi.BayesianNet` (:class:`FastPath`, the
 protocol :class:`~pyro_ngvi.CurvatureELBO` calls): what the ELBO does for the net
 and an :class:`~pyro.infer.autoguide.AutoNormal` guide, without Pyro's tracing
 (:class:`BackpackStep`). Per particle :math:`w = \\mu + \\sigma\\epsilon` is written
 into the network, one backward pass of its BackPACK twin (:mod:`.twin`) gives
 :math:`g = \\nabla_w \\ell` and the curvature :math:`h` of every weight tensor
 (``reparam``: :math:`h = g\\,\\epsilon/\\sigma`), and the particle averages are
-handed to :class:`~pyro_ngvi.NGVI` as a :class:`~pyro_ngvi.family.SiteCurvature` per
+handed to :class:`~pyro_ngvi.NGVI` as a :class:`~pyro_ngvi.handover.SiteCurvature` per
 site, with the value of :mod:`.value`. A :class:`~pyro_ngvi.kronecker.KroneckerNormal`
 guide takes the path of :mod:`.kronecker_step`.
 """
@@ -47,7 +47,7 @@ def _all_in(names: List[str], params: dict) -> bool:
 class BackpackStep(BackpackTwin):
     """
     A BackPACK-extended twin of ``net`` and its loss module; calling it runs one
-    ELBO step of a :class:`~pyro_ngvi.nn.BayesianNet` (see :meth:`__call__`).
+    ELBO step of a :class:`~pyro_ngvi.BayesianNet` (see :meth:`__call__`).
 
     :param torch.nn.Module net: the plain network (its parameter and buffer dicts
         are shared, not copied).
@@ -182,7 +182,7 @@ class BackpackStep(BackpackTwin):
         :class:`~pyro_ngvi.NGVI` remembers writing
         (:func:`~pyro_ngvi.scales.known_scale`), else the softplus of the raw
         scale, read from the param store directly (NGVI finds the raw tensors by
-        name, and gets :math:`\\sigma` in the :class:`~pyro_ngvi.family.SiteCurvature`).
+        name, and gets :math:`\\sigma` in the :class:`~pyro_ngvi.handover.SiteCurvature`).
         """
         if guide.prototype_trace is None:
             guide(x, y)
@@ -350,10 +350,10 @@ class FastPath:
         :math:`-\\log p = \\|f - y\\|^2 / (2\\sigma^2) + \\text{const}`, so the
         per-example gradients carry :math:`1/(2\\sigma^2)` (squared in ``ef``).
         :math:`g` and :math:`h` are averaged over particles and attached as
-        :class:`~pyro_ngvi.family.SiteCurvature` ``(g, h, m_0, 1/s_0^2, sigma)`` to
+        :class:`~pyro_ngvi.handover.SiteCurvature` ``(g, h, m_0, 1/s_0^2, sigma)`` to
         each site's unconstrained ``loc`` in the param store: the Normal prior is
         conjugate and left to the optimizer (with ``learn_prior``, the
-        :class:`~pyro_ngvi.family.PriorParam` of the site's learned scale too,
+        :class:`~pyro_ngvi.handover.PriorParam` of the site's learned scale too,
         which the optimizer sets in closed form), with :meth:`statistics_hints`.
         Point-estimated params (a learned noise scale, ``BatchNorm``) get the
         gradient of the particle average of :math:`\\ell` in ``.grad``. The guide's

@@ -33,7 +33,7 @@ KRONECKER_SOURCES = {"ggn": "kflr", "ggn_mc": "kfac"}
 class KroneckerStep:
     """
     One ELBO step of a :class:`~pyro_ngvi.BayesianNet` with a KroneckerNormal guide,
-    on the network's BackPACK twin (:class:`~pyro_ngvi.nn.twin.BackpackTwin`).
+    on the network's BackPACK twin (``BackpackTwin`` (``pyro_ngvi.nn.twin``)).
     """
 
     def __init__(self, twin):

@@ -313,7 +313,7 @@ class BayesianNet(WeightPriors, NoiseLimit, GuideFactory, InputChecks, FastPath,
         :class:`~pyro_ngvi.PriorMessenger` for those, on the traced path).
 
         :param dict priors: ``{site name: distribution}``.
-        :returns: a new :class:`BayesianNet` sharing :attr:`net` with this one.
+        :returns: a new :class:`BayesianNet` sharing ``net`` with this one.
         """
         new = BayesianNet(
             self.net,

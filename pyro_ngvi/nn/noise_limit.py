@@ -82,7 +82,7 @@ class NoiseLimit:
         when the layer has no fan-in: a weight of fewer than two dimensions, an
         embedding).
 
-        :raises ValueError: when ``site`` is not one of :attr:`latent_sites`.
+        :raises ValueError: when ``site`` is not one of ``latent_sites``.
         """
         weight = self._latents[self._latent_index(site)]
         layer_fan_in = fan_in(weight.module)
@@ -165,7 +165,7 @@ class NoiseLimit:
         sampled statistics, ``min_precision``, the floor :attr:`noise_limit` puts on
         the precision (``None`` at the mean, ``deterministic``: no weight noise
         is injected there, and Laplace's precision is the curvature's). For a site
-        that is not one of :attr:`latent_sites` (another part of a bigger model):
+        that is not one of ``latent_sites`` (another part of a bigger model):
         ``{}``, nothing to say, so that the hints of a net inside a bigger model can
         be given to that model (``model.statistics_hints = bnn.statistics_hints``, or
         merged with another net's).
@@ -178,12 +178,12 @@ class NoiseLimit:
     def share_at_noise_limit(self, guide, tolerance: float = 0.01) -> float:
         """
         The share of the weights with a noise limit whose standard deviation in ``guide`` (this
-        net's :meth:`guide`, trained) sits at it, :math:`\\sigma \\ge (1 - \\text{tolerance})
+        net's :meth:`~pyro_ngvi.BayesianNet.guide`, trained) sits at it, :math:`\\sigma \\ge (1 - \\text{tolerance})
         \\,\\lambda_{\\min}^{-1/2}` (``nan`` without a limit). Near 1, the family is a point
         estimate with fixed jitter: its spread is the limit's, not what the data left uncertain,
         and longer training can over-fit as a MAP network does (the small-data pages of the docs).
 
-        :param guide: this net's trained :meth:`guide` (an AutoNormal).
+        :param guide: this net's trained :meth:`~pyro_ngvi.BayesianNet.guide` (an AutoNormal).
         :param float tolerance: in :math:`(0, 1)` (default: 0.01).
         """
         tolerance = positive_finite("tolerance", tolerance)

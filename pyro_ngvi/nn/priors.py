@@ -41,7 +41,7 @@ _PRIOR_VERSIONS = itertools.count()
 
 
 class WeightPrior(NamedTuple):
-    """The Normal prior of all weights of a :class:`BayesianNet` as one fast-path step uses it."""
+    """The Normal prior of all weights of a :class:`~pyro_ngvi.BayesianNet` as one fast-path step uses it."""
 
     site_locs: List[torch.Tensor]  # m_0 broadcast to each weight's shape (expanded views)
     site_precisions: List[torch.Tensor]  # lambda_0, the same
@@ -59,7 +59,7 @@ class WeightPrior(NamedTuple):
 class WeightPriors:
     """
     The prior part of :class:`~pyro_ngvi.BayesianNet` (a mixin of the model: it
-    reads ``_latents``, the :class:`~pyro_ngvi.nn.weights.Weight` s of the latent
+    reads ``_latents``, the ``Weight`` s (``pyro_ngvi.nn.weights``) of the latent
     sites, and registers its buffers on the model).
     """
 

@@ -84,7 +84,7 @@ def natural_step(
     reversal permutation) the new factor is :math:`C' = C\\,U_w^{-\\top}`, lower
     triangular: :math:`C' C'^\\top = C S_w'^{-1} C^\\top = S'^{-1}`. One Cholesky
     factorisation, one triangular inverse and a few products; no inverse of
-    :math:`S`, and the Price curvature of :func:`whitened_price_curvature` needs no
+    :math:`S`, and the Price curvature of :func:`~pyro_ngvi.full_covariance.whitened_price_curvature` needs no
     inverse either.
 
     **Warm start** (``warm``, a site's first step): the matrix form of the

@@ -42,7 +42,7 @@ def kronecker_step(
     :param mean: :math:`M`, ``(n, p)``.
     :param row_factor: :math:`L_U` now. :param col_factor: :math:`L_V` now.
     :param direction: :math:`\\bar g` (momentum-averaged, tempered), ``(n, p)``.
-    :param stats: this step's :class:`KroneckerCurvature`.
+    :param stats: this step's :class:`~pyro_ngvi.kronecker.KroneckerCurvature`.
     :param float damping: :math:`\\gamma`, added in the mean step only, as
         :math:`(A_\\gamma + \\pi\\sqrt\\gamma I) \\otimes (G_\\gamma + \\sqrt\\gamma/\\pi I)`
         (default: 0).
