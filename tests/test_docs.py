@@ -5,6 +5,7 @@ and ``.. testcode::``; each page's blocks run in order in one namespace, as a re
 them. A block that is not meant to run (a shell command) is written as ``bash`` or ``console``.
 """
 
+import ast
 import re
 import subprocess
 import sys
@@ -129,3 +130,43 @@ def test_every_python_block_of_the_page_runs(page):
     finally:
         torch.set_num_threads(threads)
         pyro.clear_param_store()
+
+
+def _warning_openings():
+    """``(file, line, opening)`` of every warning text in ``pyro_ngvi``: the literal start (at most five
+    words, up to the first formatted value) of the message of each ``warnings.warn`` and ``warn_skip``
+    call, and of each ``*message`` function whose result is warned (the watches'), read from the source."""
+    found = []
+    for path in sorted((ROOT / "pyro_ngvi").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            text = None
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "attr", getattr(node.func, "id", ""))
+                index = {"warn": 0, "warn_skip": 1}.get(name)
+                if index is not None and len(node.args) > index:
+                    text = node.args[index]
+            elif isinstance(node, ast.FunctionDef) and node.name.endswith("message") and node.name != "stuck_message":
+                returns = [n.value for n in ast.walk(node) if isinstance(n, ast.Return)
+                           and not (n.value is None or isinstance(n.value, ast.Constant) and n.value.value is None)]
+                text = returns[-1] if returns else None
+            while isinstance(text, ast.BinOp):  # "..." + more: its start
+                text = text.left
+            if isinstance(text, ast.JoinedStr):
+                head = text.values[0]
+                text = head if isinstance(head, ast.Constant) else None
+            if isinstance(text, ast.Constant) and isinstance(text.value, str):
+                words = text.value.split()[:5]
+                found.append((path.relative_to(ROOT), node.lineno, " ".join(words).rstrip(" ,.:;({")))
+    return found
+
+
+def test_every_warning_is_explained_with_a_remedy():
+    """Each warning the package can raise is in the table of ``docs/guide/choices.rst`` ("Warnings, and
+    what to do"), found by the opening words the user sees."""
+    page = (DOCS / "guide" / "choices.rst").read_text(encoding="utf-8")
+    table = " ".join(page.split("Warnings, and what to do", 1)[1].split("What is refused", 1)[0].split())
+    openings = _warning_openings()
+    assert len(openings) >= 20, openings  # the reader of the source found them
+    missing = [f"{path}:{line}: {opening!r}" for path, line, opening in openings if opening not in table]
+    assert not missing, "warnings not explained in docs/guide/choices.rst:\n" + "\n".join(missing)
