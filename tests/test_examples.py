@@ -151,3 +151,15 @@ def test_distributed_example_under_torchrun(tmp_path):
     assert all(math.isfinite(e) for e in elbo) and elbo[-1] > elbo[0]
     assert summary["accuracy"] > 0.2  # ten classes: chance is 0.1
     assert (tmp_path / "guide.pt").is_file()
+
+
+def test_the_examples_extra_installs_every_baseline_the_main_demo_compares_with():
+    """``pip install -e ".[examples]"`` then the main demo (the README's first command): its table has
+    an ivon-opt row only where ``ivon`` imports (``harness.ivon_installed``: else the row is skipped),
+    so the ``examples`` extra must install ivon-opt, as the docs' description of the demo says."""
+    import tomllib
+
+    extras = tomllib.loads((EXAMPLES.parent / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]
+    demo = (EXAMPLES / "bnn_classification.py").read_text(encoding="utf-8")
+    assert "harness.ivon_installed()" in demo  # the demo's ivon-opt row is optional, as read here
+    assert "ivon-opt" in extras["examples"], extras["examples"]
