@@ -160,13 +160,13 @@ def forked_rng():
     return torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else [])
 
 
-#: How many :func:`_untouched` blocks are open: a guide called inside one is read, not stepped, and
+#: How many ``_untouched`` blocks are open: a guide called inside one is read, not stepped, and
 #: its draws are none of a step's (:mod:`~pyro_ngvi.draws` skips them).
 _reading = [0]
 
 
 def reading() -> bool:
-    """Whether NGVI is running a guide or model to read it (inside :func:`_untouched`)."""
+    """Whether NGVI is running a guide or model to read it (inside ``_untouched``)."""
     return _reading[0] > 0
 
 
@@ -195,13 +195,13 @@ def _untouched(module):
                 buffer.copy_(saved)
 
 
-#: The seed of the draws :func:`_untouched` blocks make, when not the run's own streams (None).
+#: The seed of the draws ``_untouched`` blocks make, when not the run's own streams (None).
 _redraw: List[Optional[int]] = [None]
 
 
 def _seed(seed: int) -> None:
     """Seed torch's CPU stream, those of the CUDA devices in use, Python's and NumPy's (inside
-    :func:`_untouched`, which restores them all; ``torch.manual_seed`` would also queue a seed for
+    ``_untouched``, which restores them all; ``torch.manual_seed`` would also queue a seed for
     CUDA devices not yet initialised, a change left behind)."""
     torch.default_generator.manual_seed(seed)
     if torch.cuda.is_initialized():
