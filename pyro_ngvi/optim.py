@@ -284,7 +284,7 @@ class NGVI(PyroOptim):
         key = (id(guide), frozenset(map(id, params)), frozenset([id(p) for p in params if not p.requires_grad]))
         plan = self._plans.get(key)
         store = pyro.get_param_store()._params
-        if plan is not None and plan.stored(store):
+        if plan is not None and plan.guide() is guide and plan.stored(store):
             plan.reweigh(guide)  # (poutine.scale factors may change between steps: KL annealing)
             return plan
         sites, others, parts, score = _unfrozen(*split_params(guide, params))

@@ -4,6 +4,7 @@ over): a :class:`Plan` of its sites and other parameters, built once and reused 
 store holds those tensors.
 """
 
+import weakref
 from typing import Dict, List, Optional
 
 import torch
@@ -26,6 +27,7 @@ class Plan:
 
     def __init__(self, sites, others, guide=None):
         self.sites, self.others = sites, others
+        self.guide = _reference(guide)  # (NGVI keys plans by id(guide): a new guide may get a freed one's id)
         found = None if guide is None or not sites else calling_step(guide)
         self.subsampling = 0.0 if found is None or found.model is None else \
             subsampling(found.model, *found.args, **found.kwargs)
@@ -83,6 +85,14 @@ class Plan:
         if groups is None:
             groups = self.groups[key] = [Group.of(group) for group in group_sites(sites, stats)]
         return groups
+
+
+def _reference(obj):
+    """A weak reference to ``obj``, or, for an object that takes none, a callable returning it."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
 
 
 def stored_tensors(site) -> list:
