@@ -91,6 +91,14 @@ class SpreadWatch:
             self.reference[id(group)] = (group, torch.clamp(2 * value, min=SPREAD_LIMIT))
         return flag
 
+    def keep(self, groups) -> None:
+        """Forget every group but ``groups`` (those of the plans NGVI still holds): a group whose
+        plan is gone would keep its guide's tensors alive, and its id could be another's later."""
+        live = {id(group) for group in groups}
+        self.reference = {k: v for k, v in self.reference.items() if k in live}
+        self.latest = {k: v for k, v in self.latest.items() if k in live}
+        self.warned &= live
+
     def message(self, group, names: str, step: int) -> Optional[str]:
         """The warning for ``group`` (``None`` when it has been given already)."""
         if id(group) in self.warned:

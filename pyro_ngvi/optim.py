@@ -293,6 +293,7 @@ class NGVI(PyroOptim):
         self._low_rank_locs.note(guide_parts(guide))
         # plans whose tensors left the param store (pyro.clear_param_store()) leave no trace
         self._plans = {k: p for k, p in self._plans.items() if p.stored(store)}
+        self._forget_gone()
         plan = self._plans[key] = Plan(sites, others, guide)
         plan.take_newton(self._pending_newton)
         for site in sites:  # (a guide moved to another dtype or device: its state follows)
@@ -300,6 +301,13 @@ class NGVI(PyroOptim):
             if state is not None and state.loc() is site.loc:
                 state.follow(site.loc)
         return plan
+
+    def _forget_gone(self) -> None:
+        """Drop what NGVI keeps of groups whose plan is gone and of sites whose ``loc`` is gone (an
+        optimizer reused over many fits, each after ``pyro.clear_param_store()``, would keep them all)."""
+        self._spread_watch.keep([g for plan in self._plans.values() for gs in plan.groups.values() for g in gs])
+        self._states = {k: state for k, state in self._states.items() if state.loc() is not None}
+        self._buffers.prune()
 
     def _state(self, site) -> SiteState:
         """The state of ``site`` (keyed by its ``loc`` tensor; new for a new tensor),

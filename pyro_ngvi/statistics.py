@@ -186,6 +186,10 @@ class Buffers:
             found = self._kept[key] = (weakref.ref(site.loc), torch.empty_like(like))
         return found[1]
 
+    def prune(self) -> None:
+        """Drop the tensors kept for sites whose ``loc`` is gone (a cleared param store)."""
+        self._kept = {k: v for k, v in self._kept.items() if v[0]() is not None}
+
     def scratch(self, like: torch.Tensor):
         """Two temporaries like ``like`` (the second for 0 / 1 masks)."""
         value, flag = self.workspace.take(like.numel(), like, 2)

@@ -5,16 +5,18 @@ of a fit whose param store was cleared must go with it. The references: the same
 old objects kept alive (so no id is reused), and weak references to the old fits' tensors."""
 
 import gc
+import weakref
 
 import pytest
 import torch
+import torch.nn as nn
 
 import pyro
 import pyro.distributions as dist
 from pyro.infer import SVI, Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 
-from pyro_ngvi import NGVI
+from pyro_ngvi import NGVI, BayesianNet, CurvatureELBO
 
 
 def _at_id(target: int, cls, *args):
@@ -75,3 +77,25 @@ def test_a_new_guide_at_a_freed_guides_id_gets_a_plan_of_its_own():
     ours, reference = _folds(reuse_ids=True), _folds(reuse_ids=False)
     assert ours[0] == reference[0]
     assert all(torch.equal(a, b) for a, b in zip(ours[1], reference[1]))
+
+
+def test_an_optimizer_reused_over_fits_keeps_nothing_of_a_cleared_fit():
+    """Before: the spread watch held every group of every past fit (so their param tensors, and
+    with them each site's state in NGVI), 4 states and 2 groups more per fit."""
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 4), torch.randint(0, 2, (32,))
+    optim, gone = NGVI(), []
+    for _ in range(4):
+        pyro.clear_param_store()
+        bnn = BayesianNet(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)), "categorical", num_data=32)
+        svi = SVI(bnn, bnn.guide(), optim, CurvatureELBO("ggn"))
+        for _ in range(2):
+            svi.step(x, y)
+        gone.append([weakref.ref(t) for t in pyro.get_param_store()._params.values()])
+        del bnn, svi
+        gc.collect()
+    pyro.clear_param_store()
+    gc.collect()
+    alive = [r for fit in gone[:-1] for r in fit if r() is not None]  # (the last plan stands until the next)
+    assert not alive
+    assert len(optim._states) <= 4 and len(optim._spread_watch.reference) <= 2
