@@ -15,10 +15,12 @@ step is mostly fixed cost).
 
 And :func:`same`, the check by identity that a step's plan (made once, kept while the guide's
 structure stands) still holds, as a plain loop: ``all(a is b for a, b in zip(...))`` runs a
-generator frame per element.
+generator frame per element; and :func:`reference`, what a cache keyed by ``id()`` keeps to
+tell its object from a later one at the same address.
 """
 
 import functools
+import weakref
 from typing import Callable, Dict, Sequence, Tuple, TypeVar
 
 import torch
@@ -66,3 +68,13 @@ def same(objects: Sequence, others: Sequence) -> bool:
         if a is not b:
             return False
     return True
+
+
+def reference(obj) -> Callable:
+    """A weak reference to ``obj`` (``ref() is obj`` while it lives; ``None`` after), or, for an
+    object that takes none, a callable returning it: what a cache keyed by ``id(obj)`` keeps to
+    tell ``obj`` from a later object that got its freed id."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj

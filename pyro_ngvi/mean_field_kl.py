@@ -50,6 +50,7 @@ from pyro.infer import JitTraceMeanField_ELBO, TraceMeanField_ELBO
 
 from .family import GaussianSite, calling_step
 from .guide_trace import elbo_traces
+from .hot_path import reference
 from .priors import conjugate_normal
 from .statistics import EPS_MAX
 
@@ -84,16 +85,19 @@ def integrated_sites(elbo, model, guide, args, kwargs, sites, cache: dict) -> Di
     on ``args`` and ``kwargs`` as the ELBO runs them, :func:`~pyro_ngvi.guide_trace.elbo_traces`,
     random streams untouched): a site of the model with a registered KL, or a ``loc`` no guide
     ``Normal`` is built on (a computed one). Every site, with no prior, where the run fails. Read once
-    per model and loss type, kept in ``cache`` (the plan's).
+    per model (by identity: a weak reference) and loss type, kept in ``cache`` (the plan's).
     """
     key = (id(model), type(elbo))
-    if key not in cache:
+    entry = cache.get(key)
+    if entry is None or entry[0]() is not model:  # (a new model may get a freed one's id)
         try:
             traces = elbo_traces(elbo, model, guide, *args, **kwargs)
         except Exception:  # (the ELBO ran them already: its errors are its own to report)
             traces = None
-        cache[key] = None if traces is None else drawn_leaves(*traces)
-    drawn, priors = cache[key] or (frozenset(), {})
+        for gone in [k for k, (ref, _) in cache.items() if ref() is None]:
+            del cache[gone]
+        entry = cache[key] = (reference(model), None if traces is None else drawn_leaves(*traces))
+    drawn, priors = entry[1] or (frozenset(), {})
     return {id(site.loc): priors.get(id(site.loc)) for site in sites if id(site.loc) not in drawn}
 
 

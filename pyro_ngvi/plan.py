@@ -4,7 +4,6 @@ over): a :class:`Plan` of its sites and other parameters, built once and reused 
 store holds those tensors.
 """
 
-import weakref
 from typing import Dict, List, Optional
 
 import torch
@@ -13,6 +12,7 @@ from .checks import DeferredChecks
 from .family import FullCovarianceSite, GaussianSite, SiteCurvature, calling_step, gaussian_sites
 from .groups import Group, group_sites, statistics_kind
 from .guide_trace import subsampling
+from .hot_path import reference
 from .kronecker import KroneckerSite
 from .low_rank_guide import LowRankSite
 from .monitor import ElboWatch
@@ -27,7 +27,7 @@ class Plan:
 
     def __init__(self, sites, others, guide=None):
         self.sites, self.others = sites, others
-        self.guide = _reference(guide)  # (NGVI keys plans by id(guide): a new guide may get a freed one's id)
+        self.guide = reference(guide)  # (NGVI keys plans by id(guide): a new guide may get a freed one's id)
         found = None if guide is None or not sites else calling_step(guide)
         self.subsampling = 0.0 if found is None or found.model is None else \
             subsampling(found.model, *found.args, **found.kwargs)
@@ -85,14 +85,6 @@ class Plan:
         if groups is None:
             groups = self.groups[key] = [Group.of(group) for group in group_sites(sites, stats)]
         return groups
-
-
-def _reference(obj):
-    """A weak reference to ``obj``, or, for an object that takes none, a callable returning it."""
-    try:
-        return weakref.ref(obj)
-    except TypeError:
-        return lambda: obj
 
 
 def stored_tensors(site) -> list:

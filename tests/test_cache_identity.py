@@ -13,7 +13,7 @@ import torch.nn as nn
 
 import pyro
 import pyro.distributions as dist
-from pyro.infer import SVI, Trace_ELBO
+from pyro.infer import SVI, Trace_ELBO, TraceMeanField_ELBO
 from pyro.infer.autoguide import AutoNormal
 
 from pyro_ngvi import NGVI, BayesianNet, CurvatureELBO
@@ -99,3 +99,50 @@ def test_an_optimizer_reused_over_fits_keeps_nothing_of_a_cleared_fit():
     alive = [r for fit in gone[:-1] for r in fit if r() is not None]  # (the last plan stands until the next)
     assert not alive
     assert len(optim._states) <= 4 and len(optim._spread_watch.reference) <= 2
+
+
+class _Prior:
+    """w ~ N(0, scale^2 I) observed through 20 noisy sums (a fixed prior: TraceMeanField_ELBO
+    integrates the guide's KL against it in closed form)."""
+
+    def __init__(self, scale: float):
+        self.scale = scale
+
+    def __call__(self, x, y):
+        w = pyro.sample("w", dist.Normal(torch.zeros(3), self.scale).to_event(1))
+        with pyro.plate("data", 20):
+            pyro.sample("obs", dist.Normal(x @ w, 1.0), obs=y)
+
+
+def _guide(x, y):
+    loc = pyro.param("loc", torch.zeros(3))
+    scale = pyro.param("scale", torch.ones(3), constraint=dist.constraints.positive)
+    pyro.sample("w", dist.Normal(loc, scale).to_event(1))
+
+
+def _sweep(reuse_ids: bool):
+    """One guide and one NGVI over a sweep of the prior scale (1, then 0.1), warm-started."""
+    x = torch.randn(20, 3, generator=torch.Generator().manual_seed(0))
+    y = x @ torch.tensor([1.0, -2.0, 0.5])
+    pyro.clear_param_store()
+    pyro.set_rng_seed(1)
+    optim, losses, ids, kept = NGVI(), [], [], []
+    for scale in (1.0, 0.1):
+        model = _at_id(ids[-1], _Prior, scale) if ids and reuse_ids else _Prior(scale)
+        ids.append(id(model))
+        svi = SVI(model, _guide, optim, TraceMeanField_ELBO())
+        losses += [svi.step(x, y) for _ in range(10)]
+        if not reuse_ids:
+            kept.append(model)
+        del model, svi
+        gc.collect()
+    assert (ids[0] == ids[1]) == reuse_ids
+    return losses, [p.detach().clone() for p in pyro.get_param_store().values()]
+
+
+def test_a_new_model_at_a_freed_models_id_has_its_own_prior_integrated():
+    """Before: the second model of the sweep, at the first's id, had the first's prior N(0, 1)
+    integrated in closed form where its own is N(0, 0.1^2)."""
+    ours, reference = _sweep(reuse_ids=True), _sweep(reuse_ids=False)
+    assert ours[0] == reference[0]
+    assert all(torch.equal(a, b) for a, b in zip(ours[1], reference[1]))
