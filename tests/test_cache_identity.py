@@ -4,6 +4,7 @@ to a new guide that got a freed guide's id (CPython reuses addresses at once), a
 of a fit whose param store was cleared must go with it. The references: the same fits with the
 old objects kept alive (so no id is reused), and weak references to the old fits' tensors."""
 
+import copy
 import gc
 import weakref
 
@@ -146,3 +147,35 @@ def test_a_new_model_at_a_freed_models_id_has_its_own_prior_integrated():
     ours, reference = _sweep(reuse_ids=True), _sweep(reuse_ids=False)
     assert ours[0] == reference[0]
     assert all(torch.equal(a, b) for a, b in zip(ours[1], reference[1]))
+
+
+@pytest.mark.parametrize("source", ["ggn", "reparam"])
+@pytest.mark.parametrize("change", ["parameter", "layer"])
+def test_a_bayesian_net_whose_weights_were_replaced_refuses_to_step(source, change):
+    """The fast path writes the draws into the tensors the BayesianNet found at construction.
+    Before: a Parameter or a layer assigned anew between steps (same values) went on unwarned on
+    'reparam', the new layer's weight fixed at its values while the draws went into the old one
+    (losses 180.0, 169.0, 174.1 where the unchanged net's are 181.1, 173.5, 173.4), and on 'ggn'
+    a layer did too, a Parameter raised BackPACK's RuntimeError; now a ValueError names it. An
+    in-place copy (load_state_dict) steps on, as the unchanged net (bit for bit)."""
+    def run(edit):
+        pyro.clear_param_store()
+        torch.manual_seed(1)
+        net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+        bnn = BayesianNet(net, "categorical", num_data=64)
+        svi = SVI(bnn, bnn.guide(), NGVI(), CurvatureELBO(source))
+        x, y = torch.randn(64, 4, generator=torch.Generator().manual_seed(0)), torch.arange(64) % 3
+        losses = [svi.step(x, y) for _ in range(2)]
+        edit(net)
+        return losses + [svi.step(x, y) for _ in range(2)]
+
+    def replace(net):
+        if change == "parameter":
+            net[2].weight = nn.Parameter(net[2].weight.detach().clone())
+        else:
+            net[2] = copy.deepcopy(net[2])
+
+    reference = run(lambda net: None)
+    assert run(lambda net: net.load_state_dict(copy.deepcopy(net.state_dict()))) == reference
+    with pytest.raises(ValueError, match="'2.weight'" if change == "parameter" else "module '2'"):
+        run(replace)

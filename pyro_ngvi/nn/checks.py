@@ -54,6 +54,13 @@ class InputChecks:
                 f"BayesianNet: y holds {len(y) if y.dim() else 'no'} targets for a batch of "
                 f"{batch} inputs"
             )
+        if step:  # (the fast path writes the draws into the tensors the model found at construction)
+            for table, name, value, what in self._slots:
+                if name not in table or table[name] is not value:
+                    raise ValueError(
+                        f"BayesianNet: the network's {what} was replaced after the BayesianNet was built: "
+                        "its training step would write the draws into the old tensor. Copy new values in place (net.load_state_dict(...), or "
+                        "p.copy_(...) under torch.no_grad()), or build a new BayesianNet and guide")
         if step and batch > self.effective_num_data:
             raise ValueError(
                 f"BayesianNet: a training batch of {batch} examples for num_data={self.num_data} (the "

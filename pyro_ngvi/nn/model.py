@@ -29,7 +29,7 @@ from .guide import GuideFactory
 from .noise_limit import NoiseLimit
 from .priors import PriorSpec, WeightPriors
 from .twin import LOSS_MODULES
-from .weights import RunningStatistics, Weight, call_with, network_weights
+from .weights import RunningStatistics, Weight, call_with, network_weights, weight_slots
 
 
 class BayesianNet(WeightPriors, NoiseLimit, GuideFactory, InputChecks, FastPath, nn.Module):
@@ -175,6 +175,7 @@ class BayesianNet(WeightPriors, NoiseLimit, GuideFactory, InputChecks, FastPath,
 
         self._latents, self._point_estimates = network_weights(net, self.prefix)
         self._latent_params = [w.param for w in self._latents]
+        self._slots = weight_slots(net, self._latents + self._point_estimates)  # (checked at each fast step)
         self._forget_priors()
         self._set_priors(prior)
 
@@ -337,4 +338,5 @@ class BayesianNet(WeightPriors, NoiseLimit, GuideFactory, InputChecks, FastPath,
         module = super()._apply(fn, *args, **kwargs)
         self._fast_path.refresh()  # the shared parameter dicts may hold new tensors
         self._latent_params = [w.param for w in self._latents]
+        self._slots = weight_slots(self.net, self._latents + self._point_estimates)
         return module

@@ -57,6 +57,25 @@ def network_weights(net: nn.Module, prefix: str) -> Tuple[List[Weight], List[Wei
     return latents, point_estimates
 
 
+def weight_slots(net: nn.Module, weights: List[Weight]) -> List[Tuple[dict, str, object, str]]:
+    """Where each of ``weights`` is found from ``net``: ``(dict, name, object, what it is)``
+    for each module on its path (its parent's ``_modules``) and for the tensor (its module's
+    ``_parameters``). While every ``dict[name] is object``, the weights are the network's own: a
+    layer or a Parameter assigned anew (``net[0] = nn.Linear(...)``, ``layer.weight = nn.Parameter(...)``)
+    breaks one, an in-place copy (``load_state_dict``) none."""
+    slots = {}
+    for w in weights:
+        module, names = net, w.key.split(".")[:-1]
+        for depth, name in enumerate(names):
+            child = module._modules[name]
+            what = f"module {'.'.join(names[:depth + 1])!r}"
+            slots.setdefault((id(module._modules), name), (module._modules, name, child, what))
+            module = child
+        what = f"parameter {w.key!r}"
+        slots.setdefault((id(module._parameters), w.param_name), (module._parameters, w.param_name, w.param, what))
+    return list(slots.values())
+
+
 def call_with(net: nn.Module, params: Dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """``net(x)`` with ``params`` (by their names in the network) in place of its own tensors, as
     :func:`torch.func.functional_call`, and every module's own tensors put back afterwards.
