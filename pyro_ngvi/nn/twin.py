@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from backpack import extend
+from backpack.context import CTX
 from backpack.custom_module.branching import SumModule
 
 #: The BackPACK loss module of each likelihood (``reduction="sum"``).
@@ -52,6 +53,9 @@ class BackpackTwin:
             self.module_pairs.append((self.twin, net))
         self.loss_module = extend(LOSS_MODULES[likelihood](reduction="sum"))
         self.refresh()
+        # BackPACK's extend() records each hook's handle in a list of the process it never shortens:
+        # drop those of modules gone (a BayesianNet per fit would keep a few handles each for ever)
+        CTX.hook_handles = [h for h in CTX.hook_handles if h.hooks_dict_ref() is not None]
 
     def refresh(self) -> None:
         """Re-read the network's parameters, in its own order (after ``.to()`` put new tensors in
