@@ -21,8 +21,8 @@ Modes (``--mode``), per element, with ``r = 1/(n + 1)`` the drift's rate (n the 
 
 Usage::
 
-    python benchmarks/results/sparse_gp_baseline_probe.py --mode line --problem gp --seeds 0 1 2 3 4
-    python benchmarks/results/sparse_gp_baseline_probe.py --mode line --problem funnel --seeds 0 1 2 3 4
+    python benchmarks/sparse_gp_baseline_probe.py --mode line --problem gp --seeds 0 1 2 3 4
+    python benchmarks/sparse_gp_baseline_probe.py --mode line --problem funnel --seeds 0 1 2 3 4
 """
 
 import argparse
@@ -152,7 +152,7 @@ def main(argv=None):
     for seed in args.seeds:
         _ANCHOR.clear(), _LINE.clear(), _ERR.clear(), _cur.clear()
         if args.problem == "gp":
-            sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
             import sparse_gp
             print(f"{MODE} seed {seed}: {sparse_gp.run('ngvi', seed, args.steps or 2000)}", flush=True)
         else:
