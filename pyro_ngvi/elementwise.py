@@ -336,7 +336,7 @@ def _prepare(b: Branches, t: Inputs, n: Numbers, transform, w: Scratch):
         excess = t.excess
         in_place = excess is not None and not (b.branch_free or b.masked or t.mask is not None)
         target, new_excess = clip_target(target, precision, excess, out=excess if in_place else None,
-                                         scratch=(w.a, w.b), count=t.count)
+                                         scratch=(w.a, w.b), count=t.count, prior_precision=prior_precision)
         if new_excess is not None:  # carried only while averaging (n > 1/beta): a transient's is dropped
             new_excess.mul_(_flag(torch.gt, t.count, 1.0 / n.beta, w.flag3))
         if new_excess is not None and not in_place:  # (rows not touched, or a step not taken: kept)
@@ -380,7 +380,7 @@ def noise_pass(b: Branches, t: Inputs, n: Numbers, transform, w: Scratch = NO_SC
     precision, grad, target, root = _prepare(b, t, n, transform, w)
     drift = t.momentum if b.momentum != "none" else t.drift
     sigma = torch.rsqrt(precision, out=w.scale) if root is None else root
-    _, squares = innovations(target, precision, grad, drift, t.hdrift, sigma, (w.c, w.ab))
+    _, squares = innovations(target, precision, grad, drift, t.hdrift, sigma, (w.c, w.ab), bounded=b.prior)
     return noise_sums(squares, seen_elements(t.fresh, t.mask, w.flag), t.noise.lengths)
 
 

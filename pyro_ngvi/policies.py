@@ -26,6 +26,7 @@ import torch
 
 from .family import CURVATURE_PER_EXAMPLE
 from .groups import select
+from .safeguards import INNOVATION_MAX
 
 Schedule = Union[float, Callable[[int], float]]
 
@@ -302,7 +303,7 @@ def adaptive_rates(grad, direction, drift, pull, target, precision, count, hdrif
     # only where they are pooled here)
     if innovation is None:
         innovation, squares = innovations(target, precision, grad, drift, hdrift, sigma, (w.innovation, w.pair),
-                                          squared=levels is None)
+                                          squared=levels is None, bounded=pull is not None)
     if levels is None:
         levels = pooled_noise(squares, seen_elements(fresh, mask, w.seen), noise)
     low, high, steps, pooled = levels
@@ -418,12 +419,21 @@ def pooled_levels(totals, counts, state: NoiseState) -> Tuple[torch.Tensor, torc
     return low, high, steps, noise
 
 
-def innovations(target, precision, grad, drift, hdrift, sigma, out=(None, None), squared: bool = True):
+def innovations(target, precision, grad, drift, hdrift, sigma, out=(None, None), squared: bool = True,
+                bounded: bool = False):
     """The two innovations' deviations from their running means so far, in standard-deviation
     units, squared: :math:`((g - \\bar g)\\sigma)^2` and :math:`((\\hat h - \\lambda)/\\lambda - \\bar e)^2`
     (``out``: a buffer for the innovation :math:`(\\hat h - \\lambda)/\\lambda`, kept, and a
-    ``(2, n)`` one for the squares; ``squared=False``: the innovation alone, the squares ``None``)."""
+    ``(2, n)`` one for the squares; ``squared=False``: the innovation alone, the squares ``None``).
+    With ``bounded`` (a target with an exact prior precision in it), the innovation is taken within
+    :math:`\\pm` :data:`~pyro_ngvi.safeguards.INNOVATION_MAX`, the clip of the sampled part of :math:`\\hat h`
+    (without a prior the target is within it already): a target that jumps to an exact prior precision
+    :math:`\\lambda_0 \\gg \\lambda` (:func:`~pyro_ngvi.safeguards.clip_target`) is a transient, not noise
+    (unclipped, :math:`\\lambda_0/\\lambda = 10^8` stayed in the long memory past step 150 and the noisy-curvature
+    watch warned on a Normal mean under ``CurvatureELBO("hessian")``)."""
     innovation = torch.sub(target, precision, out=out[0]).div_(precision)
+    if bounded:
+        innovation = innovation.clamp_(-INNOVATION_MAX, INNOVATION_MAX)
     if not squared:
         return innovation, None
     if out[1] is None:
