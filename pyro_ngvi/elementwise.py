@@ -228,6 +228,8 @@ def mean_field_pass(b: Branches, t: Inputs, n: Numbers, transform, w: Scratch = 
     denominator = torch.add(new_precision, n.damping, out=w.denominator) if b.damping else new_precision
     signs = far = None
     if b.signs:  # the stall test: |g| sigma beyond FAR with the last step's sign
+        if pull is not None:  # (of the whole gradient: at the optimum g = -lambda_0 (mu - m_0), not 0)
+            grad = torch.add(grad, pull, out=w.step)
         signs = _flag(torch.gt, grad, 0, w.signs)  # (0 / 1 in g's dtype)
         if b.far:
             # (counted by a dot of the two flags: one pass less than their product's sum)
@@ -242,7 +244,7 @@ def mean_field_pass(b: Branches, t: Inputs, n: Numbers, transform, w: Scratch = 
     # the mean, and its safeguards
     predicted = None
     out_mean = _out(b, t.out_mean, mean, w.mean)
-    if b.trust:  # the trust region bounds the likelihood part of the step, not the prior's
+    if b.trust:  # the trust region bounds the step, to max_step sd or the prior's exact part where longer
         if root is None:
             radius, low = precision.rsqrt_().mul_(n.max_step), None
         else:  # (sigma's bounds of the step, +-max_step sigma: rounding is symmetric)

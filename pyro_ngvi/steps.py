@@ -230,7 +230,10 @@ def dense_site(ctx: Context, site, stats, settings: Settings, tau: float, state,
         return None
     kept = dict(level)
     if adaptive:
-        newton = step.factor.T.to(direction) @ direction  # z = C'^T g
+        total = direction  # (the whole gradient: with a conjugate prior, g + S_0 (mu - m_0), 0 at the optimum)
+        if stats.prior_precision is not None:
+            total = direction + stats.prior_precision.to(direction) @ (site.mean - stats.prior_loc).to(direction)
+        newton = step.factor.T.to(direction) @ total  # z = C'^T g
         kept.update(dense_count(settings, state, count, newton))
     return (step.mean, step.factor), direction, kept
 

@@ -64,3 +64,17 @@ def test_a_tight_prior_is_reached_by_a_full_covariance_guide():
     (mean, sd), (exact_mean, exact_sd), _ = fit(1e-3, 120, AutoMultivariateNormal)
     assert abs(mean - exact_mean) < 1e-3 * exact_sd
     assert sd == pytest.approx(exact_sd, rel=1e-4)
+
+
+@pytest.mark.parametrize("guide_class, tolerance", [(AutoNormal, 1e-3), (AutoMultivariateNormal, 0.05)])
+def test_a_prior_far_from_the_data_does_not_stop_the_mean_short(guide_class, tolerance):
+    """A prior of sd 0.05 at 0, the data's mean 3 (the posterior 6.6 prior sd from the prior mean):
+    the trust region clipped the likelihood's part of the mean step to 3 sd and not the prior's, so
+    the rule stopped where the two met, 3.2 posterior sd short of the exact mean (mean-field and full
+    covariance alike), and its stall tests, reading the likelihood's gradient alone, warned there.
+    The whole step is clipped now (to 3 sd, or the prior's part where that is longer), and the stall
+    tests read the whole gradient, 0 at the optimum."""
+    (mean, sd), (exact_mean, exact_sd), caught = fit(0.05, 200, guide_class)
+    assert abs(mean - exact_mean) < tolerance * exact_sd
+    assert sd == pytest.approx(exact_sd, rel=1e-4)
+    assert caught == []

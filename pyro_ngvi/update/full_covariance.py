@@ -102,7 +102,11 @@ def natural_step(
     ``max_step`` standard deviations"). A box, :math:`|z_k| \\le` ``max_step`` per
     component, lets a step be :math:`\\sqrt D` times longer, and from a wide start
     one-draw steps then swung a log scale's mean by 10-20 units per step, further
-    every time. The prior's pull is not clipped.
+    every time. With a conjugate prior the whole step is shortened, to ``max_step`` or to the length
+    of the prior's part :math:`\\alpha\\|C^{-1}(S'+\\gamma I)^{-1}S_0(\\mu - m_0)\\|` where that is longer
+    (exact: a mean far outside a tight prior is pulled in at once), so that the fixed point is the
+    rule's (the likelihood's part shortened alone stopped where it met the prior's: a Normal mean
+    under a prior of sd 0.1, 50 observations 30 prior sd away, 7.7 posterior sd short).
 
     :param mean: :math:`\\mu`, shape ``(D,)``.
     :param factor: :math:`C`, shape ``(D, D)``, lower triangular.
@@ -181,11 +185,17 @@ def natural_step(
         return damped @ (damped.T @ vector)
 
     step = lr * solve(direction)
+    pull = None if prior_precision is None else lr * solve(prior_precision @ (mean - prior_loc.to(_WORK_DTYPE)))
     if max_step is not None:
-        whitened_step = torch.linalg.solve_triangular(factor, step.unsqueeze(-1), upper=False)
-        whitened_step = whitened_step.squeeze(-1)
-        step = factor @ whitened_step.mul_((max_step / whitened_step.norm()).clamp(max=1.0))
+        def whiten_step(vector):  # C^{-1} v
+            return torch.linalg.solve_triangular(factor, vector.unsqueeze(-1), upper=False).squeeze(-1)
+
+        radius = max_step
+        if pull is not None:  # the whole step, at most as long as the prior's part where that is longer
+            radius, step, pull = torch.clamp(whiten_step(pull).norm(), min=max_step), step + pull, None
+        whitened_step = whiten_step(step)
+        step = factor @ whitened_step.mul_((radius / whitened_step.norm()).clamp(max=1.0))
     new_mean = mean - step
-    if prior_precision is not None:
-        new_mean = new_mean - lr * solve(prior_precision @ (mean - prior_loc.to(_WORK_DTYPE)))
+    if pull is not None:
+        new_mean = new_mean - pull
     return FullStep(new_mean.to(dtype), new_factor.to(dtype), corrected)

@@ -78,17 +78,22 @@ def mean_step(mean, direction, pull, denominator, lr, out=None, scratch=None) ->
 
 def trusted_mean_step(mean, direction, pull, denominator, lr, radius, out=None, scratch=None,
                       low=None) -> torch.Tensor:
-    """The mean step with its likelihood part :math:`\\alpha\\bar g/(\\lambda'+\\gamma)` clipped
-    to ``radius`` (the trust region of sampled steps; consumed) and the prior's pull not; into
-    ``out`` (default: a new tensor), ``scratch`` a buffer for the step; ``low``: :math:`-` ``radius``
-    where the caller has it (one clamp, :func:`~pyro_ngvi.safeguards.clip_`)."""
+    """The mean step :math:`\\alpha(\\bar g + \\lambda_0(\\mu - m_0))/(\\lambda'+\\gamma)` clipped to
+    ``radius`` (the trust region of sampled steps; consumed), or to the length of the prior's part
+    :math:`\\alpha\\lambda_0|\\mu - m_0|/(\\lambda'+\\gamma)` where that is longer (an exact step: a mean
+    far outside a tight prior is pulled in at once); into ``out`` (default: a new tensor),
+    ``scratch`` a buffer for the step; ``low``: :math:`-` ``radius`` where the caller has it (one
+    clamp, :func:`~pyro_ngvi.safeguards.clip_`). The whole step is clipped, so its fixed point is
+    the rule's, :math:`\\bar g + \\lambda_0(\\mu - m_0) = 0`: with the likelihood's part clipped
+    alone, the rule stopped where that clipped part met the prior's (a Normal mean under a prior of
+    sd 0.1, 50 observations 30 prior sd away: 7.7 posterior sd short, for good)."""
+    if pull is not None:  # radius <- max(radius, alpha |lambda_0 (mu - m_0)| / (lambda' + gamma))
+        reach = torch.abs(pull, out=scratch).mul_(lr).div_(denominator)
+        radius = torch.maximum(radius, reach, out=radius)
+        low = None if low is None else torch.neg(radius, out=low)
+        direction = pull.add_(direction)
     step = clip_(torch.mul(direction, lr, out=scratch).div_(denominator), radius, low)
-    new_mean = torch.sub(mean, step, out=out)
-    if pull is None:
-        return new_mean
-    if torch.is_tensor(lr):  # (per-element steps)
-        return new_mean.sub_(pull.mul_(lr).div_(denominator))
-    return new_mean.addcdiv_(pull, denominator, value=-lr)
+    return torch.sub(mean, step, out=out)
 
 
 def coupled_mean_step(step: torch.Tensor, denominator: torch.Tensor, off_diagonal: torch.Tensor,
