@@ -19,6 +19,9 @@ wrong says so instead of ending in a guide that predicts nothing (issue 19):
   above the best window's (or the first step's loss) by more than :data:`ELBO_BLOWUP` times
   its standard deviation plus its size (a run that blew up: one window suffices). Pyro's own losses feed it the
   loss ``SVI.step`` computed (:func:`~pyro_ngvi.family.step_loss`);
+* **a training loss that is not finite** over a window while the steps' gradients were (a log
+  density of :math:`-\\infty` where the guide draws, whose gradient, 0, tells the guide nothing:
+  before, such a run trained on the rest of the model without a word);
 * **a guide that can only produce non-finite predictions**: every step skipped
   for non-finite statistics, :data:`SKIPS_IN_A_ROW` times in a row; nothing can
   change the guide any more, so NGVI raises.
@@ -133,6 +136,7 @@ class ElboWatch:
         self.best: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # (mean, standard deviation) of the best
         self.warned = False
         self.one_draw = False  # the steps' statistics come from one draw of the guide (the advice differs)
+        self.infinite = None  # the last window's mean is not finite (0-d bool)
 
     @property
     def count(self) -> int:
@@ -160,26 +164,37 @@ class ElboWatch:
         window = torch.stack([torch.as_tensor(value, dtype=torch.float64) for value in self.losses])
         self.losses = []
         mean = window.mean()
+        # a loss not finite while the steps' gradients were: a log density of -inf where the guide draws
+        self.infinite = ~torch.isfinite(mean)
         variance = (window.square().mean() - mean.square()).clamp(min=0.0)
         self.windows = (self.windows + [(mean, variance / len(window))])[-(ELBO_RISES + 1):]
         if self.best is None:  # (the first step's loss too: a run can blow up within its first window)
             self.best = (torch.minimum(mean, window[0]), variance.sqrt())
-            return None
+            return self.infinite
         best, spread = self.best
         blown = mean - best > ELBO_BLOWUP * (spread + best.abs())
         self.best = tuple(torch.where(mean < best, new, old) for new, old in zip((mean, variance.sqrt()), self.best))
         if len(self.windows) <= ELBO_RISES:
-            return blown
+            return blown | self.infinite
         means = torch.stack([m for m, _ in self.windows])
         rising = torch.all(means[1:] > means[:-1])
         (first, first_se2), (last, last_se2) = self.windows[0], self.windows[-1]
         noise = torch.maximum(ELBO_SIGNIFICANCE * (first_se2 + last_se2).sqrt(), 1e-6 * first.abs())
-        return (rising & (last - first > noise)) | blown
+        return (rising & (last - first > noise)) | blown | self.infinite
 
     def message(self, step: int) -> Optional[str]:
         if self.warned:
             return None
         self.warned = True
+        if self.infinite is not None and bool(self.infinite):
+            return (
+                f"NGVI: the training loss is not finite: the negative ELBO of the steps up to step {step} "
+                "was infinite or NaN while their gradients were finite, so the steps were taken. A log "
+                "density is -inf where the guide draws (an observation outside its likelihood's support, "
+                "with Pyro's validation off), and its gradient, 0, tells the guide nothing: the guide "
+                "trains on the rest of the model. Check the data and the model (pyro.enable_validation(True) "
+                "names the site)."
+            )
         means = ", ".join(f"{float(m):.6g}" for m, _ in self.windows)
         return (
             f"NGVI: the training ELBO has got worse up to step {step}: the negative ELBO, averaged "

@@ -78,3 +78,28 @@ def test_a_prior_far_from_the_data_does_not_stop_the_mean_short(guide_class, tol
     assert abs(mean - exact_mean) < tolerance * exact_sd
     assert sd == pytest.approx(exact_sd, rel=1e-4)
     assert caught == []
+
+
+def test_an_infinite_loss_with_finite_gradients_is_warned_about():
+    """An observation outside a Uniform likelihood's support (validation off) makes the loss +inf at
+    every draw while its gradient is 0: NGVI trained silently on the rest of the model. The guide is
+    then the posterior of the other observations (here the prior N(0, 10) exactly, with curvature
+    'hessian': a Uniform of a fixed width is flat in its location), and a warning says why."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    data = torch.randn(20) + 3.0
+    data[0] = 100.0
+
+    def model(data):
+        loc = pyro.sample("loc", dist.Normal(0.0, 10.0))
+        with pyro.plate("data", len(data)):
+            pyro.sample("obs", dist.Uniform(loc - 5.0, loc + 5.0), obs=data)
+
+    svi = SVI(model, AutoNormal(model), NGVI(), loss=CurvatureELBO("hessian"))
+    with pyro.validation_enabled(False), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(101):  # (a window of 100 steps, read at the next step)
+            assert svi.step(data) == float("inf")
+    assert pyro.param("AutoNormal.locs.loc").item() == pytest.approx(0.0, abs=1e-5)
+    assert pyro.param("AutoNormal.scales.loc").item() == pytest.approx(10.0, rel=1e-5)
+    assert [str(w.message)[:37] for w in caught] == ["NGVI: the training loss is not finite"]
