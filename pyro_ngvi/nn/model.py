@@ -170,6 +170,8 @@ class BayesianNet(WeightPriors, NoiseLimit, GuideFactory, InputChecks, FastPath,
         self._outer_model_warned = False  # run inside another model without its hints: warned
         self._outer_model_checked = None  # the hand-over (ELBO evaluation) last checked for that
         self._checked_targets = set()  # (y shape, y dtype, output shape) seen valid
+        self._scale_checked = False  # the first batch with targets looked at for unstandardised data
+        self._predict_mode_warned = False  # warned of a prediction with train-mode BatchNorm
 
         self._fast_path = BackpackStep(net, likelihood)
 
@@ -227,6 +229,8 @@ class BayesianNet(WeightPriors, NoiseLimit, GuideFactory, InputChecks, FastPath,
         """
         self._check_batch(x, y)
         self._warn_if_inside_another_model()
+        if y is None:
+            self._warn_if_predicting_in_training_mode()
         self._running_stats.keep_until_accepted()
         params = {}
         for index, weight in enumerate(self._latents):
