@@ -33,6 +33,11 @@ from .safeguards import finite, report, sums
 from .state import advance
 from .statistics import tensors
 
+#: What a skip for a non-finite step advises: a NaN in one example's inputs or targets skips every
+#: minibatch that holds it while the others train (so it never makes the 50 in a row that raise).
+NON_FINITE_ADVICE = (f"A NaN or inf in the data (an input or target of the minibatch) skips every step it is "
+                     f"in; {SKIPS_IN_A_ROW} in a row raise.")
+
 #: On CUDA the host reads the finiteness and safeguard flags once every this many steps.
 SYNC_EVERY_CUDA = 16
 
@@ -149,7 +154,7 @@ def read_checks(optim, plan, sites, stats, groups, group_stats, flats, others) -
         raise RuntimeError(stuck_message(plan.skips_in_a_row, ", ".join(repr(b) for b in bad), largest,
                                          optim.num_steps))
     warn_skip(optim, f"non-finite gradient or curvature at {', '.join(repr(b) for b in bad)}; the guide is "
-              "unchanged", f"{SKIPS_IN_A_ROW} in a row raise.", stacklevel=6)
+              "unchanged", NON_FINITE_ADVICE, stacklevel=6)
     return False
 
 
@@ -169,7 +174,7 @@ def _deferred_skips(optim, plan, pending, engaged: List[bool]) -> List[bool]:
         if plan.skips_in_a_row >= SKIPS_IN_A_ROW:
             raise RuntimeError(stuck_message(plan.skips_in_a_row, bad, math.nan, optim.num_steps))
         warn_skip(optim, f"non-finite gradient or curvature at {bad} (read {len(pending)} steps late); the "
-                  "guide is unchanged", f"{SKIPS_IN_A_ROW} in a row raise.", stacklevel=7)
+                  "guide is unchanged", NON_FINITE_ADVICE, stacklevel=7)
     return engaged
 
 

@@ -138,3 +138,26 @@ def test_predicting_with_batch_norm_in_training_mode_warns_once_and_eval_mode_do
         fresh = BayesianNet(net, "categorical", num_data=len(x))
         Predictive(fresh, guide=guide, num_samples=2, return_sites=["output"])(x + 3.0)
         assert torch.equal(net[1].running_mean, after)  # eval mode: statistics untouched, no warning
+
+
+def test_a_nan_in_one_example_skips_exactly_its_minibatches_and_the_warning_names_the_data():
+    """One NaN feature in 64 examples: every minibatch holding it is skipped and the others train,
+    so the run never makes the 50 skips in a row that raise; the skip warning said only 'non-finite
+    gradient or curvature at <every site>'. It now names the data as a cause."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 3, generator=generator)
+    y = (x[:, 0] > 0).float()
+    x[37, 1] = float("nan")
+    pyro.set_rng_seed(0)
+    bnn = BayesianNet(nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1)), "bernoulli", num_data=len(x))
+    optim = NGVI()
+    svi = SVI(bnn, bnn.guide(), optim, loss=CurvatureELBO("ef"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            for batch in torch.arange(len(x)).split(16):
+                svi.step(x[batch], y[batch])
+    assert (optim.num_steps, optim.num_skipped_steps) == (9, 3)  # batch 32:48 of each epoch
+    skips = [str(w.message) for w in caught if "skipped step" in str(w.message)]
+    assert len(skips) == 2  # at the 1st and 2nd skip
+    assert all("A NaN or inf in the data" in message for message in skips)

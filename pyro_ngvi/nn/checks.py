@@ -94,7 +94,7 @@ class InputChecks:
         for name, value in (("inputs x", x), ("targets y", y if self.likelihood == "gaussian" else None)):
             if value is None or not value.is_floating_point() or value.numel() == 0:
                 continue
-            rms = value.detach().double().pow(2).mean(0).sqrt().max().item()
+            rms = value.detach().float().pow(2).mean(0).sqrt().max().item()  # (float: MPS has no double)
             if rms > UNIT_SCALE_LIMIT:  # (not NaN: a non-finite batch is skipped, with its own warning)
                 found.append(f"{name} of root mean square {rms:.3g} (standardised: 1)")
         if found:
