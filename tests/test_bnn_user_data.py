@@ -161,3 +161,24 @@ def test_a_nan_in_one_example_skips_exactly_its_minibatches_and_the_warning_name
     skips = [str(w.message) for w in caught if "skipped step" in str(w.message)]
     assert len(skips) == 2  # at the 1st and 2nd skip
     assert all("A NaN or inf in the data" in message for message in skips)
+
+
+@pytest.mark.parametrize("likelihood", ["bernoulli", "gaussian"])
+def test_targets_of_shape_b_1_for_one_output_unit_name_the_networks_own_output_on_either_path(likelihood):
+    """Targets (B, 1) for a net of one output unit: the model's path said 'for a network output of
+    shape (8,)', the squeezed parameter, though the network returned (8, 1); both paths now give the
+    network's own shape and why (B,) is expected."""
+    x = torch.randn(8, 3, generator=torch.Generator().manual_seed(0))
+    y = (x[:, :1] > 0).float()
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    bnn = BayesianNet(net, likelihood, num_data=len(x))
+    expected = (f"targets y of shape (8, 1) for a network output of shape {tuple(net(x).shape)}; expected (8,) "
+                "(an output (B, 1) is one scalar per example)")
+    with pytest.raises(ValueError) as model_path:
+        bnn(x, y)
+    assert expected in str(model_path.value)
+    svi = SVI(bnn, bnn.guide(), NGVI(), loss=CurvatureELBO("ef"))
+    svi.step(x, y[:, 0])  # traced once; the next steps take the fast path
+    with pytest.raises(ValueError) as fast_path:
+        svi.step(x, y)
+    assert expected in str(fast_path.value)

@@ -156,9 +156,10 @@ class InputChecks:
         if key not in self._checked_targets:
             self._check_output(output, len(y))
             if y.shape != expected:
+                scalar = " (an output (B, 1) is one scalar per example)" if param.dim() < output.dim() else ""
                 raise ValueError(
                     f"BayesianNet ({self.likelihood}): targets y of shape {tuple(y.shape)} for a "
-                    f"network output of shape {tuple(output.shape)}; expected {tuple(expected)}"
+                    f"network output of shape {tuple(output.shape)}; expected {tuple(expected)}{scalar}"
                 )
             if y.dtype == torch.bool and self.likelihood != "bernoulli" or y.is_complex():
                 raise ValueError(

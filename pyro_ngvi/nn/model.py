@@ -247,10 +247,11 @@ class BayesianNet(WeightPriors, NoiseLimit, GuideFactory, InputChecks, FastPath,
             params[weight.key] = value if value.dtype == weight.param.dtype else value.to(weight.param.dtype)
         for weight in self._point_estimates:
             params[weight.key] = self._point_estimate(weight)
-        output = self._likelihood_param(call_with(self.net, params, x))
+        raw = call_with(self.net, params, x)
+        output = self._likelihood_param(raw)
         self._check_output(output, len(x))
         if y is not None:  # (the shape and dtype, as on the fast path; the values are the log_prob's to check)
-            self._check_targets(y, output, values=False)
+            self._check_targets(y, raw, values=False)
         likelihood = self._likelihood(output)
         subsample = torch.arange(len(x), device=x.device)
         with pyro.plate(self._site("data"), self.effective_num_data, subsample=subsample):
