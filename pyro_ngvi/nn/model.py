@@ -102,7 +102,8 @@ class BayesianNet(WeightPriors, NoiseLimit, GuideFactory, InputChecks, FastPath,
         ``Normal`` distribution (e.g. a previous posterior), one entry per latent
         site (default: 1.0).
     :param noise_scale: fixed :math:`\\sigma` of the Gaussian likelihood, or
-        ``None`` to learn it (default: None); only for ``"gaussian"``.
+        ``None`` to learn it as the positive ``pyro.param`` ``"noise_scale"`` (prefixed
+        ``"<name>."``) (default: None); only for ``"gaussian"``.
     :param float init_noise_scale: initial :math:`\\sigma` when learned (default: 1.0); only
         for ``"gaussian"``.
     :param str name: prefix of every site and param name (default: "").
