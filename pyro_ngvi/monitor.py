@@ -115,7 +115,8 @@ class SpreadWatch:
             "Gauss-Newton curvature ('ggn', 'ggn_mc'), which vanishes on confidently wrong examples "
             "while their gradient does not, the step lr * g / (precision + damping) has nothing to "
             "bound it. Lower lr or raise damping; for a BayesianNet, NGVI()'s defaults damp the mean "
-            "step by N (the data size) and start the guide at bnn.guide()."
+            "step by N (the data size) and start the guide at bnn.guide(), for standardised inputs (and "
+            "Gaussian targets)."
         )
 
 
@@ -225,7 +226,8 @@ def stuck_message(skipped: int, sites: str, largest_mean: float, taken: int = 1)
         f"gradient or curvature at {sites}, so nothing can change the guide any more and its "
         f"predictions are non-finite too (the largest |mean| is {largest_mean:.3g}). The run has "
         "diverged: start again with a smaller lr or more damping (for a BayesianNet, NGVI()'s "
-        "defaults and bnn.guide()), or check the data for non-finite values. Where a latent scales other "
+        "defaults and bnn.guide() on standardised inputs and Gaussian targets), or check the data for "
+        "non-finite values. Where a latent scales other "
         "latents (a funnel: a horseshoe's or a hierarchical model's HalfCauchy scale), one draw per step "
         "gives heavy-tailed curvature: draw several, Trace_ELBO(num_particles=8, vectorize_particles=True)."
     )

@@ -76,7 +76,8 @@ def test_raw_features_are_named_at_the_first_batch_and_the_recipe_diverges_on_th
 def test_raw_regression_targets_are_named_at_the_first_batch():
     """Diabetes' raw targets (25-346) with standardised features: the recipe's first steps threw the
     means to 1e15 and raised 'NGVI skipped the last 50 steps in a row ... start again with a smaller
-    lr or more damping'; the net now warns at the first batch, naming the targets' root mean square."""
+    lr or more damping'; the net now warns at the first batch, naming the targets' root mean square,
+    and the error names standardised data with the recipe."""
     x_np, y_np = load_diabetes(return_X_y=True)
     x = torch.tensor(standardised(x_np), dtype=torch.float32)
     y = torch.tensor(y_np, dtype=torch.float32)
@@ -90,6 +91,11 @@ def test_raw_regression_targets_are_named_at_the_first_batch():
     (message,) = [str(w.message) for w in record if "standardised data" in str(w.message)]
     expected = np.sqrt((y_np[:32] ** 2).mean())
     assert f"targets y of root mean square {expected:.3g}" in message and "inputs x of" not in message
+    with warnings.catch_warnings(), pytest.raises(RuntimeError, match="skipped the last 50 steps") as stuck:
+        warnings.simplefilter("ignore")
+        for step in range(1, 60):  # diverged by step 5, 50 skips in a row raise at step 55
+            svi.step(x[step * 32 % 416:][:32], y[step * 32 % 416:][:32])
+    assert "bnn.guide() on standardised inputs and Gaussian targets" in str(stuck.value)
 
     pyro.clear_param_store()
     _, _, caught = train(x, torch.tensor(standardised(y_np), dtype=torch.float32), "gaussian", epochs=2)
