@@ -152,10 +152,19 @@ def read_checks(optim, plan, sites, stats, groups, group_stats, flats, others) -
     if plan.skips_in_a_row >= SKIPS_IN_A_ROW:
         largest = max((float(site.mean.abs().max()) for site in sites), default=math.nan)
         raise RuntimeError(stuck_message(plan.skips_in_a_row, ", ".join(repr(b) for b in bad), largest,
-                                         optim.num_steps))
+                                         optim.num_steps) + _float16_note(sites))
     warn_skip(optim, f"non-finite gradient or curvature at {', '.join(repr(b) for b in bad)}; the guide is "
-              "unchanged", NON_FINITE_ADVICE, stacklevel=6)
+              "unchanged", NON_FINITE_ADVICE + _float16_note(sites), stacklevel=6)
     return False
+
+
+def _float16_note(sites) -> str:
+    """What to say of a skipped step when a guide site is float16: its statistics (a BayesianNet's
+    empirical Fisher, the curvature's running moments) overflow float16's range, not the model."""
+    if not any(site.loc.dtype == torch.float16 for site in sites):
+        return ""
+    return (" The guide is float16, whose largest value (65504) the curvature overflows: train it in "
+            "float32 or bfloat16 (float32's range).")
 
 
 def _deferred_skips(optim, plan, pending, engaged: List[bool]) -> List[bool]:

@@ -144,7 +144,8 @@ def site_statistics(site, live: bool = True, one_draw: bool = False, recover_dra
     estimate is written over the gradients and into buffers kept for the site: no new tensor.
 
     :raises ValueError: when there is neither (a loss that does not backpropagate
-        through the guide, a Kronecker layer without its factors).
+        through the guide, a Kronecker layer without its factors), or when the estimate would be
+        recovered for a float16 site (its running moments overflow float16's range).
     """
     if isinstance(site, LowRankSite):
         return site.statistics(one_draw, recover_draws)
@@ -165,6 +166,13 @@ def site_statistics(site, live: bool = True, one_draw: bool = False, recover_dra
             "param store's: a store loaded (pyro.get_param_store().load, load_param_store) after the "
             "guide was set up leaves the guide its old ones; load the store first, then make the guide."
         )
+    if site.loc.dtype == torch.float16:
+        raise ValueError(
+            f"NGVI cannot train guide site '{site.name}' in float16 from the ordinary gradients: one draw's "
+            "recovered curvature reaches 1e3-1e4, and the running moments of it that the step keeps overflow "
+            "float16 (largest value 65504; the scale became NaN after 35 steps of a Normal mean). Keep the "
+            "guide in float32, float64 or bfloat16 (float32's range), or hand NGVI its curvature with "
+            "pyro_ngvi.CurvatureELBO.")
     if isinstance(site, FullCovarianceSite):
         return full_reparam_curvature(site, one_draw and recover_draws)
     return reparam_curvature(site, one_draw and recover_draws, buffers, draws)

@@ -1,0 +1,74 @@
+"""
+An outsider's probes of NGVI beyond the usual setup (half dtypes, copies of the optimizer,
+long runs, wrong arguments), each against an independent reference.
+"""
+
+import warnings
+
+import pytest
+import torch
+
+import pyro
+import pyro.distributions as dist
+from pyro.infer import SVI, Trace_ELBO
+from pyro.infer.autoguide import AutoNormal
+
+from pyro_ngvi import NGVI, BayesianNet, CurvatureELBO
+
+N = 20
+
+
+def normal_mean(dtype):
+    """A Normal mean under a N(0, 1) prior, N observations of unit noise: the posterior is
+    N(sum(x) / (N + 1), 1 / (N + 1)) in closed form."""
+    data = (torch.randn(N) + 2.0).to(dtype)
+
+    def model(data):
+        mu = pyro.sample("mu", dist.Normal(torch.tensor(0.0, dtype=dtype), torch.tensor(1.0, dtype=dtype)))
+        with pyro.plate("data", len(data)):
+            pyro.sample("obs", dist.Normal(mu, torch.tensor(1.0, dtype=dtype)), obs=data)
+
+    return model, data
+
+
+def test_a_float16_guide_under_trace_elbo_is_refused_before_it_is_written():
+    # NGVI recovered the curvature of a float16 site from its gradients and kept running moments of
+    # it (one draw's h reaches 1e3-1e4, its square overflows 65504): the site's scale became NaN at
+    # step 35 (seed 0; 41, 69 for seeds 1, 2), written into the guide with no warning. Refused now,
+    # at the first step, naming the dtypes that work.
+    model, data = normal_mean(torch.float16)
+    guide = AutoNormal(model)
+    guide(data)
+    before = {k: v.detach().clone() for k, v in pyro.get_param_store().items()}
+    svi = SVI(model, guide, NGVI(), loss=Trace_ELBO())
+    with pytest.raises(ValueError, match="float16.*'mu'|'mu'.*float16") as error:
+        svi.step(data)
+    assert "bfloat16" in str(error.value)
+    for k, v in pyro.get_param_store().items():
+        assert torch.equal(v, before[k])
+    # the refusal is of the recovered statistics only: exact curvature in float16 takes Newton steps
+    svi = SVI(model, guide, NGVI(lr=1.0, beta=1.0), loss=CurvatureELBO("hessian", deterministic=True))
+    for _ in range(5):
+        svi.step(data)
+    store = pyro.get_param_store()
+    exact_mean = float(data.double().sum()) / (N + 1)
+    assert abs(float(store["AutoNormal.locs.mu"].detach()) - exact_mean) < 4e-3
+    assert abs(float(store["AutoNormal.scales.mu"].detach()) - (N + 1) ** -0.5) < 2e-3
+
+
+def test_a_float16_bayesian_net_that_cannot_train_says_that_float16_is_why():
+    # a float16 BayesianNet under CurvatureELBO("ef") skipped all of its first 50 steps (the
+    # empirical Fisher overflows float16) and raised "check the data for NaN or inf", which are
+    # finite: the message now names the dtype and what to train in instead.
+    x = torch.randn(64, 3)
+    y = x @ torch.tensor([1.0, -1.0, 0.5]) + 0.1 * torch.randn(64)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).to(torch.float16)
+    bnn = BayesianNet(net, "gaussian", num_data=64, prior=1.0, noise_scale=0.1)
+    svi = SVI(bnn, bnn.guide(), NGVI(), loss=CurvatureELBO("ef"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(RuntimeError, match="float16") as error:
+            for _ in range(60):
+                svi.step(x.half(), y.half())
+    assert "bfloat16" in str(error.value)
+    assert bool(torch.isfinite(x).all() and torch.isfinite(y).all())  # (the data were finite all along)
