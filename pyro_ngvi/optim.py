@@ -385,19 +385,26 @@ class NGVI(PyroOptim):
             del self.optim_objs[p]  # restored, not kept: it loads the entry when it next steps
         super().set_state(copy.deepcopy(point))  # loading may alias them: steps would change ``point``
 
+    def _arguments(self, memo=None) -> tuple:
+        """The constructor's arguments that give these settings (schedules deep-copied into ``memo``)."""
+        memo = {} if memo is None else memo
+        return (copy.deepcopy(self.lr, memo), copy.deepcopy(self.beta, memo), self.momentum, self.damping,
+                copy.deepcopy(self.tau, memo), self.max_step, self.warm_start, self.averaging, self.control_variate,
+                self.safeguard, self.pt_optim_constructor, None if self._point_decay else self.pt_optim_args,
+                None if self.guide is None else memo.get(id(self.guide), self.guide), self.compile)
+
     def __deepcopy__(self, memo) -> "NGVI":
         """A new optimizer with these settings and this state (:meth:`get_state`, taken up by
         param-store name at the copy's next steps); it watches the same guide (or its copy, when
         the guide is copied in the same call)."""
-        copied = type(self)(
-            copy.deepcopy(self.lr, memo), copy.deepcopy(self.beta, memo), self.momentum, self.damping,
-            copy.deepcopy(self.tau, memo), self.max_step, self.warm_start, self.averaging, self.control_variate,
-            self.safeguard, self.pt_optim_constructor, None if self._point_decay else self.pt_optim_args,
-            None if self.guide is None else memo.get(id(self.guide), self.guide), self.compile)
-        copied.sync_every, copied.watch_elbo = self.sync_every, self.watch_elbo
-        copied.set_state(self.get_state())
+        copied = _rebuilt(type(self), self._arguments(memo), self.sync_every, self.watch_elbo, self.get_state())
         memo[id(self)] = copied
         return copied
+
+    def __reduce__(self):
+        """Pickled as its settings and :meth:`get_state`: unpickled, a new optimizer that takes the
+        state up by param-store name, as a deep copy does (a schedule must itself pickle)."""
+        return _rebuilt, (type(self), self._arguments(), self.sync_every, self.watch_elbo, self.get_state())
 
     def load(self, filename, map_location=None) -> None:
         """
@@ -410,6 +417,14 @@ class NGVI(PyroOptim):
             or is not an NGVI state.
         """
         self.set_state(safe_load(filename, map_location, what="NGVI state"))
+
+
+def _rebuilt(cls, arguments: tuple, sync_every, watch_elbo: bool, state: Dict) -> NGVI:
+    """An optimizer of class ``cls`` built with ``arguments`` (:meth:`NGVI._arguments`) and given ``state``."""
+    optim = cls(*arguments)
+    optim.sync_every, optim.watch_elbo = sync_every, watch_elbo
+    optim.set_state(state)
+    return optim
 
 
 def _flag(name: str, value) -> bool:

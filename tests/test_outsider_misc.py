@@ -72,3 +72,50 @@ def test_a_float16_bayesian_net_that_cannot_train_says_that_float16_is_why():
                 svi.step(x.half(), y.half())
     assert "bfloat16" in str(error.value)
     assert bool(torch.isfinite(x).all() and torch.isfinite(y).all())  # (the data were finite all along)
+
+
+def regression(x, y):
+    w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+    s = pyro.sample("s", dist.LogNormal(0.0, 1.0))
+    with pyro.plate("data", len(x)):
+        pyro.sample("obs", dist.Normal(x @ w, s), obs=y)
+
+
+def _half_step_schedule(t):
+    return 0.5 / (1.0 + t / 10.0)
+
+
+@pytest.mark.parametrize("settings", [{}, {"lr": _half_step_schedule, "beta": 0.2, "point_optim_args": {"lr": 0.02}}])
+def test_a_pickled_or_copied_optimizer_continues_the_uninterrupted_run(settings):
+    # pickle.dumps(NGVI()) raised "AttributeError: Can't pickle local object
+    # 'WeakIdKeyDictionary.__init__.<locals>.remove'" (before or after steps), where Pyro's own
+    # optimizers pickle (a sweep's workers get the optimizer pickled). It pickles as its settings and
+    # get_state(), as deepcopy copies it: the copy, stepped from the same random state, takes the
+    # uninterrupted run's steps (to the ulps of the scales re-read from the guide written back).
+    import copy
+    import pickle
+
+    x = torch.randn(50, 3)
+    y = x @ torch.tensor([1.0, -2.0, 0.5]) + 0.3 * torch.randn(50)
+    for how in (lambda o: pickle.loads(pickle.dumps(o)), copy.deepcopy):
+        pyro.clear_param_store()
+        pyro.set_rng_seed(0)
+        fresh = how(NGVI(**settings))
+        assert fresh.num_steps == 0 and fresh.pt_optim_args == NGVI(**settings).pt_optim_args
+        guide = AutoNormal(regression)
+        optim = NGVI(**settings)
+        svi = SVI(regression, guide, optim, loss=Trace_ELBO())
+        for _ in range(20):
+            svi.step(x, y)
+        params = {k: v.detach().clone() for k, v in pyro.get_param_store()._params.items()}
+        copied = how(optim)
+        rng = pyro.util.get_rng_state()
+        uninterrupted = [svi.step(x, y) for _ in range(15)]
+        with torch.no_grad():  # the guide as it was at the copy
+            for k, v in pyro.get_param_store()._params.items():
+                v.copy_(params[k])
+        pyro.util.set_rng_state(rng)
+        svi = SVI(regression, guide, copied, loss=Trace_ELBO())
+        assert [svi.step(x, y) for _ in range(15)] == pytest.approx(uninterrupted, rel=1e-5)
+        assert copied.num_steps == 35 and copied.beta == optim.beta
+        assert getattr(copied.lr, "__name__", None) == getattr(optim.lr, "__name__", None)
