@@ -122,15 +122,22 @@ class NGVI(PyroOptim):
     #: The ELBO watch (:mod:`pyro_ngvi.monitor`) on; :func:`~pyro_ngvi.laplace` turns it off for its line search.
     watch_elbo = Checked(lambda name, v: _flag(name, v), optional=False)
 
+    def __new__(cls, *args, **kwargs):
+        """Refuses ``NGVI(params, ...)``, as Pyro's LR schedulers build their optimizer, before the
+        arguments are bound (with ``optim_args={"lr": ...}`` Python's binding raised an obscure
+        ``TypeError``: "got multiple values for argument 'lr'")."""
+        first = args[0] if args else kwargs.get("lr")
+        if isinstance(first, (list, tuple)) and first and all(torch.is_tensor(p) for p in first):
+            raise ValueError("NGVI is not a torch optimizer and Pyro's LR schedulers (pyro.optim.ExponentialLR, "
+                             "ReduceLROnPlateau, ...) cannot wrap it: give it a schedule, NGVI(lr=lambda t: ...), "
+                             "or set optim.lr between steps (checked when set)")
+        return super().__new__(cls)
+
     def __init__(self, lr: Optional[Schedule] = None, beta: Optional[Schedule] = None,
                  momentum: Optional[float] = None, damping: Optional[float] = None, tau: Schedule = 1.0,
                  max_step: Optional[float] = 3.0, warm_start: bool = True, averaging: Optional[bool] = None,
                  control_variate: bool = True, safeguard: bool = True, point_optim=torch.optim.Adam,
                  point_optim_args: Optional[Dict] = None, guide=None, compile: bool = False):
-        if isinstance(lr, (list, tuple)) and lr and all(torch.is_tensor(p) for p in lr):  # NGVI(params, ...)
-            raise ValueError("NGVI is not a torch optimizer and Pyro's LR schedulers (pyro.optim.ExponentialLR, "
-                             "ReduceLROnPlateau, ...) cannot wrap it: give it a schedule, NGVI(lr=lambda t: ...), "
-                             "or set optim.lr between steps (checked when set)")
         # None: the defaults, resolved per site from its statistics (policies.defaults)
         self.lr, self.beta, self.momentum, self.damping, self.max_step = lr, beta, momentum, damping, max_step
         self.tau = tau

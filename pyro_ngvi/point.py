@@ -270,7 +270,13 @@ def check_point_optim(point_optim, point_optim_args):
     answer for each param is checked alike before that param's first step (:func:`check_point_args`).
     """
     if not (isinstance(point_optim, type) and issubclass(point_optim, torch.optim.Optimizer)):
-        raise ValueError(f"point_optim must be a torch.optim.Optimizer class, got {point_optim!r}")
+        # (Pyro's wrapper pyro.optim.Adam or an instance of it, a torch optimizer instance, a class name)
+        torch_class = (point_optim if isinstance(point_optim, str) else type(point_optim).__name__
+                       if isinstance(point_optim, torch.optim.Optimizer) else getattr(getattr(
+                           point_optim, "pt_optim_constructor", point_optim), "__name__", None))
+        hint = (f": pass the class torch.optim.{torch_class} (its arguments as point_optim_args)"
+                if isinstance(getattr(torch.optim, str(torch_class), None), type) else "")
+        raise ValueError(f"point_optim must be a torch.optim.Optimizer class, got {point_optim!r:.80}{hint}")
     if point_optim_args is None:
         point_optim_args = {"lr": POINT_LR, "betas": POINT_BETAS}
     if callable(point_optim_args) and not isinstance(point_optim_args, dict):

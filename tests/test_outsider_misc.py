@@ -119,3 +119,31 @@ def test_a_pickled_or_copied_optimizer_continues_the_uninterrupted_run(settings)
         assert [svi.step(x, y) for _ in range(15)] == pytest.approx(uninterrupted, rel=1e-5)
         assert copied.num_steps == 35 and copied.beta == optim.beta
         assert getattr(copied.lr, "__name__", None) == getattr(optim.lr, "__name__", None)
+
+
+def test_pyros_lr_scheduler_with_an_lr_in_optim_args_gets_the_clear_error():
+    # the natural attempt, pyro.optim.ExponentialLR({"optimizer": NGVI, "optim_args": {"lr": 0.5}, ...}),
+    # raised "TypeError: NGVI.__init__() got multiple values for argument 'lr'" at the first step
+    # (the scheduler builds NGVI(params, lr=0.5)); only optim_args={} got the documented message
+    model, data = normal_mean(torch.float32)
+    scheduler = pyro.optim.ExponentialLR({"optimizer": NGVI, "optim_args": {"lr": 0.5}, "gamma": 0.9})
+    with pytest.raises(ValueError, match="not a torch optimizer.*cannot wrap it.*lambda t"):
+        SVI(model, AutoNormal(model), scheduler, Trace_ELBO()).step(data)
+    # what the message says to do: a callable lr runs exactly as written. With exact curvature
+    # and beta = 1 the precision is exact and each step closes lr(t) of the distance to the
+    # posterior mean: mu' - m = (1 - lr(t)) (mu - m)
+    pyro.clear_param_store()
+    guide = AutoNormal(model, init_loc_fn=lambda site: torch.tensor(-1.0))
+    svi = SVI(model, guide, NGVI(lr=lambda t: 0.5 * 0.9**t, beta=1.0), CurvatureELBO("hessian", deterministic=True))
+    exact, mu = float(data.double().sum()) / (N + 1), -1.0
+    for t in range(8):
+        svi.step(data)
+        mu = exact + (1 - 0.5 * 0.9**t) * (mu - exact)
+        assert abs(float(pyro.param("AutoNormal.locs.mu").detach()) - mu) < 1e-5
+
+
+def test_pyros_optimizer_wrapper_as_point_optim_says_which_torch_class_to_pass():
+    # NGVI(point_optim=pyro.optim.Adam) said "got <function <lambda>.<locals>.<lambda> at 0x...>"
+    for given in (pyro.optim.Adam, pyro.optim.Adam({"lr": 0.1}), "Adam"):
+        with pytest.raises(ValueError, match=r"point_optim.*torch\.optim\.Adam \(its arguments as point_optim_args\)"):
+            NGVI(point_optim=given)
