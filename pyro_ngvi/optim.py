@@ -24,6 +24,7 @@ import pyro
 from pyro.optim.optim import PyroOptim
 
 from .chain import Config, Request, take_step
+from .arguments import check_load_arguments
 from .checkpoint import safe_load
 from .checks import check_step_arguments, read_checks
 from .distributed import all_reduce_stats, is_distributed, without_draws
@@ -121,6 +122,12 @@ class NGVI(PyroOptim):
     sync_every = Checked(lambda name, v: _whole_steps(v))
     #: The ELBO watch (:mod:`pyro_ngvi.monitor`) on; :func:`~pyro_ngvi.laplace` turns it off for its line search.
     watch_elbo = Checked(lambda name, v: _flag(name, v), optional=False)
+    # the switches, checked when set too ("False" or 0.0 set between steps would be read as on or off)
+    warm_start = Checked(lambda name, v: _flag(name, v), optional=False)
+    averaging = Checked(lambda name, v: _flag(name, v), optional=False)
+    control_variate = Checked(lambda name, v: _flag(name, v), optional=False)
+    safeguard = Checked(lambda name, v: _flag(name, v), optional=False)
+    compile = Checked(lambda name, v: _flag(name, v), optional=False)
 
     def __new__(cls, *args, **kwargs):
         """Refuses ``NGVI(params, ...)``, as Pyro's LR schedulers build their optimizer, before the
@@ -141,10 +148,6 @@ class NGVI(PyroOptim):
         # None: the defaults, resolved per site from its statistics (policies.defaults)
         self.lr, self.beta, self.momentum, self.damping, self.max_step = lr, beta, momentum, damping, max_step
         self.tau = tau
-        for name, value in (("warm_start", warm_start), ("averaging", averaging),
-                            ("control_variate", control_variate), ("safeguard", safeguard), ("compile", compile)):
-            if not (isinstance(value, bool) or (name == "averaging" and value is None)):
-                raise ValueError(f"{name} must be True or False, got {value!r}")
         if averaging is None:  # with the defaults; steps the user chose run as chosen
             averaging = lr is None and beta is None
         self.warm_start, self.averaging = warm_start, averaging
@@ -412,6 +415,14 @@ class NGVI(PyroOptim):
         """Pickled as its settings and :meth:`get_state`: unpickled, a new optimizer that takes the
         state up by param-store name, as a deep copy does (a schedule must itself pickle)."""
         return _rebuilt, (type(self), self._arguments(), self.sync_every, self.watch_elbo, self.get_state())
+
+    def save(self, filename) -> None:
+        """Save :meth:`get_state` to ``filename`` with ``torch.save``, as Pyro's ``PyroOptim.save``.
+
+        :raises ValueError: (and ``TypeError``) unless ``filename`` is a path: Pyro's ``open(filename)``
+            took ``True`` or ``1`` for a file descriptor, wrote the state to stdout and closed it."""
+        check_load_arguments(filename, None)
+        super().save(filename)
 
     def load(self, filename, map_location=None) -> None:
         """

@@ -147,3 +147,38 @@ def test_pyros_optimizer_wrapper_as_point_optim_says_which_torch_class_to_pass()
     for given in (pyro.optim.Adam, pyro.optim.Adam({"lr": 0.1}), "Adam"):
         with pytest.raises(ValueError, match=r"point_optim.*torch\.optim\.Adam \(its arguments as point_optim_args\)"):
             NGVI(point_optim=given)
+
+
+def test_save_refuses_a_file_descriptor_as_it_would_write_into_it_and_close_it(tmp_path):
+    # NGVI.load refused an int filename, but save (Pyro's PyroOptim.save: open(filename, "wb")) took
+    # True or 1 for file descriptor 1: it wrote the state into stdout and closed it
+    import os
+
+    optim = NGVI()
+    target = tmp_path / "other.bin"
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT)
+    try:
+        for filename in (fd, True, None, 3.5):
+            with pytest.raises(ValueError, match="filename must be a path") as error:
+                optim.save(filename)
+            assert isinstance(error.value, TypeError)
+        os.fstat(fd)  # (still open)
+    finally:
+        os.close(fd)
+    assert target.stat().st_size == 0
+    optim.save(tmp_path / "ngvi.pt")  # a path is fine, and loads back
+    NGVI().load(tmp_path / "ngvi.pt")
+
+
+@pytest.mark.parametrize("flag", ["warm_start", "averaging", "control_variate", "safeguard", "compile"])
+def test_the_switches_are_checked_when_set_between_steps_as_the_hyperparameters_are(flag):
+    # NGVI(safeguard="False") was refused, but optim.safeguard = "False" between steps was taken and
+    # read as on (a non-empty string); lr, beta, ... were already checked when set
+    optim = NGVI()
+    before = getattr(optim, flag)
+    for value in ("False", 0, None, 1.0):
+        with pytest.raises(ValueError, match=f"{flag} must be True or False"):
+            setattr(optim, flag, value)
+        assert getattr(optim, flag) is before
+    setattr(optim, flag, not before)
+    assert getattr(optim, flag) is (not before)
