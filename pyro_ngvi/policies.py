@@ -151,13 +151,12 @@ class Checked:
         self.check, self.optional = check, optional
 
     def __set_name__(self, owner, name):
-        self.name, self.slot = name, "_" + name
+        self.name = name
 
-    def __get__(self, obj, owner=None):
-        return self if obj is None else getattr(obj, self.slot)
-
+    # No ``__get__``: the checked value sits in the instance's ``__dict__`` under the same name, where
+    # Python's attribute look-up finds it without a call (the step reads these every time).
     def __set__(self, obj, value):
-        setattr(obj, self.slot, None if value is None and self.optional else self.check(self.name, value))
+        obj.__dict__[self.name] = None if value is None and self.optional else self.check(self.name, value)
 
 
 def positive_numbers(name: str, value, one: bool = False) -> List[float]:
