@@ -42,8 +42,8 @@ from pyro.distributions import constraints
 from pyro.infer.autoguide import AutoDiagonalNormal, AutoGuideList, AutoMultivariateNormal, AutoNormal
 
 from . import full_covariance
-from .guide_trace import (NotGaussian, elbo_traces, first_consistent, full_covariance_prefixes, hidden_sites,
-                          model_params, read_trace, refuse_sampled_tmc, trace_guide)
+from .guide_trace import (NotGaussian, consistent_reading, first_consistent, full_covariance_prefixes, hidden_sites,
+                          read_runs, read_trace, refuse_sampled_tmc)
 from .handover import (  # noqa: F401 (re-exported: the ELBOs and NGVI import them from here)
     PriorParam,
     SiteCurvature,
@@ -354,6 +354,7 @@ class GuideView(NamedTuple):
 
     sites: List[Site]
     others: List[NotGaussian]
+    read: Optional[frozenset] = None  # the params its run and the model's replay read (None: not known)
 
 
 def _structural_sites(guide, store) -> Tuple[List[Site], bool]:
@@ -418,7 +419,7 @@ def guide_view(guide, args: Sequence = (), kwargs: Optional[dict] = None, model=
     sites, rest = _structural_sites(guide, store)
     if not rest:
         return GuideView(sites, [])
-    trace, model_reads = _read_runs(guide, args, kwargs, model, elbo)
+    trace, model_reads = read_runs(guide, args, kwargs, model, elbo)
     refuse_sampled_tmc(trace, elbo)
     sites += [s for s in (_full_covariance_site(None, store, p) for p in full_covariance_prefixes(trace)) if s]
     claimed = [t for site in sites for t in site.tensors]
@@ -429,7 +430,8 @@ def guide_view(guide, args: Sequence = (), kwargs: Optional[dict] = None, model=
             name = name[: -len("_unconstrained")]  # AutoNormal's: the site it is the Gaussian of
         sites.append(GaussianSite(name, store._params[block.loc], store._params[block.scale], block.scale,
                                   weight=block.weight, scale_map=block.bijection if block.computed else None))
-    return GuideView(sites, others)
+    return GuideView(sites, others, None if model is None else frozenset(model_reads).union(  # (None: the model's
+        name for name, node in trace.nodes.items() if node["type"] == "param"))  # params are not known)
 
 
 def gaussian_sites(guide, *args, **kwargs) -> List[Site]:
@@ -525,28 +527,6 @@ def warn_hidden(guide, sites: List[str], warned: Optional[set] = None) -> None:
     )
 
 
-def _read_runs(guide, args: Sequence, kwargs: dict, model, elbo):
-    """The guide's trace and the params the model reads (:func:`guide_view`): from plain runs, or,
-    where one fails (outside the ELBO's handlers a guide or model that asserts its enumerated or
-    vectorised shapes raises), from the run the ELBO makes of what failed: the guide's plain trace is
-    kept where only the model's replay failed (a vectorised run broadcasts the guide's params over
-    the particles). Where that fails too, the plain run's error is raised."""
-    trace = None
-    try:
-        trace = trace_guide(guide, *args, **kwargs)
-        return trace, model_params(model, trace, *args, **kwargs) if model is not None else ()
-    except Exception as error:
-        try:
-            traces = elbo_traces(elbo, model, guide, *args, **kwargs)
-        except Exception:
-            traces = None
-        if traces is None:
-            raise error
-    model_trace, elbo_guide_trace = traces
-    return (elbo_guide_trace if trace is None else trace,
-            {name for name, node in model_trace.nodes.items() if node["type"] == "param"})
-
-
 def split_params(guide, params, args: Optional[Sequence] = None, kwargs: Optional[dict] = None,
                  warned: Optional[set] = None,
                  model=None) -> Tuple[List[Site], List[torch.Tensor], List[torch.Tensor], List[torch.Tensor]]:
@@ -581,7 +561,7 @@ def split_params(guide, params, args: Optional[Sequence] = None, kwargs: Optiona
     params = list(params)
     present, store = {id(p) for p in params}, pyro.get_param_store()._params
     view = first_consistent(lambda: guide_view(guide, args, kwargs, model, elbo),  # (a branch the step took)
-                            lambda view: not hidden_sites(view, present, store))
+                            lambda view: consistent_reading(view, present, store))
     handed = [part for part in view.others if any(id(store.get(name)) in present for name in part.params)]
     hidden = hidden_sites(view, present, store)
     # (of a part, only the params SVI hands over are trained: one a handler hides is not)

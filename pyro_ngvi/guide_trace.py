@@ -123,6 +123,29 @@ def elbo_traces(elbo, model, guide, *args, **kwargs) -> Optional[Tuple[poutine.T
         return next(iter(elbo._get_traces(model, guide, args, kwargs)))
 
 
+def read_runs(guide, args, kwargs: dict, model, elbo) -> Tuple[poutine.Trace, Set[str]]:
+    """The guide's trace and the names of the params the model reads (for
+    :func:`~pyro_ngvi.family.guide_view`): from plain runs (:func:`trace_guide`, :func:`model_params`), or,
+    where one fails (outside the ELBO's handlers a guide or model that asserts its enumerated or
+    vectorised shapes raises), from the run the ELBO makes of what failed (:func:`elbo_traces`): the guide's
+    plain trace is kept where only the model's replay failed (a vectorised run broadcasts the guide's params
+    over the particles). Where that fails too, the plain run's error is raised."""
+    trace = None
+    try:
+        trace = trace_guide(guide, *args, **kwargs)
+        return trace, model_params(model, trace, *args, **kwargs) if model is not None else set()
+    except Exception as error:
+        try:
+            traces = elbo_traces(elbo, model, guide, *args, **kwargs)
+        except Exception:
+            traces = None
+        if traces is None:
+            raise error
+    model_trace, elbo_guide_trace = traces
+    return (elbo_guide_trace if trace is None else trace,
+            {name for name, node in model_trace.nodes.items() if node["type"] == "param"})
+
+
 def subsampling(model, *args, **kwargs) -> float:
     """
     :math:`N/B - 1` of the most subsampled sample site of ``model`` run on ``args`` (its plates'
@@ -243,6 +266,21 @@ def hidden_sites(view, present: Set[int], store) -> List[str]:
     params is (``store``: the param store's dict of tensors)."""
     return ([site.name for site in view.sites if id(site.loc) not in present]
             + [part.site for part in view.others if not any(id(store.get(name)) in present for name in part.params)])
+
+
+def consistent_reading(view, present: Set[int], store) -> bool:
+    """Whether ``view`` (a :class:`~pyro_ngvi.family.GuideView`) can stand for the structure of the step that
+    handed over the tensors of ids ``present``: it shows no site whose params SVI did not hand over
+    (:func:`hidden_sites`), and its run of the guide, with the model's replay, read every param SVI did hand over
+    (``view.read``, where the guide and the model were run). A guide that samples a site only on some of its own draws (a coin
+    decides whether ``b`` is drawn) may leave the site out of a reading of a step that drew it: ``b`` 's params,
+    handed over but read by no run, would otherwise have been left to the point optimizer, for good."""
+    if hidden_sites(view, present, store):
+        return False
+    if view.read is None:
+        return True
+    read = {id(store[name]) for name in view.read if name in store}
+    return present <= read
 
 
 def _numpy_state():

@@ -853,6 +853,76 @@ def test_a_guide_whose_sites_depend_on_its_own_draws_is_read_as_the_step_ran_it(
         assert abs(scale * precision**0.5 - 1.0) < 0.01, name
 
 
+_SOMETIMES_DATA = 2.0 * torch.randn(2, 20, generator=torch.Generator().manual_seed(0)) + torch.tensor([[1.0], [-2.0]])
+
+
+def _sometimes_model():
+    """``a`` and its 20 observations always; a coin, and only on heads ``b`` and its own 20."""
+    a = pyro.sample("a", dist.Normal(0.0, 1.0))
+    pyro.sample("x", dist.Normal(a, 1.0).expand([20]).to_event(1), obs=_SOMETIMES_DATA[0])
+    if pyro.sample("c", dist.Bernoulli(0.5)).item() == 1:
+        b = pyro.sample("b", dist.Normal(0.0, 1.0))
+        pyro.sample("y", dist.Normal(b, 1.0).expand([20]).to_event(1), obs=_SOMETIMES_DATA[1])
+
+
+def _sometimes_guide():
+    """The guide flips its own coin and draws ``b`` only on heads: on tails its run has no ``b`` at all
+    (site or nothing, where ``_branching_guide`` draws one site or the other)."""
+    pyro.sample("a", dist.Normal(pyro.param("a_loc", torch.tensor(0.0)),
+                                 pyro.param("a_scale", torch.tensor(1.0), constraint=constraints.positive)))
+    if pyro.sample("c", dist.Bernoulli(0.5)).item() == 1:
+        pyro.sample("b", dist.Normal(pyro.param("b_loc", torch.tensor(0.0)),
+                                     pyro.param("b_scale", torch.tensor(1.0), constraint=constraints.positive)))
+
+
+class _SometimesModule(PyroModule):
+    """``_sometimes_guide`` as a ``PyroModule`` with ``PyroParam`` s (named ``a_loc``, ... in the store)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a_loc, self.b_loc = PyroParam(torch.tensor(0.0)), PyroParam(torch.tensor(0.0))
+        self.a_scale = PyroParam(torch.tensor(1.0), constraint=constraints.positive)
+        self.b_scale = PyroParam(torch.tensor(1.0), constraint=constraints.positive)
+
+    def forward(self):
+        pyro.sample("a", dist.Normal(self.a_loc, self.a_scale))
+        if pyro.sample("c", dist.Bernoulli(0.5)).item() == 1:
+            pyro.sample("b", dist.Normal(self.b_loc, self.b_scale))
+
+
+@pytest.mark.parametrize("seed,guide,particles,steps,tol", [(0, "function", 1, 300, 1e-3), (4, "function", 1, 300, 1e-3),
+                                                             (5, "module", 1, 600, 1e-3), (2, "function", 4, 600, 0.07)])
+def test_a_site_the_guide_draws_only_on_some_of_its_own_draws_is_stepped_as_a_gaussian(seed, guide, particles, steps,
+                                                                                        tol):
+    """A guide that draws ``b`` only when its own coin says so: NGVI read its structure off a run of its
+    own, which on the first step with ``b`` could flip tails; the reading then showed no ``b`` (nothing
+    hidden, so it was taken), and the plan kept for the params of steps with ``b`` handed ``b_loc`` and
+    ``b_scale`` to the point optimizer for good, without a warning. The ELBO's ``b`` part is the b
+    model's ELBO times P(c = 1), so q(b) must reach the exact posterior
+    N(sum(y) / 21, 1 / 21) (prior N(0, 1), 20 observations of unit noise), and q(a) its own.
+    Before, 1500 steps of NGVI() on the task's data: on 6 seeds of 10 ``b`` ended 0.04-0.17 posterior sd off
+    and 6-10 % wide; now all 10 within 2e-4 sd and 2e-4 in scale. Four particles (Trace_ELBO's, not
+    vectorised) leave a noise floor of a few % on every site (``a`` too, and without the coin): there the
+    test asks for 7 % in sd units and in scale (before, 600 steps, seeds 0-5: on 5 ``b`` 17-21 % wide; now
+    1-5 %, as ``a``)."""
+    from pyro_ngvi import NGVIWarning
+
+    pyro.clear_param_store()
+    pyro.set_rng_seed(seed)
+    svi = SVI(_sometimes_model, _SometimesModule() if guide == "module" else _sometimes_guide, NGVI(),
+              Trace_ELBO(num_particles=particles))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            svi.step()
+    assert [str(w.message) for w in caught if issubclass(w.category, NGVIWarning)] == []
+    sd = 21**-0.5
+    for name, data in zip("ab", _SOMETIMES_DATA):
+        loc, scale = pyro.param(f"{name}_loc").item(), pyro.param(f"{name}_scale").item()
+        assert abs(loc - data.sum().item() / 21) < tol * sd, (name, (loc - data.sum().item() / 21) / sd)
+        assert abs(scale / sd - 1.0) < tol, (name, scale / sd - 1.0)
+
+
 def test_a_model_and_guide_that_assert_their_enumerated_and_vectorised_shapes_run():
     """NGVI reads the guide off a run of it, and replays the model, outside the ELBO's handlers;
     a model (or guide) that asserts the shapes its ELBO's enumeration or vectorised particles
