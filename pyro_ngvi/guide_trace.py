@@ -269,12 +269,13 @@ def hidden_sites(view, present: Set[int], store) -> List[str]:
 
 
 def consistent_reading(view, present: Set[int], store) -> bool:
-    """Whether ``view`` (a :class:`~pyro_ngvi.family.GuideView`) can stand for the structure of the step that
-    handed over the tensors of ids ``present``: it shows no site whose params SVI did not hand over
-    (:func:`hidden_sites`), and its run of the guide, with the model's replay, read every param SVI did hand over
-    (``view.read``, where the guide and the model were run). A guide that samples a site only on some of its own draws (a coin
-    decides whether ``b`` is drawn) may leave the site out of a reading of a step that drew it: ``b`` 's params,
-    handed over but read by no run, would otherwise have been left to the point optimizer, for good."""
+    """Whether ``view`` (a :class:`~pyro_ngvi.family.GuideView`) can stand for the structure of the step
+    that handed over the tensors of ids ``present``: it shows no site whose params SVI did not hand over
+    (:func:`hidden_sites`), and its run of the guide, with the model's replay, read every param SVI did
+    hand over (``view.read``, where the guide and the model were run). A guide that samples a site only
+    on some of its own draws (a coin decides whether ``b`` is drawn) may leave the site out of a reading
+    of a step that drew it: ``b`` 's params, handed over but read by no run, were then left to the point
+    optimizer, for good."""
     if hidden_sites(view, present, store):
         return False
     if view.read is None:

@@ -853,7 +853,8 @@ def test_a_guide_whose_sites_depend_on_its_own_draws_is_read_as_the_step_ran_it(
         assert abs(scale * precision**0.5 - 1.0) < 0.01, name
 
 
-_SOMETIMES_DATA = 2.0 * torch.randn(2, 20, generator=torch.Generator().manual_seed(0)) + torch.tensor([[1.0], [-2.0]])
+_SOMETIMES_DATA = (2.0 * torch.randn(2, 20, generator=torch.Generator().manual_seed(0))
+                   + torch.tensor([[1.0], [-2.0]]))
 
 
 def _sometimes_model():
@@ -890,8 +891,9 @@ class _SometimesModule(PyroModule):
             pyro.sample("b", dist.Normal(self.b_loc, self.b_scale))
 
 
-@pytest.mark.parametrize("seed,guide,particles,steps,tol", [(0, "function", 1, 300, 1e-3), (4, "function", 1, 300, 1e-3),
-                                                             (5, "module", 1, 600, 1e-3), (2, "function", 4, 600, 0.07)])
+@pytest.mark.parametrize("seed,guide,particles,steps,tol", [
+    (0, "function", 1, 300, 1e-3), (4, "function", 1, 300, 1e-3), (5, "module", 1, 600, 1e-3),
+    (2, "function", 4, 600, 0.07)])
 def test_a_site_the_guide_draws_only_on_some_of_its_own_draws_is_stepped_as_a_gaussian(seed, guide, particles, steps,
                                                                                         tol):
     """A guide that draws ``b`` only when its own coin says so: NGVI read its structure off a run of its
