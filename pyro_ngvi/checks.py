@@ -127,6 +127,15 @@ def read_checks(optim, plan, sites, stats, groups, group_stats, flats, others) -
     flags = [f for step in pending for f in step.flags] + [f for r in records for f in r.flags()]
     flags += [] if elbo_flag is None else [elbo_flag]
     checks = read_flags([s for p in parts for s in p] + flags)
+    return settle_checks(optim, plan, sites, stats, groups, others_with_grad, checked, parts, pending, records,
+                         elbo_flag, checks)
+
+
+def settle_checks(optim, plan, sites, stats, groups, others_with_grad, checked, parts, pending, records, elbo_flag,
+                  checks: list) -> bool:
+    """:func:`read_checks` once the host has read its flags (``checks``, in the order of ``parts``, the
+    ``pending`` steps' flags, the ``records``' and ``elbo_flag``): the deferred skips counted, the
+    safeguards reported, whether the step is taken (else counted and warned of as skipped)."""
     ok, at = [], 0
     for p in parts:
         ok.append(_all_finite(checks[at:at + len(p)]))
@@ -135,11 +144,11 @@ def read_checks(optim, plan, sites, stats, groups, group_stats, flats, others) -
     engaged = _deferred_skips(optim, plan, pending, engaged)
     if not all(ok):  # or finite values whose sum overflowed: tell them apart
         ok = [good or bool(finite(*t, mask=mask, exact=True)) for good, (t, mask) in zip(ok, checked)]
-    report(records, engaged, optim.num_steps, optim._spread_watch)
+    report(records, engaged, optim.num_steps, optim._spread_watch, depth=1)
     if elbo_flag is not None and engaged[-1]:
         message = plan.elbo_watch.message(optim.num_steps)
         if message:
-            warnings.warn(message, NGVIWarning, stacklevel=5)
+            warnings.warn(message, NGVIWarning, stacklevel=6)
     if all(ok):
         if checked:
             plan.skips_in_a_row = 0
@@ -154,7 +163,7 @@ def read_checks(optim, plan, sites, stats, groups, group_stats, flats, others) -
         raise RuntimeError(stuck_message(plan.skips_in_a_row, ", ".join(repr(b) for b in bad), largest,
                                          optim.num_steps) + _float16_note(sites))
     warn_skip(optim, f"non-finite gradient or curvature at {', '.join(repr(b) for b in bad)}; the guide is "
-              "unchanged", NON_FINITE_ADVICE + _float16_note(sites), stacklevel=6)
+              "unchanged", NON_FINITE_ADVICE + _float16_note(sites), stacklevel=7)
     return False
 
 
@@ -183,7 +192,7 @@ def _deferred_skips(optim, plan, pending, engaged: List[bool]) -> List[bool]:
         if plan.skips_in_a_row >= SKIPS_IN_A_ROW:
             raise RuntimeError(stuck_message(plan.skips_in_a_row, bad, math.nan, optim.num_steps))
         warn_skip(optim, f"non-finite gradient or curvature at {bad} (read {len(pending)} steps late); the "
-                  "guide is unchanged", NON_FINITE_ADVICE, stacklevel=7)
+                  "guide is unchanged", NON_FINITE_ADVICE, stacklevel=8)
     return engaged
 
 

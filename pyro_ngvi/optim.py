@@ -40,6 +40,7 @@ from .point import (LowRankLocs, check_point_args, check_point_optim, check_poin
                     decay_guide_part_lr, param_label, probe_point_step)
 from .state import SiteState, check_pending, check_state, restore_scales, warn_unmatched
 from .statistics import Buffers, step_statistics, warn_loss_function
+from .steady import SteadyStep
 from .steps import Options
 
 __all__ = ["NGVI", "NGVIWarning", "Settings", "defaults", "FULL_BATCH", "DENSE", "DENSE_SAMPLED", "MINIBATCH"]
@@ -214,6 +215,12 @@ class NGVI(PyroOptim):
         """Find the sites and their state, take their statistics and hand them to the chain of
         :func:`~pyro_ngvi.chain.take_step`."""
         plan = self._plan(params, svi)
+        steady = plan.steady  # (the step after a steady one: its decisions kept, pyro_ngvi.steady)
+        if steady is not None and steady.holds(self, svi) and not is_distributed():
+            taken = steady.run(self, plan, svi)
+            if taken is not None:
+                return taken
+        plan.steady = None
         if not self._loss_checked and svi is not None:
             self._loss_checked = True
             warn_loss_function(svi)
@@ -244,8 +251,12 @@ class NGVI(PyroOptim):
             stats = all_reduce_stats(stats, others)
         config = Config(self.lr, self.beta, self.tau, self.momentum, self.damping, self._options, self.safeguard,
                         self.sync_every, self.compile, self.watch_elbo)
-        return take_step(self, config, Request(plan, states, stats, others, bool(learned), svi, self._state,
-                                               lambda point: self._point_step(point, *args, **kwargs)))
+        taken = take_step(self, config, Request(plan, states, stats, others, bool(learned), svi, self._state,
+                                                lambda point: self._point_step(point, *args, **kwargs)))
+        if taken:
+            plan.steady = SteadyStep.build(self, plan, config, states, stats, svi, others,
+                                           not (draws or analytic or distributed or learned))
+        return taken
 
     def _point_step(self, others: List[torch.Tensor], *args, **kwargs) -> None:
         """The point optimizer's step on the other parameters (probed once per parameter with a

@@ -42,6 +42,7 @@ class Plan:
         self.elbo_flag: Optional[torch.Tensor] = None
         self.skips_in_a_row = 0
         self.deferred = DeferredChecks()  # steps whose checks the host has not read yet
+        self.steady = None  # the step after a steady one, replayed (pyro_ngvi.steady.SteadyStep)
         self.kl_sites: Dict = {}  # TraceMeanField_ELBO: the leaves it draws, per model (pyro_ngvi.mean_field_kl)
         self.tensors = [pair for site in sites for pair in stored_tensors(site)]  # (name, tensor): stored
         # where their values live: guide.to(torch.float64) or .to(device) gives a param new storage under

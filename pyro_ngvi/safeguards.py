@@ -240,9 +240,9 @@ def noisy_flags(states, subsampling: float = 0.0) -> Optional[List[torch.Tensor]
     return [(state.noise[1, ..., -1].max() > limit) & (state.steps.min() > NOISY_AFTER) for state in states]
 
 
-def report(records: List[Safeguards], engaged: List[bool], step: int, spread_watch) -> None:
+def report(records: List[Safeguards], engaged: List[bool], step: int, spread_watch, depth: int = 0) -> None:
     """Warn about the safeguards that engaged at the last step (read at this step's sync;
-    ``step`` is the number of steps taken since)."""
+    ``step`` is the number of steps taken since; the warnings point ``depth`` frames further up)."""
     engaged = iter(engaged)
     for record in records:
         dtype = record.group.sites[0].loc.dtype
@@ -254,14 +254,14 @@ def report(records: List[Safeguards], engaged: List[bool], step: int, spread_wat
                 "optimum. Rescale the data or the model, start the guide nearer (init_loc_fn) "
                 "or use exact curvature (CurvatureELBO('hessian')).",
                 NGVIWarning,
-                stacklevel=5,
+                stacklevel=5 + depth,
             )
         if record.spreading is not None and next(engaged):
             message = spread_watch.message(record.group, _names(record), step - 1)
             if message:
-                warnings.warn(message, NGVIWarning, stacklevel=5)
+                warnings.warn(message, NGVIWarning, stacklevel=5 + depth)
         if record.noisy is not None:
-            _count_noisy(record, [next(engaged) for _ in record.noisy])
+            _count_noisy(record, [next(engaged) for _ in record.noisy], depth)
         if record.far is None:
             continue
         far = next(engaged)
@@ -277,7 +277,7 @@ def report(records: List[Safeguards], engaged: List[bool], step: int, spread_wat
                 "guide nearer (init_loc_fn) or wider (init_scale), or use exact curvature "
                 "(CurvatureELBO('hessian')).",
                 NGVIWarning,
-                stacklevel=5,
+                stacklevel=5 + depth,
             )
 
 
@@ -286,7 +286,7 @@ def _names(record: Safeguards) -> str:
     return ", ".join(repr(site.name) for site in record.group.sites)
 
 
-def _count_noisy(record: Safeguards, noisy: List[bool]) -> None:
+def _count_noisy(record: Safeguards, noisy: List[bool], depth: int = 0) -> None:
     """Count each site's steps in a row flagged by :func:`noisy_flags`; warn once per group, when the
     first reaches :data:`NOISY_STEPS` (the remedy is the same for all its sites; their counts then stay
     past it)."""
@@ -295,7 +295,7 @@ def _count_noisy(record: Safeguards, noisy: List[bool]) -> None:
             state.noisy_steps = state.noisy_steps + 1 if flagged else 0
     sites = [site for site, state in zip(record.group.sites, record.states) if state.noisy_steps == NOISY_STEPS]
     if sites:
-        warnings.warn(noisy_message(", ".join(repr(site.name) for site in sites)), NGVIWarning, stacklevel=6)
+        warnings.warn(noisy_message(", ".join(repr(site.name) for site in sites)), NGVIWarning, stacklevel=6 + depth)
         for state in record.states:
             state.noisy_steps = NOISY_STEPS + 1
 

@@ -51,7 +51,7 @@ is one latent-size vector in all (the :math:`\\sigma` of every site).
 
 import math
 import weakref
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from pyro.distributions.transforms import SoftplusTransform
@@ -314,3 +314,20 @@ def forget_scale(raw: torch.Tensor) -> None:
     """Drop what is remembered of ``raw``."""
     if _entry(raw) is not None or (id(raw) in _remembered and _remembered[id(raw)][0]() is raw):
         del _remembered[id(raw)]
+
+
+class Remembered:
+    """:func:`remember_scale` of fixed ``raws`` and their ``sigmas`` (a group's raw scales and its views
+    of :math:`\\sigma`), all in one call a step: each entry's key and weak reference are taken once
+    (here, by remembering them now), and a call writes only the entries' versions anew."""
+
+    __slots__ = ("entries",)
+
+    def __init__(self, raws: List[torch.Tensor], sigmas: List[torch.Tensor]):
+        for raw, sigma in zip(raws, sigmas):
+            remember_scale(raw, sigma)
+        self.entries = [(id(raw), _remembered[id(raw)][0], raw, sigma) for raw, sigma in zip(raws, sigmas)]
+
+    def __call__(self) -> None:
+        for key, ref, raw, sigma in self.entries:  # (remember_scale's entry, its reference reused)
+            _remembered[key] = (ref, raw._version, sigma)

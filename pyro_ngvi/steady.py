@@ -1,0 +1,266 @@
+"""
+The steady state of a guide structure (issue 24): a step that takes the decisions of the step
+before it, made once and replayed.
+
+Once a :class:`~pyro_ngvi.plan.Plan`'s sites have started (constant steps, their momentum
+buffers made), a step of a :class:`~pyro_ngvi.BayesianNet`'s recipe takes every branch of the
+chain of :mod:`~pyro_ngvi.chain` as the step before took it, step after step: the same groups, the
+same pass arguments (:func:`~pyro_ngvi.group_io.read_pass`: the same flat buffers and views, the
+same :class:`~pyro_ngvi.elementwise.Branches` and :class:`~pyro_ngvi.elementwise.Numbers`), the
+checks read at once, no guard, no cross terms, no dense site. :meth:`SteadyStep.build` asks the
+chain's own functions for those decisions after a step the chain took (the arguments
+:func:`~pyro_ngvi.group_io.read_pass` gives for the next step), and keeps them only where they
+are the steady ones; :meth:`SteadyStep.run` then takes the next step with them:
+
+.. math:: (g, h) \\xrightarrow{\\text{flat}} \\text{checks} \\xrightarrow{} \\text{the element-wise
+          pass (:func:`~pyro_ngvi.elementwise.mean_field_pass`)} \\xrightarrow{} \\text{the guide},
+          \\sigma' \\text{ remembered, the safeguards' flags, the ELBO watch, the counts,}
+
+the same operations in the same order as the chain, so the same values to the bit. It holds
+while everything that decided a branch is as it was: NGVI's settings, the ``SVI`` and its ELBO,
+no state waiting from ``set_state``, no process group, the sites' states (their momentum the
+group's buffer, started), and each site's statistics of the same kind with the same prior, floor
+and :math:`\\sigma` tensors (:meth:`SteadyStep.fits`). Anything else, and whenever a check or a
+safeguard fires, goes to the chain (the flags already read are handed to
+:func:`~pyro_ngvi.checks.settle_checks`), which builds the steady step anew after its step.
+"""
+
+import math
+import weakref
+from dataclasses import replace
+from typing import List, Optional
+
+import torch
+
+from .checks import read_flags, settle_checks, sync_every
+from .elementwise import Inputs, mean_field_pass
+from .family import SiteCurvature
+from .group_io import adaptive_for, keep_pass, read_pass, stall_test
+from .handover import _CURVATURE_ATTR, _live_handover
+from .hot_path import no_grad, scalar
+from .policies import Settings, resolve
+from .safeguards import Safeguards
+from .scales import Remembered
+from .statistics import one_draw
+from .steps import SPAN, Context, _scratch
+from .variance import _takes_cross_terms
+
+
+def settings_key(optim) -> tuple:
+    """NGVI's settings that decide a step's branches (compared whole at every steady step)."""
+    return (optim.lr, optim.beta, optim.tau, optim.momentum, optim.damping, optim.max_step, optim.sync_every,
+            optim.watch_elbo, optim.control_variate, optim.warm_start, optim.averaging, optim.safeguard,
+            optim.compile)
+
+
+def _flags(s: SiteCurvature) -> tuple:
+    """What of a site's statistics decides its step's branches (:func:`~pyro_ngvi.groups.statistics_kind`
+    and what :func:`~pyro_ngvi.group_io.read_pass` reads of it), but its tensors (:func:`_kind`)."""
+    return (s.mask is None, s.sampled, s.nonnegative, s.eps_mean is None, s.eps_sq_mean is None, s.num_data,
+            s.gradients, s.draws)
+
+
+def _kind(s: SiteCurvature) -> tuple:
+    """:func:`_flags`, and the tensors a steady step takes as given: sigma, the prior's and the floor's
+    (each with its version: a fixed prior's flat copy is kept while they are unchanged)."""
+    return (_flags(s), s.scale) + tuple(x for t in (s.prior_precision, s.prior_loc, s.min_precision)
+                                         for x in (t, None if t is None else t._version))
+
+
+class _Group:
+    """One group's part of a steady step: its pass's arguments and where its flat tensors come from
+    and go to."""
+
+    __slots__ = ("group", "states", "start", "stop", "args", "template", "scratch", "gather", "gathered",
+                 "mean_views", "write_to", "write_from", "momentum", "views", "remember", "count", "ctx")
+
+    def __init__(self, group, states, start: int, args, scratch, ctx):
+        self.group, self.states, self.start, self.stop = group, states, start, start + len(group.sites)
+        self.args, self.scratch, self.ctx = args, scratch, ctx
+        self.template = list(args.inputs)  # (a group of one: this step's g and h are views of its own)
+        self.gathered = not group.one
+        cached = group.cache
+        self.gather = None if group.one else cached[("views", "grad")] + cached[("views", "curvature")]
+        self.mean_views = None if group.one else cached[("views", "mean")]
+        self.write_to = self.write_from = None  # the group's tensors written back from its flat buffers
+        if not group.one:
+            self.write_to = group.locs + (group.raw_scales if args.inputs.out_raw_scale is not None else [])
+            self.write_from = list(group.pieces("mean", args.inputs.out_mean)) + (
+                list(group.pieces("raw", args.inputs.out_raw_scale)) if args.inputs.out_raw_scale is not None else [])
+        self.momentum = args.inputs.momentum
+        self.views = None if self.momentum is None else cached[("state", "momentum")][1]
+        own = group.owned("scale")
+        self.remember = Remembered(group.raw_tensors, group.cached("scale views", lambda: group.views(own)))
+        self.count = scalar(float(group.numel), own)
+
+
+class SteadyStep:
+    """A plan's steady step (module docstring): :meth:`build` after a step of the chain, :meth:`run`
+    at the steps after while it :meth:`holds` and the statistics :meth:`fits`."""
+
+    __slots__ = ("settings", "svi", "elbo", "locs", "states", "kinds", "groups", "tau", "one_draw", "records")
+
+    @classmethod
+    @no_grad
+    def build(cls, optim, plan, config, states, stats, svi, others, plain: bool) -> Optional["SteadyStep"]:
+        """The steady step of ``plan`` after the step the chain just took (with ``config``, on the
+        sites' ``states`` and ``stats``, under ``svi``; ``plain``: no draws read, no KL in closed form,
+        no learned prior, no process group), or ``None`` where the next step would not be one."""
+        sites = plan.sites
+        if (not plain or svi is None or others or not sites or plan.dense_sites or plan.weighted
+                or len(plan.mean_field) != len(sites) or config.compile or callable(config.lr)
+                or callable(config.beta) or callable(config.tau)
+                or sync_every(sites[0].loc.device, config.sync_every) != 1 or len(plan.deferred)):
+            return None
+        ordered = [stats[site.key] for site in sites]
+        for s in ordered:
+            if (type(s) is not SiteCurvature or not s.fitted or s.objective is not None or not s.watched
+                    or s.loss is None or s.prior_params() or s.mask is not None or stall_test(s)
+                    or adaptive_for(s, config.options) or (config.options.control_variate and _takes_cross_terms(s))):
+                return None  # (decided before read_pass below, which would make the buffers of these)
+        groups = plan.groups_for(plan.mean_field, stats)
+        # the next step's statistics, as this step's but with the sigma this step wrote (the views the
+        # sites remember: what the ELBO reads next; read_pass copies any other sigma into the group's own)
+        scales = {}
+        for group in groups:
+            own = group.owned("scale")
+            scales.update(zip([site.key for site in group.sites],
+                              group.cached("scale views", lambda: group.views(own))))
+        ordered = [replace(s, scale=scales[site.key]) for s, site in zip(ordered, sites)]
+        order = {site.key: j for j, site in enumerate(sites)}
+        if [order[site.key] for group in groups for site in group.sites] != list(range(len(sites))):
+            return None  # (the groups in the sites' order: each a slice of them)
+        steady = cls()
+        steady.settings, steady.tau = settings_key(optim), config.tau
+        steady.svi, steady.elbo = weakref.ref(svi), svi.loss_and_grads
+        steady.one_draw = one_draw(svi)
+        steady.locs, steady.states = [site.loc for site in sites], states
+        steady.kinds = [_kind(s) for s in ordered]
+        steady.groups, steady.records = [], None
+        clock = max([state.taken for state in states], default=0)
+        given = Settings(config.lr, config.beta, config.momentum, config.damping)
+        start = 0
+        for group in groups:
+            group_states, group_stats = states[start:start + len(group.sites)], ordered[start:start + len(group.sites)]
+            if group.one and group.numel > SPAN:
+                return None
+            ctx = Context(config.options, clock, plan.signs, optim._spread_watch, None, False, None, optim._workspace,
+                          plan.subsampling)
+            grad = group.gather("grad", [s.grad for s in group_stats])
+            curvature = group.gather("curvature", [s.curvature for s in group_stats])
+            args = read_pass(ctx, group, group_stats, grad, curvature, resolve(given, group_stats[0]), config.tau,
+                             group_states, False, SPAN)
+            b = args.branches
+            if (b.rates != "constant" or b.momentum not in ("none", "average") or b.control_variate or b.mask
+                    or b.signs or b.far or b.guarded or b.masked or b.branch_free or b.prepared or b.kept
+                    or b.recover or not b.known_scale or args.inputs.scale is not group.owned("scale")
+                    or args.inputs.out_scale is not args.inputs.scale):
+                return None
+            steady.groups.append(_Group(group, group_states, start, args,
+                                        _scratch(optim._workspace, grad.numel(), grad), ctx))
+            start += len(group.sites)
+        return steady
+
+    def holds(self, optim, svi) -> bool:
+        """Whether nothing that decided the steady step's branches changed outside the sites'
+        statistics (those: :meth:`fits`)."""
+        return (svi is not None and self.svi() is svi and svi.loss_and_grads is self.elbo and optim._loss_checked
+                and not optim._pending_states and not optim._restored and settings_key(optim) == self.settings)
+
+    def fits(self, stats: List[Optional[SiteCurvature]]) -> bool:
+        """Whether this step's statistics (one per site, as handed over) are of the kinds, with the
+        tensors, the steady step was built on, and the sites' states as it left them."""
+        live = _live_handover[0]
+        for s, (flags, scale, pp, ppv, pl, plv, mp, mpv) in zip(stats, self.kinds):  # (tensors by identity)
+            if (s is None or s.handover != live or type(s) is not SiteCurvature or not s.fitted
+                    or s.objective is not None or not s.watched or s.prior_loc_param is not None
+                    or s.prior_scale_param is not None or s.scale is not scale or s.prior_precision is not pp
+                    or s.prior_loc is not pl or s.min_precision is not mp
+                    or (s.mask is None, s.sampled, s.nonnegative, s.eps_mean is None, s.eps_sq_mean is None,
+                        s.num_data, s.gradients, s.draws) != flags
+                    or (pp is not None and pp._version != ppv) or (pl is not None and pl._version != plv)
+                    or (mp is not None and mp._version != mpv)):
+                return False
+        if stats[0].loss is None:
+            return False
+        for part in self.groups:
+            for j, state in enumerate(part.states):
+                if state.started is not True or (part.views is not None and state.momentum is not part.views[j]):
+                    return False
+        return True
+
+    @no_grad
+    def run(self, optim, plan, svi) -> Optional[bool]:
+        """The step (returns whether it was taken, as :func:`~pyro_ngvi.chain.take_step`), or ``None``,
+        nothing done, where this step's statistics do not :meth:`fits` (the chain takes it)."""
+        stats = [getattr(loc, _CURVATURE_ATTR, None) for loc in self.locs]
+        if not self.fits(stats):
+            return None
+        for loc in self.locs:  # (taken: pyro_ngvi.handover.pop_curvature)
+            delattr(loc, _CURVATURE_ATTR)
+        # the flat g and h of each group, and the checks: finite, and the last step's flags
+        flats, parts = [], []
+        for part in self.groups:
+            mine = stats[part.start:part.stop]
+            if part.gathered:
+                torch._foreach_copy_(part.gather, [s.grad for s in mine] + [s.curvature for s in mine])
+                grad, curvature = part.args.inputs.grad, part.args.inputs.curvature
+            else:
+                grad, curvature = mine[0].grad.reshape(-1), mine[0].curvature.reshape(-1)
+            flats.append((grad, curvature))
+            parts += (grad.sum(), curvature.sum())
+        records, plan.safeguards = plan.safeguards, []
+        elbo_flag, plan.elbo_flag = plan.elbo_flag, None
+        flags = [f for record in records for f in record.flags()]
+        if elbo_flag is not None:
+            flags.append(elbo_flag)
+        values = read_flags(parts + flags)
+        engaged = values[len(parts):]
+        if records is self.records and math.isfinite(sum(values[:len(parts)])) and not any(engaged):
+            plan.skips_in_a_row = 0
+        else:  # a check or a safeguard fired, or the flags are a chain's step's: settled as the chain does
+            # (called at the depth of read_checks, under the chain's: the warnings point where the chain's do)
+            sites = [site for part in self.groups for site in part.group.sites]
+            if not settle_checks(optim, plan, sites, dict(zip([site.key for site in sites], stats)),
+                                 [part.group for part in self.groups], [], [((g, h), None) for g, h in flats],
+                                 [parts[j:j + 2] for j in range(0, len(parts), 2)], [], records, elbo_flag, values):
+                return False
+        # the step
+        clock = max([state.taken for state in self.states])
+        self.records = plan.safeguards
+        for part, (grad, curvature) in zip(self.groups, flats):
+            args = part.args
+            if part.gathered:
+                torch._foreach_copy_(part.mean_views, part.group.loc_tensors)
+                inputs = args.inputs
+            else:
+                template = part.template
+                template[2], template[3] = grad, curvature
+                inputs = Inputs(*template)
+            out = mean_field_pass(args.branches, inputs, args.numbers, part.group.transform, part.scratch)
+            if out.mean is not inputs.mean or out.raw_scale is not (inputs.out_raw_scale if part.gathered else
+                                                                   inputs.raw_scale) or out.scale is not inputs.scale:
+                clamped, _, _, spreading = keep_pass(part.ctx._replace(step=clock), part.group, part.states,
+                                                     args._replace(inputs=inputs), out, None, SPAN)
+            else:  # (pyro_ngvi.group_io.keep_pass, as it goes for these arguments)
+                if part.momentum is not None and out.momentum.data_ptr() != part.momentum.data_ptr():
+                    part.momentum.copy_(out.momentum)
+                spreading = None if out.spread is None else optim._spread_watch.flag(
+                    part.group, out.spread / part.count, clock)
+                if part.write_to is not None:
+                    torch._foreach_copy_(part.write_to, part.write_from)
+                part.remember()
+                clamped = out.clamped
+            plan.safeguards.append(Safeguards(part.group, part.states, clamped, None, spreading, None))
+        if optim.watch_elbo:  # (pyro_ngvi.chain.watch_elbo)
+            if self.tau != 1:
+                plan.elbo_watch.reset()
+            else:
+                plan.elbo_watch.one_draw = self.one_draw
+                flag = plan.elbo_watch.add(stats[0].loss)
+                if flag is not None:
+                    plan.elbo_flag = flag
+        optim.num_steps += 1
+        for state in self.states:
+            state.taken += 1
+        return True
