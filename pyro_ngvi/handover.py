@@ -8,6 +8,7 @@ rejecting the step; side effects of the evaluation that a rejected step must not
 behind (BatchNorm running statistics) are registered with :func:`on_rejected`.
 """
 
+import operator
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
@@ -200,6 +201,14 @@ def attach_curvature(loc: torch.Tensor, stats: SiteCurvature) -> None:
     setattr(loc, _CURVATURE_ATTR, stats)
 
 
+def attach_curvatures(locs: List[torch.Tensor], stats: List[SiteCurvature]) -> None:
+    """:func:`attach_curvature` of each of ``stats`` to its site's ``loc``."""
+    live = _live_handover[0]
+    for loc, s in zip(locs, stats):
+        s.handover = live
+        setattr(loc, _CURVATURE_ATTR, s)
+
+
 def pop_curvature(loc: torch.Tensor) -> Optional[SiteCurvature]:
     """Take the :class:`SiteCurvature` of the live hand-over off ``loc`` (``None``
     when there is none; stale statistics are dropped)."""
@@ -208,3 +217,20 @@ def pop_curvature(loc: torch.Tensor) -> Optional[SiteCurvature]:
         return None
     delattr(loc, _CURVATURE_ATTR)
     return stats if stats.handover == _live_handover[0] else None
+
+
+def take_curvatures(locs: List[torch.Tensor]) -> list:
+    """:func:`pop_curvature` of each of ``locs``, stale statistics included (the caller compares
+    their ``handover`` with :func:`live_handover`), in one call: each tensor's attribute taken off
+    its ``__dict__`` (where ``setattr`` put it) by ``map``, not one call per tensor."""
+    return list(map(_TAKE, map(vars, locs)))
+
+
+def give_back(locs: List[torch.Tensor], taken: list) -> None:
+    """Attach what :func:`take_curvatures` took off ``locs`` again (as it was)."""
+    for loc, stats in zip(locs, taken):
+        if stats is not None:
+            setattr(loc, _CURVATURE_ATTR, stats)
+
+
+_TAKE = operator.methodcaller("pop", _CURVATURE_ATTR, None)

@@ -4,6 +4,7 @@ over): a :class:`Plan` of its sites and other parameters, built once and reused 
 store holds those tensors.
 """
 
+import operator
 from typing import Dict, List, Optional
 
 import torch
@@ -47,15 +48,16 @@ class Plan:
         self.tensors = [pair for site in sites for pair in stored_tensors(site)]  # (name, tensor): stored
         # where their values live: guide.to(torch.float64) or .to(device) gives a param new storage under
         # the same tensor object, and the groups' views would still show the old one (a new plan is made)
-        self.storage = [(t, t.data_ptr()) for t in [site.loc for site in sites] + [t for _, t in self.tensors]]
+        located = [site.loc for site in sites] + [t for _, t in self.tensors]
+        self._names, self._stored = [name for name, _ in self.tensors], [t for _, t in self.tensors]
+        self._located, self._pointers = located, [t.data_ptr() for t in located]
 
     def stored(self, store) -> bool:
         """Whether the param store (its dict of tensors) still holds the sites' tensors under their names,
-        in the storage they had (not moved to another dtype or device since)."""
-        for name, tensor in self.tensors:
-            if name not in store or store[name] is not tensor:
-                return False
-        return all(tensor.data_ptr() == pointer for tensor, pointer in self.storage)
+        in the storage they had (not moved to another dtype or device since). (Looked up and compared
+        by ``map``: a call for all, not one per tensor; at every step.)"""
+        return (all(map(operator.is_, map(store.get, self._names), self._stored))
+                and list(map(torch.Tensor.data_ptr, self._located)) == self._pointers)
 
     def take_newton(self, pending: List[Dict]) -> None:
         """Take the first of the ``pending`` Newton guards (restored by :meth:`~pyro_ngvi.NGVI.set_state`) that is

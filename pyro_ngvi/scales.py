@@ -310,6 +310,26 @@ def known_scale(raw: torch.Tensor) -> Optional[torch.Tensor]:
     return None if entry is None else entry[2]
 
 
+def known_scales(raws: List[torch.Tensor]) -> List[Optional[torch.Tensor]]:
+    """:func:`known_scale` of each of ``raws`` (their entries looked up by ``map``, in one call)."""
+    found = [None] * len(raws)
+    for j, (raw, entry) in enumerate(zip(raws, list(map(_remembered.get, map(id, raws))))):
+        if entry is not None and entry[1] == raw._version and entry[0]() is raw and entry[2].dtype == raw.dtype \
+                and entry[2].device == raw.device:  # (as _entry)
+            found[j] = entry[2]
+    return found
+
+
+def sum_log_scales(raws: List[torch.Tensor], sigmas: List[torch.Tensor], exps: List[bool]) -> torch.Tensor:
+    """The sum over sites of :func:`sum_log_scale` (``exps``: whether each site's transform is
+    :class:`FastExp`, decided once), added from the first site's: no 0-d kernel adding it to 0."""
+    total = None
+    for raw, sigma, exp in zip(raws, sigmas, exps):
+        term = raw.sum() if exp else torch.log(sigma).sum()
+        total = term if total is None else total + term
+    return 0.0 if total is None else total
+
+
 def forget_scale(raw: torch.Tensor) -> None:
     """Drop what is remembered of ``raw``."""
     if _entry(raw) is not None or (id(raw) in _remembered and _remembered[id(raw)][0]() is raw):

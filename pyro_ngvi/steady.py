@@ -10,12 +10,12 @@ same :class:`~pyro_ngvi.elementwise.Branches` and :class:`~pyro_ngvi.elementwise
 checks read at once, no guard, no cross terms, no dense site. :meth:`SteadyStep.build` asks the
 chain's own functions for those decisions after a step the chain took (the arguments
 :func:`~pyro_ngvi.group_io.read_pass` gives for the next step), and keeps them only where they
-are the steady ones; :meth:`SteadyStep.run` then takes the next step with them:
-
-.. math:: (g, h) \\xrightarrow{\\text{flat}} \\text{checks} \\xrightarrow{} \\text{the element-wise
-          pass (:func:`~pyro_ngvi.elementwise.mean_field_pass`)} \\xrightarrow{} \\text{the guide},
-          \\sigma' \\text{ remembered, the safeguards' flags, the ELBO watch, the counts,}
-
+are the steady ones; :meth:`SteadyStep.run` then takes the next step with them: each group's
+:math:`g` and :math:`h` flat, the checks (finite, the last step's flags) read, the element-wise pass
+(:func:`~pyro_ngvi.elementwise.mean_field_pass`, the update
+:math:`\\lambda' = (1-\\beta)\\lambda + \\beta(\\lambda_0 + h)`,
+:math:`\\mu' = \\mu - \\alpha(\\bar g + \\lambda_0(\\mu - m_0))/(\\lambda' + \\gamma)`), the guide
+written, :math:`\\sigma'` remembered, the safeguards' flags, the ELBO watch and the counts kept:
 the same operations in the same order as the chain, so the same values to the bit. It holds
 while everything that decided a branch is as it was: NGVI's settings, the ``SVI`` and its ELBO,
 no state waiting from ``set_state``, no process group, the sites' states (their momentum the
@@ -36,7 +36,7 @@ from .checks import read_flags, settle_checks, sync_every
 from .elementwise import Inputs, mean_field_pass
 from .family import SiteCurvature
 from .group_io import adaptive_for, keep_pass, read_pass, stall_test
-from .handover import _CURVATURE_ATTR, _live_handover
+from .handover import _live_handover, give_back, take_curvatures
 from .hot_path import no_grad, scalar
 from .policies import Settings, resolve
 from .safeguards import Safeguards
@@ -98,7 +98,7 @@ class SteadyStep:
     """A plan's steady step (module docstring): :meth:`build` after a step of the chain, :meth:`run`
     at the steps after while it :meth:`holds` and the statistics :meth:`fits`."""
 
-    __slots__ = ("settings", "svi", "elbo", "locs", "states", "kinds", "groups", "tau", "one_draw", "records")
+    __slots__ = ("settings", "svi", "elbo", "locs", "states", "kinds", "groups", "tau", "one_draw", "records", "flags")
 
     @classmethod
     @no_grad
@@ -136,7 +136,7 @@ class SteadyStep:
         steady.one_draw = one_draw(svi)
         steady.locs, steady.states = [site.loc for site in sites], states
         steady.kinds = [_kind(s) for s in ordered]
-        steady.groups, steady.records = [], None
+        steady.groups, steady.records, steady.flags = [], None, []
         clock = max([state.taken for state in states], default=0)
         given = Settings(config.lr, config.beta, config.momentum, config.damping)
         start = 0
@@ -193,11 +193,10 @@ class SteadyStep:
     def run(self, optim, plan, svi) -> Optional[bool]:
         """The step (returns whether it was taken, as :func:`~pyro_ngvi.chain.take_step`), or ``None``,
         nothing done, where this step's statistics do not :meth:`fits` (the chain takes it)."""
-        stats = [getattr(loc, _CURVATURE_ATTR, None) for loc in self.locs]
+        stats = take_curvatures(self.locs)
         if not self.fits(stats):
+            give_back(self.locs, stats)  # (for the chain, as they were handed over)
             return None
-        for loc in self.locs:  # (taken: pyro_ngvi.handover.pop_curvature)
-            delattr(loc, _CURVATURE_ATTR)
         # the flat g and h of each group, and the checks: finite, and the last step's flags
         flats, parts = [], []
         for part in self.groups:
@@ -211,7 +210,8 @@ class SteadyStep:
             parts += (grad.sum(), curvature.sum())
         records, plan.safeguards = plan.safeguards, []
         elbo_flag, plan.elbo_flag = plan.elbo_flag, None
-        flags = [f for record in records for f in record.flags()]
+        # (the flags of its own last step kept as it made them: Safeguards.flags, in order)
+        flags = list(self.flags) if records is self.records else [f for record in records for f in record.flags()]
         if elbo_flag is not None:
             flags.append(elbo_flag)
         values = read_flags(parts + flags)
@@ -227,7 +227,7 @@ class SteadyStep:
                 return False
         # the step
         clock = max([state.taken for state in self.states])
-        self.records = plan.safeguards
+        self.records, self.flags = plan.safeguards, []
         for part, (grad, curvature) in zip(self.groups, flats):
             args = part.args
             if part.gathered:
@@ -237,6 +237,7 @@ class SteadyStep:
                 template = part.template
                 template[2], template[3] = grad, curvature
                 inputs = Inputs(*template)
+                template[2] = template[3] = None  # (not kept alive until the next step)
             out = mean_field_pass(args.branches, inputs, args.numbers, part.group.transform, part.scratch)
             if out.mean is not inputs.mean or out.raw_scale is not (inputs.out_raw_scale if part.gathered else
                                                                    inputs.raw_scale) or out.scale is not inputs.scale:
@@ -252,6 +253,7 @@ class SteadyStep:
                 part.remember()
                 clamped = out.clamped
             plan.safeguards.append(Safeguards(part.group, part.states, clamped, None, spreading, None))
+            self.flags += (clamped,) if spreading is None else (clamped, spreading)
         if optim.watch_elbo:  # (pyro_ngvi.chain.watch_elbo)
             if self.tau != 1:
                 plan.elbo_watch.reset()

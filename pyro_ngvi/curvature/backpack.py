@@ -230,7 +230,7 @@ def network_curvature(
             for p in closed_form.params:
                 p.grad = None
             loss, grads, curvatures, inputs = result
-            return _scaled(loss, grads, curvatures, source, loss_scale)._replace(inputs=inputs)
+            return _scaled(loss, grads, curvatures, source, loss_scale, inputs)
     extension = _extension(source, mc_samples, batch_statistics=source in BATCH_STATISTICS_EXTENSIONS
                            and has_batch_statistics(net))
     if params is None:
@@ -306,15 +306,16 @@ def network_curvature(
     return _scaled(loss.detach(), grads, curvatures, source, loss_scale)
 
 
-def _scaled(loss, grads, curvatures, source, loss_scale) -> NetworkCurvature:
-    """The result with the per-example weight :math:`c` applied (see the module docstring)."""
+def _scaled(loss, grads, curvatures, source, loss_scale, inputs=None) -> NetworkCurvature:
+    """The result with the per-example weight :math:`c` applied (see the module docstring), with the
+    layers' ``inputs`` (the closed form's; ``None``: BackPACK's)."""
     if isinstance(loss_scale, torch.Tensor) or loss_scale != 1.0:
         loss = loss * loss_scale
         grads = [g * loss_scale for g in grads]
         factor = loss_scale ** _LOSS_SCALE_POWER.get(source, 0)
         curvatures = [h if h is None else [h[0] * factor, *h[1:]] if isinstance(h, list) else h * factor
                       for h in curvatures]
-    return NetworkCurvature(loss, grads, curvatures)
+    return NetworkCurvature(loss, grads, curvatures, inputs)
 
 
 def _checked(output: torch.Tensor, check_output, loss_module=None) -> torch.Tensor:

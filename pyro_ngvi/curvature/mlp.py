@@ -55,7 +55,8 @@ SOURCES = ("ef", "ggn", "ggn_mc", "kflr", "kfac", "reparam", "none")
 #: Element-wise activations: module type -> (forward, derivative from the input ``z`` and
 #: the output ``a``), the module's own settings read at call time.
 ACTIVATIONS = {
-    nn.ReLU: (lambda m, z: F.relu(z), lambda m, z, a: a.sign()),  # (a comparison into floats is slow on CPU)
+    # (torch.relu: F.relu's own call, without its Python wrapper; a comparison into floats is slow on CPU)
+    nn.ReLU: (lambda m, z: torch.relu(z), lambda m, z, a: a.sign()),
     nn.LeakyReLU: (lambda m, z: F.leaky_relu(z, m.negative_slope),
                    lambda m, z, a: torch.full_like(z, m.negative_slope).masked_fill_(z > 0, 1.0)),
     nn.Tanh: (lambda m, z: torch.tanh(z), lambda m, z, a: 1 - a * a),
@@ -206,7 +207,9 @@ def _unchanged(snapshot: list, params: List[torch.Tensor]) -> bool:
             or module_hooks._global_backward_hooks:
         return False
     for module, kind, children, parameters, hooks in snapshot:
-        if module.__class__ is not kind or module._modules != children or _hooks(module) != hooks \
+        if module.__class__ is not kind or module._modules != children or (  # (_hooks, inline: no call per module)
+                module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
+                module._backward_pre_hooks) != hooks \
                 or len(module._parameters) != len(parameters):
             return False
         for name, tensor in parameters:

@@ -19,10 +19,11 @@ import torch
 import pyro
 
 from ..curvature.backpack import network_curvature
-from ..family import SiteCurvature, attach_curvature, scale_transform
+from ..family import SiteCurvature, scale_transform
+from ..handover import attach_curvatures
 from ..kronecker import KroneckerNormal
 from ..hot_path import no_grad, same, scalar
-from ..scales import known_scale, sum_log_scale
+from ..scales import FastExp, known_scales, sum_log_scales
 from .kronecker_step import KroneckerStep
 from .twin import LOSS_MODULES, BackpackTwin, accumulate_grad
 from .value import full_nll, kl, log_ratio
@@ -60,7 +61,7 @@ class BackpackStep(BackpackTwin):
     def __init__(self, net, likelihood: str):
         super().__init__(net, likelihood)
         self._kronecker_step = KroneckerStep(self)
-        self._guide_names = {}  # id(guide) -> (its name, its loc names, its scale names, their transforms)
+        self._guide_names = {}  # id(guide) -> (its name, loc names, scale names, transforms, their constraints, exps)
         self._plain_loss = LOSS_MODULES[likelihood](reduction="sum")  # (a plain backward needs no hooks)
         self._buffers = {}  # name -> a tensor per site reused every step (the draws, the reparam curvature)
         self._plans = {}  # the closed-form plans of the net and its twin (pyro_ngvi.curvature.mlp.planned)
@@ -135,7 +136,7 @@ class BackpackStep(BackpackTwin):
                 torch._foreach_div_(d, num_particles)
         mean_nll = nll / num_particles if num_particles > 1 else nll
         nll = full_nll(num_data, mean_nll, loss_scale, noise_scale, target, batch)
-        loss = _value(nll, sample_log_ratio, raws, locs, stddevs, self._guide_names[id(guide)][3], prior,
+        loss = _value(nll, sample_log_ratio, raws, locs, stddevs, self._guide_names[id(guide)][5], prior,
                       num_particles, deterministic)
         self._hand_over(model, locs, stddevs, grads, curvatures, draws, prior, curvature, deterministic, loss)
         for value, grad in zip(points, point_grads):
@@ -150,6 +151,7 @@ class BackpackStep(BackpackTwin):
         if model.noise_limit_mode == "mean" and not deterministic:  # (a family that moves with its means:
             floors, loss = model._mean_floor(locs), None  # its loss is not one family's, the ELBO watch is not fed)
         hints = model._sites_hints(deterministic, floors)
+        handed = []
         for j, (loc, grad, curv, stddev) in enumerate(zip(locs, grads, curvatures, stddevs)):
             if grad.dtype != loc.dtype:  # (a net converted, .double(), after its guide was made)
                 grad, curv = grad.to(loc.dtype), curv.to(loc.dtype)
@@ -171,7 +173,8 @@ class BackpackStep(BackpackTwin):
                 fitted=True,  # (the net's own tensors: the loc's shape, dtype and device)
                 **hints[j],
             )
-            attach_curvature(loc, stats)
+            handed.append(stats)
+        attach_curvatures(locs, handed)
 
     def _read_guide(self, model, guide, x, y) -> Tuple[List[torch.Tensor], List[torch.Tensor], List[torch.Tensor]]:
         """
@@ -192,33 +195,35 @@ class BackpackStep(BackpackTwin):
             prefix = guide._pyro_name
             names = self._guide_names[id(guide)] = (
                 prefix, [f"{prefix}.locs.{w.site}" for w in model._latents],
-                [f"{prefix}.scales.{w.site}" for w in model._latents], None)
-        _, locs, scales, transforms = names
+                [f"{prefix}.scales.{w.site}" for w in model._latents], None, None, None)
+        _, locs, scales, transforms, constraints_then, exps = names
         params = store._params
         if not _all_in(locs + scales, params):
             with guide._pyro_context:  # (re-)registers the guide's own tensors
                 for w in model._latents:
                     guide._get_loc_and_scale(w.site)
         raws = [params[name] for name in scales]
-        for w, loc_name, scale_name in zip(model._latents, locs, scales):  # (draws go into the net's tensors)
-            for name in (loc_name, scale_name):
-                if params[name].shape != w.param.shape:
-                    raise ValueError(
-                        f"BayesianNet: the param store's '{name}' has shape {tuple(params[name].shape)}, the "
-                        f"weight {w.site!r} has {tuple(w.param.shape)}: a guide of another model named "
-                        f"{names[0]!r} (or a loaded param store) left it there. Call pyro.clear_param_store(), "
-                        "give this guide another name, or set it up with pyro_ngvi.start_task")
+        # (the net's weights are model._latent_params: _check_batch refused a step where one was replaced)
+        shapes = [p.shape for p in model._latent_params]
+        if [params[name].shape for name in locs] != shapes or [raw.shape for raw in raws] != shapes:
+            for w, loc_name, scale_name in zip(model._latents, locs, scales):  # (draws go into the net's tensors)
+                for name in (loc_name, scale_name):
+                    if params[name].shape != w.param.shape:
+                        raise ValueError(
+                            f"BayesianNet: the param store's '{name}' has shape {tuple(params[name].shape)}, the "
+                            f"weight {w.site!r} has {tuple(w.param.shape)}: a guide of another model named "
+                            f"{names[0]!r} (or a loaded param store) left it there. Call pyro.clear_param_store(), "
+                            "give this guide another name, or set it up with pyro_ngvi.start_task")
         constraints = [store._constraints[name] for name in scales]
-        if transforms is None or not same([t[0] for t in transforms], constraints):
+        if transforms is None or not same(constraints_then, constraints):
             transforms = [(c, scale_transform(c)) for c in constraints]
-            self._guide_names[id(guide)] = names[:3] + (transforms,)
-        stddevs = []
-        for raw, (_, transform) in zip(raws, transforms):
-            stddev = known_scale(raw)
+            exps = [isinstance(t, FastExp) for _, t in transforms]
+            self._guide_names[id(guide)] = names[:3] + (transforms, constraints, exps)
+        stddevs = known_scales(raws)
+        for j, stddev in enumerate(stddevs):
             if stddev is None:
                 with torch.no_grad():
-                    stddev = transform(raw.detach())
-            stddevs.append(stddev)
+                    stddevs[j] = transforms[j][1](raws[j].detach())
         return [pyro.param(name).unconstrained() for name in locs], raws, stddevs
 
     @no_grad
@@ -273,13 +278,11 @@ class BackpackStep(BackpackTwin):
 
 
 @no_grad
-def _value(nll, sample_log_ratio, raws, locs, stddevs, transforms, prior, num_particles, deterministic):
+def _value(nll, sample_log_ratio, raws, locs, stddevs, exps, prior, num_particles, deterministic):
     """:meth:`BackpackStep.__call__`'s value from the particles' ``nll`` and ``sample_log_ratio``
-    (their sums) and the guide: computed without a graph (no ``detach`` of each term)."""
-    log_scale = 0.0  # sum log sigma, summed from the first site: no 0-d kernel adding it to 0
-    for j, (raw, stddev, (_, transform)) in enumerate(zip(raws, stddevs, transforms)):
-        term = sum_log_scale(raw, stddev, transform)
-        log_scale = term if j == 0 else log_scale + term
+    (their sums) and the guide (``exps``: which sites' sigma is the exponential of the raw scale):
+    computed without a graph (no ``detach`` of each term)."""
+    log_scale = sum_log_scales(raws, stddevs, exps)  # sum log sigma
     if deterministic:
         return nll + kl(prior, locs, stddevs, log_scale)
     # the particle average of sum [lambda_0 (w - m_0)^2 - eps^2] / 2 - log sigma + log s_0

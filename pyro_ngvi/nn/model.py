@@ -192,6 +192,7 @@ class BayesianNet(WeightPriors, NoiseLimit, GuideFactory, InputChecks, FastPath,
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise ValueError(f"num_data must be a positive integer, got {value!r}")
         self._num_data = int(value)
+        self._effective_num_data = max(1, round(self._num_data * getattr(self, "_augmentation_factor", 1.0)))
 
     @property
     def augmentation_factor(self) -> float:
@@ -201,11 +202,13 @@ class BayesianNet(WeightPriors, NoiseLimit, GuideFactory, InputChecks, FastPath,
     @augmentation_factor.setter
     def augmentation_factor(self, value) -> None:
         self._augmentation_factor = positive_finite("augmentation_factor", value)
+        self._effective_num_data = max(1, round(self._num_data * self._augmentation_factor))
 
     @property
     def effective_num_data(self) -> int:
-        """The data plate's size :math:`N`: ``round(num_data * augmentation_factor)`` (at least 1)."""
-        return max(1, round(self.num_data * self.augmentation_factor))
+        """The data plate's size :math:`N`: ``round(num_data * augmentation_factor)`` (at least 1; computed
+        when either is set, read at every step)."""
+        return self._effective_num_data
 
     @property
     def latent_sites(self) -> List[str]:

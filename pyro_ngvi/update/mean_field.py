@@ -47,7 +47,7 @@ def precision_step(precision: torch.Tensor, target: torch.Tensor, beta, correct:
     """
     if correct:  # h <- max(h, (1 - 1/beta) lambda)
         work = scratch[0] if scratch is not None else None
-        if torch.is_tensor(beta):  # (per-element steps)
+        if isinstance(beta, torch.Tensor):  # (per-element steps)
             lowest = torch.sub(beta, 1.0, out=work).div_(beta).mul_(precision)
         else:
             lowest = torch.mul(precision, (beta - 1.0) / beta, out=work)
@@ -59,7 +59,7 @@ def precision_step(precision: torch.Tensor, target: torch.Tensor, beta, correct:
     work, flag = scratch if scratch is not None else (None, None)
     where = torch.le(target, 0, out=flag) if flag is not None else (target <= 0).to(target.dtype)
     square = torch.sub(precision, target, out=work).mul_(where).square_()
-    if torch.is_tensor(beta):  # (per-element steps)
+    if isinstance(beta, torch.Tensor):  # (per-element steps)
         return new_precision.addcdiv_(square.mul_(beta).mul_(beta), precision, value=0.5)
     return new_precision.addcdiv_(square, precision, value=beta**2 / 2)
 
@@ -70,7 +70,7 @@ def mean_step(mean, direction, pull, denominator, lr, out=None, scratch=None) ->
     ``lr`` a number or a tensor of per-element steps; into ``out`` (default: a new tensor),
     ``scratch`` a buffer for the step of per-element ``lr``."""
     numerator = direction if pull is None else pull.add_(direction)
-    if torch.is_tensor(lr):
+    if isinstance(lr, torch.Tensor):
         step = torch.mul(numerator, lr, out=scratch).div_(denominator)
         return torch.sub(mean, step, out=out)
     return torch.addcdiv(mean, numerator, denominator, value=-lr, out=out)

@@ -1,0 +1,98 @@
+"""
+The steady step (issue 24, :mod:`pyro_ngvi.steady`): once the recipe's guide has started, NGVI
+replays the chain's decisions instead of taking them again, with far fewer Python calls per
+step, and gives the chain's steps to the bit. The reference: the same run with NGVI's state saved
+and restored before every step (``set_state(get_state())``), which makes every step a step of the
+chain (a new plan, no steady step to replay).
+"""
+
+import cProfile
+import pstats
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import pyro
+from pyro.infer import SVI
+
+from pyro_ngvi import NGVI, BayesianNet, CurvatureELBO
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _recipe(source: str, widths=(16, 32, 32, 4), n=512, seed=0):
+    """The README's recipe on a small MLP and a synthetic classification task."""
+    pyro.clear_param_store()
+    torch.manual_seed(seed)
+    layers = []
+    for fan_in, fan_out in zip(widths, widths[1:]):
+        layers += [nn.Linear(fan_in, fan_out), nn.ReLU()]
+    bnn = BayesianNet(nn.Sequential(*layers[:-1]), "categorical", num_data=n)
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, widths[0], generator=generator)
+    y = (x @ torch.randn(widths[0], widths[-1], generator=generator)).argmax(-1)
+    optim = NGVI()
+    return SVI(bnn, bnn.guide(), optim, CurvatureELBO(source)), optim, x, y
+
+
+def _run(source: str, steps: int, through_chain: bool):
+    """``steps`` steps of 128 examples; a non-finite batch at step 7 (skipped), ``lr`` set at step 10
+    (a setting changed between steady steps). ``through_chain``: NGVI's state saved and restored
+    before each step (every step a step of the chain)."""
+    svi, optim, x, y = _recipe(source)
+    losses = []
+    with pyro.validation_enabled(False), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(steps):
+            if through_chain:
+                optim.set_state(optim.get_state())
+            xb, yb = x[(step * 128) % 384:][:128], y[(step * 128) % 384:][:128]
+            if step == 7:
+                xb = xb.clone()
+                xb[0, 0] = float("nan")
+            if step == 10:
+                optim.lr = 0.1
+            losses.append(svi.step(xb, yb))
+    params = {name: value.detach().clone() for name, value in pyro.get_param_store().items()}
+    return params, losses, optim
+
+
+@pytest.mark.parametrize("source", ["ggn", "ef", "reparam"])
+def test_steady_steps_are_the_chains_to_the_bit(source):
+    params, losses, optim = _run(source, 14, through_chain=False)
+    # (replayed: the plan holds its steady step, pyro_ngvi.steady.SteadyStep, which has run)
+    assert any(getattr(getattr(plan, "steady", None), "records", None) is not None for plan in optim._plans.values())
+    reference, reference_losses, chain = _run(source, 14, through_chain=True)
+    assert all(plan.steady is None or plan.steady.records is None for plan in chain._plans.values())  # (none ran)
+    assert (optim.num_steps, optim.num_skipped_steps) == (chain.num_steps, chain.num_skipped_steps) == (13, 1)
+    assert list(map(repr, losses)) == list(map(repr, reference_losses))  # (to the bit: repr round-trips; nan at 7)
+    for name, value in reference.items():
+        assert torch.equal(params[name], value), name
+
+
+def _calls_per_step(source: str, warmup: int = 5, steps: int = 5) -> float:
+    svi, _, x, y = _recipe(source, widths=(64, 100, 10), n=1437)
+    with pyro.validation_enabled(False):
+        for _ in range(warmup):
+            svi.step(x[:128], y[:128])
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(steps):
+            svi.step(x[:128], y[:128])
+        profiler.disable()
+    return sum(v[1] for v in pstats.Stats(profiler).stats.values()) / steps
+
+
+@pytest.mark.parametrize("source", ["ggn", "ef", "reparam"])
+def test_a_steady_step_of_the_recipe_makes_at_most_500_python_calls(source):
+    # (a count, not a time: the same on any machine; the main demo's MLP. Before the steady step:
+    # 820-850, against ivon-opt's 225; benchmarks/step_overhead.py)
+    assert _calls_per_step(source) <= 500
