@@ -33,7 +33,7 @@ from .family import GaussianSite, SiteCurvature, calling_svi, end_handover, guid
 from .groups import Workspace
 from .mean_field_kl import analytic_locs, mean_field_elbo, move_prior_to_draws
 from .monitor import NGVIWarning, SpreadWatch
-from .plan import Plan
+from .plan import Plan, Plans
 from .policies import (DENSE, DENSE_SAMPLED, FULL_BATCH, MINIBATCH, Checked, Schedule, Settings, check_schedule,
                        defaults, number, resolve)
 from .point import (LowRankLocs, check_point_args, check_point_optim, check_point_states, clamp_gradients,
@@ -168,7 +168,7 @@ class NGVI(PyroOptim):
         self._states: Dict[int, SiteState] = {}  # id(loc) -> that site's state
         self._pending_states: Dict[str, Dict] = {}  # from set_state, by param name
         self._restored = frozenset()  # the site names set_state restored, until a guide's sites step
-        self._plans: Dict[tuple, Plan] = {}  # per guide structure
+        self._plans = Plans()  # per guide structure (at most MAX_PLANS, the last used)
         self._spread_watch = SpreadWatch()  # means growing without bound (pyro_ngvi.monitor), per group
         self._point_checked = WeakIdKeyDictionary()  # params whose point-optimizer step was probed
         self._workspace = Workspace()  # scratch buffers of the element-wise pass (pyro_ngvi.groups)
@@ -303,19 +303,18 @@ class NGVI(PyroOptim):
         A site with a tensor frozen (``requires_grad_(False)``) is no site here (:func:`_unfrozen`)."""
         guide = _guide_of(self.guide, svi)
         key = (id(guide), frozenset(map(id, params)), frozenset([id(p) for p in params if not p.requires_grad]))
-        plan = self._plans.get(key)
         store = pyro.get_param_store()._params
-        if plan is not None and plan.guide() is guide and plan.stored(store):
+        plan = self._plans.found(key, guide, store)
+        if plan is not None:
             plan.reweigh(guide)  # (poutine.scale factors may change between steps: KL annealing)
             return plan
         sites, others, parts, score = _unfrozen(*split_params(guide, params))
         scored = {id(p) for p in score}
         self._guide_parts.update((p, id(p) in scored) for p in parts)  # (True: a score-function site's)
         self._low_rank_locs.note(guide_parts(guide))
-        # plans whose tensors left the param store (pyro.clear_param_store()) leave no trace
-        self._plans = {k: p for k, p in self._plans.items() if p.stored(store)}
+        self._plans.make_room(key, store, self)  # (and plans whose tensors left the store leave no trace)
         self._forget_gone()
-        plan = self._plans[key] = Plan(sites, others, guide)
+        plan = self._plans.add(key, Plan(sites, others, guide))
         plan.take_newton(self._pending_newton)
         for site in sites:  # (a guide moved to another dtype or device: its state follows)
             state = self._states.get(id(site.loc))
@@ -397,7 +396,7 @@ class NGVI(PyroOptim):
         self.num_rejected_steps = ngvi.get("num_rejected_steps", 0)
         self._pending_newton = copy.deepcopy(ngvi.get("newton", []))  # taken up by the plan of its sites
         self._states = {}
-        self._plans = {}
+        self._plans = Plans()
         self._pending_states = {name: {"taken": ngvi["num_steps"], **entry} for name, entry in ngvi["sites"].items()}
         self._restored = frozenset(self._pending_states)
         store = pyro.get_param_store()

@@ -9,7 +9,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .checks import DeferredChecks
+from .checks import DeferredChecks, read_checks
 from .family import FullCovarianceSite, GaussianSite, SiteCurvature, calling_step, gaussian_sites
 from .groups import Group, group_sites, statistics_kind
 from .guide_trace import subsampling
@@ -18,6 +18,50 @@ from .kronecker import KroneckerSite
 from .low_rank_guide import LowRankSite
 from .monitor import ElboWatch
 from .safeguards import NewtonGuard, Safeguards
+
+
+#: The most guide structures whose :class:`Plan` NGVI keeps (:class:`Plans`); beyond, the least
+#: recently used is dropped. A guide whose sites change at random between steps (a branch per
+#: site) has a new structure nearly every step: kept without bound, 800 steps of 12 such sites
+#: held 725 plans (14 MB, 67,511 tensors), and every new plan checked all the others, the step's
+#: cost growing with the steps taken.
+MAX_PLANS = 16
+
+
+class Plans(dict):
+    """NGVI's plans by key (the guide and the tensors SVI hands over), at most :data:`MAX_PLANS`."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0  # look-ups: when each plan was last used (Plan.used)
+
+    def found(self, key, guide, store) -> Optional["Plan"]:
+        """The plan of ``key`` if it is ``guide``'s and the param ``store`` still holds its tensors
+        (:meth:`Plan.stored`), else ``None``."""
+        self.calls += 1
+        plan = self.get(key)
+        if plan is None or plan.guide() is not guide or not plan.stored(store):
+            return None
+        plan.used = self.calls
+        return plan
+
+    def make_room(self, key, store, optim) -> None:
+        """Drop the plan of ``key``, the plans whose tensors left the param ``store``
+        (``pyro.clear_param_store()``) and, while :data:`MAX_PLANS` - 1 remain, the least recently
+        used, whose deferred checks and last flags ``optim`` reads first (counted and reported as at
+        its next step: :func:`~pyro_ngvi.checks.read_checks`)."""
+        for k in [k for k, plan in self.items() if k == key or not plan.stored(store)]:
+            del self[k]
+        while len(self) >= MAX_PLANS:
+            plan = self.pop(min(self, key=lambda k: self[k].used))
+            if len(plan.deferred) or plan.safeguards or plan.elbo_flag is not None:
+                read_checks(optim, plan, [], {}, [], [], [], [])
+
+    def add(self, key, plan: "Plan") -> "Plan":
+        """Keep ``plan`` under ``key``, as just used."""
+        plan.used = self.calls
+        self[key] = plan
+        return plan
 
 
 class Plan:
@@ -42,6 +86,7 @@ class Plan:
         self.elbo_watch = ElboWatch()  # a training ELBO that keeps getting worse
         self.elbo_flag: Optional[torch.Tensor] = None
         self.skips_in_a_row = 0
+        self.used = 0  # Plans.calls when NGVI last took this plan (the least recently used is dropped)
         self.deferred = DeferredChecks()  # steps whose checks the host has not read yet
         self.steady = None  # the step after a steady one, replayed (pyro_ngvi.steady.SteadyStep)
         self.kl_sites: Dict = {}  # TraceMeanField_ELBO: the leaves it draws, per model (pyro_ngvi.mean_field_kl)
