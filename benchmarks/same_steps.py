@@ -3,7 +3,8 @@ Whether a change keeps the recipe's steps to the bit (issue 24: the fixed cost c
 unchanged): 30 steps of ``bnn.guide()``, ``NGVI()``, ``CurvatureELBO(source)`` for each source
 (``ggn``, ``ef``, ``reparam``) on the tasks of ``step_overhead.py`` (``digits``, ``w100``), a
 non-finite minibatch at step 20 (skipped with a warning), the param store and ``NGVI.get_state()``
-saved; two saved runs compared with ``torch.equal``. Run it in two checkouts::
+saved; two saved runs compared with ``torch.equal``. ``--sync-every K``: the checks read every K
+steps (``NGVI.sync_every``, 16 by default on CUDA), on the CPU. Run it in two checkouts::
 
     PYTHONPATH=/path/to/main python benchmarks/same_steps.py --save /tmp/main.pt
     PYTHONPATH=. python benchmarks/same_steps.py --save /tmp/ours.pt --compare /tmp/main.pt
@@ -35,13 +36,14 @@ def _flat(prefix: str, value, out: dict) -> None:
         out[prefix] = value.detach().clone() if torch.is_tensor(value) else value
 
 
-def run(steps: int = 30) -> dict:
+def run(steps: int = 30, sync_every=None) -> dict:
     saved = {}
     for task in ("digits", "w100"):
         for source in ("ggn", "ef", "reparam"):
             pyro.clear_param_store()
             harness.seed(0)
             method = step_overhead.make(task, source)
+            method.svi.optim.sync_every = sync_every
             split = method.task.split
             with pyro.validation_enabled(False), method.active():
                 for step in range(steps):
@@ -68,10 +70,11 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     parser.add_argument("--save", required=True)
     parser.add_argument("--compare")
+    parser.add_argument("--sync-every", type=int, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    saved = run()
+    saved = run(sync_every=args.sync_every)
     torch.save(saved, args.save)
     if args.compare:
         differ = differences(saved, torch.load(args.compare, weights_only=False))

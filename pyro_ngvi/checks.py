@@ -121,14 +121,21 @@ def read_checks(optim, plan, sites, stats, groups, group_stats, flats, others) -
     checked += [((p.grad,), None) for p in others_with_grad]
     checked += [(tensors(stats[site.key]), None) for site in sites if not isinstance(site, GaussianSite)]
     parts = [sums(*t, mask=mask) for t, mask in checked]  # (read on the host: finite iff all their sums are)
+    pending, records, elbo_flag, checks = take_flags(plan, parts)
+    return settle_checks(optim, plan, sites, stats, groups, others_with_grad, checked, parts, pending, records,
+                         elbo_flag, checks)
+
+
+def take_flags(plan, parts: list) -> tuple:
+    """What the host reads at a check: the 0-d sums ``parts`` (lists of them), the deferred steps'
+    finiteness flags, the safeguards' and the ELBO watch's flags since the last read, all taken off
+    ``plan`` and read in one sync: ``(pending steps, safeguard records, ELBO flag, values read)``."""
     pending = plan.deferred.take()
     records, plan.safeguards = plan.safeguards, []
     elbo_flag, plan.elbo_flag = plan.elbo_flag, None
     flags = [f for step in pending for f in step.flags] + [f for r in records for f in r.flags()]
     flags += [] if elbo_flag is None else [elbo_flag]
-    checks = read_flags([s for p in parts for s in p] + flags)
-    return settle_checks(optim, plan, sites, stats, groups, others_with_grad, checked, parts, pending, records,
-                         elbo_flag, checks)
+    return pending, records, elbo_flag, read_flags([s for p in parts for s in p] + flags)
 
 
 def settle_checks(optim, plan, sites, stats, groups, others_with_grad, checked, parts, pending, records, elbo_flag,

@@ -6,8 +6,14 @@ Once a :class:`~pyro_ngvi.plan.Plan`'s sites have started (constant steps, their
 buffers made), a step of a :class:`~pyro_ngvi.BayesianNet`'s recipe takes every branch of the
 chain of :mod:`~pyro_ngvi.chain` as the step before took it, step after step: the same groups, the
 same pass arguments (:func:`~pyro_ngvi.group_io.read_pass`: the same flat buffers and views, the
-same :class:`~pyro_ngvi.elementwise.Branches` and :class:`~pyro_ngvi.elementwise.Numbers`), the
-checks read at once, no guard, no cross terms, no dense site. :meth:`SteadyStep.build` asks the
+same :class:`~pyro_ngvi.elementwise.Branches` and :class:`~pyro_ngvi.elementwise.Numbers`), no
+guard, no cross terms, no dense site. The checks are read at once (K = 1, the CPU's default) or every K
+steps (``NGVI.sync_every``, :data:`~pyro_ngvi.checks.SYNC_EVERY_CUDA` on CUDA): then, as the chain's
+deferred step, each group's finiteness :math:`\\mathrm{ok} = [\\sum g + \\sum h \\text{ finite}]` is kept
+(:class:`~pyro_ngvi.checks.DeferredChecks`), the pass writes :math:`\\mu' \\leftarrow \\mathrm{ok}\\,?\\,
+\\mu' : \\mu` (and so :math:`\\sigma'` and the momentum), and at the K-th step the host reads the steps'
+flags and the safeguards' in one sync and settles them (:func:`~pyro_ngvi.checks.settle_checks`: a
+non-finite step's count taken back and warned of, late). :meth:`SteadyStep.build` asks the
 chain's own functions for those decisions after a step the chain took (the arguments
 :func:`~pyro_ngvi.group_io.read_pass` gives for the next step), and keeps them only where they
 are the steady ones; :meth:`SteadyStep.run` then takes the next step with them: each group's
@@ -32,18 +38,20 @@ from typing import List, Optional
 
 import torch
 
-from .checks import read_flags, settle_checks, sync_every
+from .checks import read_flags, settle_checks, sync_every, take_flags
 from .elementwise import Inputs, mean_field_pass
 from .family import SiteCurvature
 from .group_io import adaptive_for, keep_pass, read_pass, stall_test
 from .handover import _live_handover, give_back, take_curvatures
 from .hot_path import no_grad, scalar
 from .policies import Settings, resolve
-from .safeguards import Safeguards
+from .safeguards import Safeguards, finite
 from .scales import Remembered
 from .statistics import one_draw
 from .steps import SPAN, Context, _scratch
 from .variance import _takes_cross_terms
+
+OK = Inputs._fields.index("ok")  # (where a group of one's template holds a masked step's flag)
 
 
 def settings_key(optim) -> tuple:
@@ -72,7 +80,7 @@ class _Group:
     and go to."""
 
     __slots__ = ("group", "states", "start", "stop", "args", "template", "scratch", "gather", "gathered",
-                 "mean_views", "write_to", "write_from", "momentum", "views", "remember", "count", "ctx")
+                 "mean_views", "write_to", "write_from", "momentum", "views", "remember", "count", "ctx", "name")
 
     def __init__(self, group, states, start: int, args, scratch, ctx):
         self.group, self.states, self.start, self.stop = group, states, start, start + len(group.sites)
@@ -82,8 +90,11 @@ class _Group:
         cached = group.cache
         self.gather = None if group.one else cached[("views", "grad")] + cached[("views", "curvature")]
         self.mean_views = None if group.one else cached[("views", "mean")]
+        if args.branches.masked and not group.one:  # (a masked pass reads the raw scale too, gathered)
+            self.mean_views = self.mean_views + cached[("views", "raw")]
+        self.name = ", ".join(repr(site.name) for site in group.sites)  # (a deferred check's, as the chain's)
         self.write_to = self.write_from = None  # the group's tensors written back from its flat buffers
-        if not group.one:
+        if not group.one and not args.branches.masked:
             self.write_to = group.locs + (group.raw_scales if args.inputs.out_raw_scale is not None else [])
             self.write_from = list(group.pieces("mean", args.inputs.out_mean)) + (
                 list(group.pieces("raw", args.inputs.out_raw_scale)) if args.inputs.out_raw_scale is not None else [])
@@ -98,7 +109,8 @@ class SteadyStep:
     """A plan's steady step (module docstring): :meth:`build` after a step of the chain, :meth:`run`
     at the steps after while it :meth:`holds` and the statistics :meth:`fits`."""
 
-    __slots__ = ("settings", "svi", "elbo", "locs", "states", "kinds", "groups", "tau", "one_draw", "records", "flags")
+    __slots__ = ("settings", "svi", "elbo", "locs", "states", "kinds", "groups", "tau", "one_draw", "records", "flags",
+                 "every")
 
     @classmethod
     @no_grad
@@ -109,9 +121,11 @@ class SteadyStep:
         sites = plan.sites
         if (not plain or svi is None or others or not sites or plan.dense_sites or plan.weighted
                 or len(plan.mean_field) != len(sites) or config.compile or callable(config.lr)
-                or callable(config.beta) or callable(config.tau)
-                or sync_every(sites[0].loc.device, config.sync_every) != 1 or len(plan.deferred)):
+                or callable(config.beta) or callable(config.tau)):
             return None
+        # checks read every K steps: the chain's step was deferred (none of what reads them at once:
+        # no dense site, guard, learned prior, cross terms or point parameter), its writes masked
+        every = sync_every(sites[0].loc.device, config.sync_every)
         ordered = [stats[site.key] for site in sites]
         for s in ordered:
             if (type(s) is not SiteCurvature or not s.fitted or s.objective is not None or not s.watched
@@ -136,7 +150,7 @@ class SteadyStep:
         steady.one_draw = one_draw(svi)
         steady.locs, steady.states = [site.loc for site in sites], states
         steady.kinds = [_kind(s) for s in ordered]
-        steady.groups, steady.records, steady.flags = [], None, []
+        steady.groups, steady.records, steady.flags, steady.every = [], None, [], every
         clock = max([state.taken for state in states], default=0)
         given = Settings(config.lr, config.beta, config.momentum, config.damping)
         start = 0
@@ -144,7 +158,8 @@ class SteadyStep:
             group_states, group_stats = states[start:start + len(group.sites)], ordered[start:start + len(group.sites)]
             if group.one and group.numel > SPAN:
                 return None
-            ctx = Context(config.options, clock, plan.signs, optim._spread_watch, None, False, None, optim._workspace,
+            ok = None if every == 1 else torch.ones((), dtype=torch.bool, device=group.like.device)  # (each step's)
+            ctx = Context(config.options, clock, plan.signs, optim._spread_watch, None, False, ok, optim._workspace,
                           plan.subsampling)
             grad = group.gather("grad", [s.grad for s in group_stats])
             curvature = group.gather("curvature", [s.curvature for s in group_stats])
@@ -152,9 +167,9 @@ class SteadyStep:
                              group_states, False, SPAN)
             b = args.branches
             if (b.rates != "constant" or b.momentum not in ("none", "average") or b.control_variate or b.mask
-                    or b.signs or b.far or b.guarded or b.masked or b.branch_free or b.prepared or b.kept
-                    or b.recover or not b.known_scale or args.inputs.scale is not group.owned("scale")
-                    or args.inputs.out_scale is not args.inputs.scale):
+                    or b.signs or b.far or b.guarded or b.masked != (ok is not None) or b.branch_free or b.prepared
+                    or b.kept or b.recover or not b.known_scale or args.inputs.scale is not group.owned("scale")
+                    or args.inputs.out_scale is not (None if b.masked else args.inputs.scale)):
                 return None
             steady.groups.append(_Group(group, group_states, start, args,
                                         _scratch(optim._workspace, grad.numel(), grad), ctx))
@@ -207,37 +222,46 @@ class SteadyStep:
             else:
                 grad, curvature = mine[0].grad.reshape(-1), mine[0].curvature.reshape(-1)
             flats.append((grad, curvature))
-            parts += (grad.sum(), curvature.sum())
-        records, plan.safeguards = plan.safeguards, []
-        elbo_flag, plan.elbo_flag = plan.elbo_flag, None
-        # (the flags of its own last step kept as it made them: Safeguards.flags, in order)
-        flags = list(self.flags) if records is self.records else [f for record in records for f in record.flags()]
-        if elbo_flag is not None:
-            flags.append(elbo_flag)
-        values = read_flags(parts + flags)
-        engaged = values[len(parts):]
-        if records is self.records and math.isfinite(sum(values[:len(parts)])) and not any(engaged):
-            plan.skips_in_a_row = 0
-        else:  # a check or a safeguard fired, or the flags are a chain's step's: settled as the chain does
-            # (called at the depth of read_checks, under the chain's: the warnings point where the chain's do)
-            sites = [site for part in self.groups for site in part.group.sites]
-            if not settle_checks(optim, plan, sites, dict(zip([site.key for site in sites], stats)),
-                                 [part.group for part in self.groups], [], [((g, h), None) for g, h in flats],
-                                 [parts[j:j + 2] for j in range(0, len(parts), 2)], [], records, elbo_flag, values):
-                return False
+            if self.every == 1:
+                parts += (grad.sum(), curvature.sum())
+        if self.every == 1:
+            ok = None
+            records, plan.safeguards = plan.safeguards, []
+            elbo_flag, plan.elbo_flag = plan.elbo_flag, None
+            # (the flags of its own last step kept as it made them: Safeguards.flags, in order)
+            flags = list(self.flags) if records is self.records else [f for r in records for f in r.flags()]
+            if elbo_flag is not None:
+                flags.append(elbo_flag)
+            values = read_flags(parts + flags)
+            if records is self.records and math.isfinite(sum(values[:len(parts)])) and not any(values[len(parts):]):
+                plan.skips_in_a_row = 0
+            else:  # a check or a safeguard fired, or the flags are a chain's step's: settled as the chain does
+                # (called at the depth of read_checks, under the chain's: the warnings point where the chain's do)
+                sites = [site for part in self.groups for site in part.group.sites]
+                if not settle_checks(optim, plan, sites, dict(zip([site.key for site in sites], stats)),
+                                     [part.group for part in self.groups], [], [((g, h), None) for g, h in flats],
+                                     [parts[j:j + 2] for j in range(0, len(parts), 2)], [], records, elbo_flag,
+                                     values):
+                    return False
+        else:  # read K steps late: this step's finiteness kept, its writes masked (pyro_ngvi.chain.take_step)
+            ok = plan.deferred.add([finite(g, h, exact=True) for g, h in flats], [part.name for part in self.groups],
+                                   self.states)
         # the step
         clock = max([state.taken for state in self.states])
-        self.records, self.flags = plan.safeguards, []
+        self.records, self.flags = plan.safeguards, []  # (deferred: the steps' records since the last read)
         for part, (grad, curvature) in zip(self.groups, flats):
             args = part.args
             if part.gathered:
-                torch._foreach_copy_(part.mean_views, part.group.loc_tensors)
-                inputs = args.inputs
+                torch._foreach_copy_(part.mean_views, part.group.loc_tensors if ok is None else
+                                     part.group.loc_tensors + part.group.raw_tensors)
+                inputs = args.inputs if ok is None else args.inputs._replace(ok=ok)
             else:
                 template = part.template
                 template[2], template[3] = grad, curvature
+                if ok is not None:
+                    template[OK] = ok
                 inputs = Inputs(*template)
-                template[2] = template[3] = None  # (not kept alive until the next step)
+                template[2] = template[3] = template[OK] = None  # (not kept alive until the next step)
             out = mean_field_pass(args.branches, inputs, args.numbers, part.group.transform, part.scratch)
             if out.mean is not inputs.mean or out.raw_scale is not (inputs.out_raw_scale if part.gathered else
                                                                    inputs.raw_scale) or out.scale is not inputs.scale:
@@ -265,4 +289,7 @@ class SteadyStep:
         optim.num_steps += 1
         for state in self.states:
             state.taken += 1
+        if ok is not None and len(plan.deferred) >= self.every:
+            # (pyro_ngvi.checks.read_checks of the chain's step, at its depth: the warnings point where its do)
+            settle_checks(optim, plan, [], {}, [], [], [], [], *take_flags(plan, []))
         return True

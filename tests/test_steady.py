@@ -78,8 +78,9 @@ def test_steady_steps_are_the_chains_to_the_bit(source):
         assert torch.equal(params[name], value), name
 
 
-def _calls_per_step(source: str, warmup: int = 5, steps: int = 5) -> float:
-    svi, _, x, y = _recipe(source, widths=(64, 100, 10), n=1437)
+def _calls_per_step(source: str, warmup: int = 5, steps: int = 5, sync=None) -> float:
+    svi, optim, x, y = _recipe(source, widths=(64, 100, 10), n=1437)
+    optim.sync_every = sync
     with pyro.validation_enabled(False):
         for _ in range(warmup):
             svi.step(x[:128], y[:128])
@@ -96,3 +97,57 @@ def test_a_steady_step_of_the_recipe_makes_at_most_500_python_calls(source):
     # (a count, not a time: the same on any machine; the main demo's MLP. Before the steady step:
     # 820-850, against ivon-opt's 225; benchmarks/step_overhead.py)
     assert _calls_per_step(source) <= 500
+
+
+def _run_every_step_chained(source: str, steps: int, sync: int, steady: bool, nan_at=(7,)):
+    """``steps`` steps of the recipe with the checks read every ``sync`` steps (``NGVI.sync_every``, the
+    default on CUDA): non-finite batches at ``nan_at``, ``lr`` set at step 10. Unless ``steady``, the plans'
+    steady steps are dropped before every step (each step a step of the chain, its deferred checks kept:
+    ``set_state(get_state())`` would read them). Returns the params, losses, counts after every step and
+    the warnings."""
+    svi, optim, x, y = _recipe(source)
+    optim.sync_every = sync
+    losses, counts, ran = [], [], False
+    with pyro.validation_enabled(False), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(steps):
+            for plan in optim._plans.values():
+                ran = ran or getattr(getattr(plan, "steady", None), "records", None) is not None
+                if not steady:
+                    plan.steady = None
+            xb, yb = x[(step * 128) % 384:][:128], y[(step * 128) % 384:][:128]
+            if step in nan_at:
+                xb = xb.clone()
+                xb[0, 0] = float("nan")
+            if step == 10:
+                optim.lr = 0.1
+            losses.append(svi.step(xb, yb))
+            counts.append((optim.num_steps, optim.num_skipped_steps))
+        state = optim.get_state()  # (reads the checks still deferred)
+    params = {name: value.detach().clone() for name, value in pyro.get_param_store().items()}
+    caught = [(str(w.message), w.filename, w.lineno) for w in caught]  # (where they point: the same place)
+    return params, losses, counts, caught, state["ngvi"]["num_steps"], ran
+
+
+@pytest.mark.parametrize("source,sync", [("ggn", 16), ("ef", 16), ("reparam", 16), ("ggn", 4)])
+def test_steady_steps_with_deferred_checks_are_the_chains_to_the_bit(source, sync):
+    # sync_every > 1: the default on CUDA (checks.SYNC_EVERY_CUDA); the NaN steps' masked writes
+    # and their skips counted when read, 4 or 16 steps late, as the chain does
+    params, losses, counts, caught, taken, ran = _run_every_step_chained(source, 22, sync, True, (7, 8))
+    assert ran  # (the steady step ran)
+    reference, ref_losses, ref_counts, ref_caught, ref_taken, ref_ran = _run_every_step_chained(
+        source, 22, sync, False, (7, 8))
+    assert not ref_ran
+    assert counts == ref_counts and taken == ref_taken == 20
+    assert any("steps late" in message for message, _, _ in ref_caught)
+    assert caught == ref_caught
+    assert list(map(repr, losses)) == list(map(repr, ref_losses))
+    for name, value in reference.items():
+        assert torch.equal(params[name], value), name
+
+
+@pytest.mark.parametrize("source", ["ggn", "ef", "reparam"])
+def test_a_steady_step_with_deferred_checks_makes_at_most_520_python_calls(source):
+    # (checks read every 16 steps, the default on CUDA: 16 steps, one read among them. Before: 740-764,
+    # every step through the chain; read at once: 415-439)
+    assert _calls_per_step(source, steps=16, sync=16) <= 520
