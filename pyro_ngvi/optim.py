@@ -217,7 +217,7 @@ class NGVI(PyroOptim):
         plan = self._plan(params, svi)
         steady = plan.steady  # (the step after a steady one: its decisions kept, pyro_ngvi.steady)
         if steady is not None and steady.holds(self, svi) and not is_distributed():
-            taken = steady.run(self, plan, svi)
+            taken = steady.run(self, plan, svi, lambda point: self._point_step(point, *args, **kwargs))
             if taken is not None:
                 return taken
         plan.steady = None

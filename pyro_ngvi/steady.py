@@ -13,7 +13,10 @@ deferred step, each group's finiteness :math:`\\mathrm{ok} = [\\sum g + \\sum h 
 (:class:`~pyro_ngvi.checks.DeferredChecks`), the pass writes :math:`\\mu' \\leftarrow \\mathrm{ok}\\,?\\,
 \\mu' : \\mu` (and so :math:`\\sigma'` and the momentum), and at the K-th step the host reads the steps'
 flags and the safeguards' in one sync and settles them (:func:`~pyro_ngvi.checks.settle_checks`: a
-non-finite step's count taken back and warned of, late). :meth:`SteadyStep.build` asks the
+non-finite step's count taken back and warned of, late). Point parameters beside the sites (a learned
+noise scale, a BatchNorm's weights) are stepped by the point optimizer as the chain steps them, after
+the checks (theirs read at once with the sites', as the chain reads a step with point gradients) and
+before the groups' writes. :meth:`SteadyStep.build` asks the
 chain's own functions for those decisions after a step the chain took (the arguments
 :func:`~pyro_ngvi.group_io.read_pass` gives for the next step), and keeps them only where they
 are the steady ones; :meth:`SteadyStep.run` then takes the next step with them: each group's
@@ -110,7 +113,7 @@ class SteadyStep:
     at the steps after while it :meth:`holds` and the statistics :meth:`fits`."""
 
     __slots__ = ("settings", "svi", "elbo", "locs", "states", "kinds", "groups", "tau", "one_draw", "records", "flags",
-                 "every")
+                 "every", "others", "deferred")
 
     @classmethod
     @no_grad
@@ -119,13 +122,17 @@ class SteadyStep:
         sites' ``states`` and ``stats``, under ``svi``; ``plain``: no draws read, no KL in closed form,
         no learned prior, no process group), or ``None`` where the next step would not be one."""
         sites = plan.sites
-        if (not plain or svi is None or others or not sites or plan.dense_sites or plan.weighted
+        if (not plain or svi is None or not sites or plan.dense_sites or plan.weighted
                 or len(plan.mean_field) != len(sites) or config.compile or callable(config.lr)
                 or callable(config.beta) or callable(config.tau)):
             return None
         # checks read every K steps: the chain's step was deferred (none of what reads them at once:
-        # no dense site, guard, learned prior, cross terms or point parameter), its writes masked
+        # no dense site, guard, learned prior, cross terms or point parameter with a gradient), its writes masked
         every = sync_every(sites[0].loc.device, config.sync_every)
+        # (a step whose point parameters have gradients is checked at once: its point step writes unmasked)
+        deferred = every > 1 and not any(p.grad is not None for p in others)
+        if not deferred and len(plan.deferred):
+            return None
         ordered = [stats[site.key] for site in sites]
         for s in ordered:
             if (type(s) is not SiteCurvature or not s.fitted or s.objective is not None or not s.watched
@@ -150,7 +157,8 @@ class SteadyStep:
         steady.one_draw = one_draw(svi)
         steady.locs, steady.states = [site.loc for site in sites], states
         steady.kinds = [_kind(s) for s in ordered]
-        steady.groups, steady.records, steady.flags, steady.every = [], None, [], every
+        steady.groups, steady.records, steady.flags, steady.every, steady.others = [], None, [], every, list(others)
+        steady.deferred = deferred
         clock = max([state.taken for state in states], default=0)
         given = Settings(config.lr, config.beta, config.momentum, config.damping)
         start = 0
@@ -158,7 +166,7 @@ class SteadyStep:
             group_states, group_stats = states[start:start + len(group.sites)], ordered[start:start + len(group.sites)]
             if group.one and group.numel > SPAN:
                 return None
-            ok = None if every == 1 else torch.ones((), dtype=torch.bool, device=group.like.device)  # (each step's)
+            ok = None if not deferred else torch.ones((), dtype=torch.bool, device=group.like.device)  # (each step's)
             ctx = Context(config.options, clock, plan.signs, optim._spread_watch, None, False, ok, optim._workspace,
                           plan.subsampling)
             grad = group.gather("grad", [s.grad for s in group_stats])
@@ -205,11 +213,13 @@ class SteadyStep:
         return True
 
     @no_grad
-    def run(self, optim, plan, svi) -> Optional[bool]:
-        """The step (returns whether it was taken, as :func:`~pyro_ngvi.chain.take_step`), or ``None``,
-        nothing done, where this step's statistics do not :meth:`fits` (the chain takes it)."""
+    def run(self, optim, plan, svi, point_step) -> Optional[bool]:
+        """The step (returns whether it was taken, as :func:`~pyro_ngvi.chain.take_step`; ``point_step``:
+        the point optimizer's step on the plan's other parameters, as the chain's), or ``None``, nothing
+        done, where this step's statistics do not :meth:`fits` (the chain takes it)."""
         stats = take_curvatures(self.locs)
-        if not self.fits(stats):
+        point = [p for p in self.others if p.grad is not None]  # (as pyro_ngvi.checks.read_checks reads them)
+        if not self.fits(stats) or self.deferred != (self.every > 1 and not point):
             give_back(self.locs, stats)  # (for the chain, as they were handed over)
             return None
         # the flat g and h of each group, and the checks: finite, and the last step's flags
@@ -222,9 +232,10 @@ class SteadyStep:
             else:
                 grad, curvature = mine[0].grad.reshape(-1), mine[0].curvature.reshape(-1)
             flats.append((grad, curvature))
-            if self.every == 1:
+            if not self.deferred:
                 parts += (grad.sum(), curvature.sum())
-        if self.every == 1:
+        if not self.deferred:
+            parts += [p.grad.sum() for p in point]
             ok = None
             records, plan.safeguards = plan.safeguards, []
             elbo_flag, plan.elbo_flag = plan.elbo_flag, None
@@ -237,16 +248,19 @@ class SteadyStep:
                 plan.skips_in_a_row = 0
             else:  # a check or a safeguard fired, or the flags are a chain's step's: settled as the chain does
                 # (called at the depth of read_checks, under the chain's: the warnings point where the chain's do)
-                sites = [site for part in self.groups for site in part.group.sites]
+                sites, pairs = [site for part in self.groups for site in part.group.sites], 2 * len(flats)
                 if not settle_checks(optim, plan, sites, dict(zip([site.key for site in sites], stats)),
-                                     [part.group for part in self.groups], [], [((g, h), None) for g, h in flats],
-                                     [parts[j:j + 2] for j in range(0, len(parts), 2)], [], records, elbo_flag,
-                                     values):
+                                     [part.group for part in self.groups], point,
+                                     [((g, h), None) for g, h in flats] + [((p.grad,), None) for p in point],
+                                     [parts[j:j + 2] for j in range(0, pairs, 2)] + [[s] for s in parts[pairs:]], [],
+                                     records, elbo_flag, values):
                     return False
         else:  # read K steps late: this step's finiteness kept, its writes masked (pyro_ngvi.chain.take_step)
             ok = plan.deferred.add([finite(g, h, exact=True) for g, h in flats], [part.name for part in self.groups],
                                    self.states)
-        # the step
+        # the step: the point optimizer's first (pyro_ngvi.chain.take_step: it may still fail), then the groups'
+        if self.others:
+            point_step(self.others)
         clock = max([state.taken for state in self.states])
         self.records, self.flags = plan.safeguards, []  # (deferred: the steps' records since the last read)
         for part, (grad, curvature) in zip(self.groups, flats):
