@@ -21,3 +21,14 @@ def _clean_param_store():
     torch.set_default_dtype(default)
     pyro.enable_validation(True)
     pyro.clear_param_store()
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test (many small kernels, which threads only slow; im2col with two
+    threads on a shared two-core machine can take ~1 s a call). Autouse in a module by
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

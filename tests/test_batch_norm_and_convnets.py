@@ -222,15 +222,6 @@ def load_digits_split():
     return x[order[:1200]], y[order[:1200]], x[order[1200:]], y[order[1200:]]
 
 
-@pytest.fixture
-def one_thread():
-    """im2col with two threads on a shared two-core machine can take ~1 s a call."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("source", ["ef", "ggn", "ggn_mc", "reparam"])
 def test_a_batch_norm_cnn_learns_digits_with_every_source(source, one_thread):
     torch.manual_seed(0)

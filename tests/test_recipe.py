@@ -26,13 +26,7 @@ from pyro_ngvi.optim import FULL_BATCH, MINIBATCH, defaults
 from pyro_ngvi.plan import Plan
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread: the deep runs below are many small kernels, which threads only slow."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def mlp(*widths, seed=0):

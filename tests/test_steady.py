@@ -21,12 +21,7 @@ from pyro.infer import SVI
 from pyro_ngvi import NGVI, BayesianNet, CurvatureELBO
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _recipe(source: str, widths=(16, 32, 32, 4), n=512, seed=0):
