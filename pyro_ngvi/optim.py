@@ -220,6 +220,7 @@ class NGVI(PyroOptim):
             taken = steady.run(self, plan, svi, lambda point: self._point_step(point, *args, **kwargs))
             if taken is not None:
                 return taken
+        handed = None if steady is None else steady.handed  # (recovered by it over the gradients, not taken)
         plan.steady = None
         if not self._loss_checked and svi is not None:
             self._loss_checked = True
@@ -237,8 +238,8 @@ class NGVI(PyroOptim):
         analytic = analytic_locs(svi, guide, sites, plan.kl_sites)  # (TraceMeanField_ELBO: pyro_ngvi.mean_field_kl)
         if analytic and self.control_variate:
             analytic = move_prior_to_draws(sites, analytic, mean_field_elbo(svi).num_particles == 1, draws)
-        stats = step_statistics(sites, svi, self.control_variate, self._buffers, draws,  # (without gradients)
-                                frozenset(analytic))
+        stats = handed or step_statistics(sites, svi, self.control_variate, self._buffers, draws,  # (without
+                                          frozenset(analytic))  # gradients)
         distributed = is_distributed()
         if distributed:  # each process draws its own
             stats = without_draws(stats, sites)

@@ -42,17 +42,19 @@ from typing import List, Optional
 import torch
 
 from .checks import read_flags, settle_checks, sync_every, take_flags
+from .draws import particles
 from .elementwise import Inputs, mean_field_pass
-from .family import SiteCurvature
+from .family import SiteCurvature, step_loss
+from .groups import flat
 from .group_io import adaptive_for, keep_pass, read_pass, stall_test
 from .handover import _live_handover, give_back, take_curvatures
 from .hot_path import no_grad, scalar
 from .policies import Settings, resolve
-from .safeguards import Safeguards, finite
+from .safeguards import Safeguards, finite, noisy_flags
 from .scales import Remembered
-from .statistics import one_draw
+from .statistics import one_draw, step_statistics
 from .steps import SPAN, Context, _scratch
-from .variance import _takes_cross_terms
+from .variance import CROSS_MAX, _takes_cross_terms
 
 OK = Inputs._fields.index("ok")  # (where a group of one's template holds a masked step's flag)
 
@@ -83,7 +85,8 @@ class _Group:
     and go to."""
 
     __slots__ = ("group", "states", "start", "stop", "args", "template", "scratch", "gather", "gathered",
-                 "mean_views", "write_to", "write_from", "momentum", "views", "remember", "count", "ctx", "name")
+                 "mean_views", "sources", "write_to", "write_from", "momentum", "views", "remember", "count", "ctx", "name",
+                 "traced")
 
     def __init__(self, group, states, start: int, args, scratch, ctx):
         self.group, self.states, self.start, self.stop = group, states, start, start + len(group.sites)
@@ -93,8 +96,10 @@ class _Group:
         cached = group.cache
         self.gather = None if group.one else cached[("views", "grad")] + cached[("views", "curvature")]
         self.mean_views = None if group.one else cached[("views", "mean")]
-        if args.branches.masked and not group.one:  # (a masked pass reads the raw scale too, gathered)
-            self.mean_views = self.mean_views + cached[("views", "raw")]
+        self.sources = None if group.one else group.loc_tensors
+        if (args.branches.masked or args.inputs.raw_scale is not None) and not group.one:  # (the raw scale read
+            self.mean_views = self.mean_views + cached[("views", "raw")]  # too, gathered)
+            self.sources = group.loc_tensors + group.raw_tensors
         self.name = ", ".join(repr(site.name) for site in group.sites)  # (a deferred check's, as the chain's)
         self.write_to = self.write_from = None  # the group's tensors written back from its flat buffers
         if not group.one and not args.branches.masked:
@@ -106,6 +111,23 @@ class _Group:
         own = group.owned("scale")
         self.remember = Remembered(group.raw_tensors, group.cached("scale views", lambda: group.views(own)))
         self.count = scalar(float(group.numel), own)
+        # the statistics recovered from the gradients (the traced path): the parts of the pass read anew
+        # each step, as read_pass reads them (the draws, the adaptive steps' pooled noise, the stall test)
+        self.traced = args.branches.rates == "adaptive" or args.branches.control_variate or args.branches.signs
+
+
+    def refreshed(self, inputs: Inputs, stats: List[SiteCurvature]) -> Inputs:
+        """``inputs`` with what :func:`~pyro_ngvi.group_io.read_pass` reads anew at each step of the traced
+        path: the draws recovered this step and the adaptive steps' pooled noise of the sites' states."""
+        if inputs.eps_mean is not None:
+            inputs = inputs._replace(eps_mean=flat([s.eps_mean for s in stats]), eps_sq_mean=None if inputs.eps_sq_mean
+                                     is None else flat([s.eps_sq_mean for s in stats]))
+        if inputs.noise is not None:
+            noise = inputs.noise._replace(steps=torch.cat([state.steps.reshape(-1) for state in self.states]),
+                                          noise=torch.cat([state.noise.reshape(2, -1, 2) for state in self.states],
+                                                          dim=1))
+            inputs = inputs._replace(noise=noise)
+        return inputs
 
 
 class SteadyStep:
@@ -113,7 +135,7 @@ class SteadyStep:
     at the steps after while it :meth:`holds` and the statistics :meth:`fits`."""
 
     __slots__ = ("settings", "svi", "elbo", "locs", "states", "kinds", "groups", "tau", "one_draw", "records", "flags",
-                 "every", "others", "deferred")
+                 "every", "others", "deferred", "sites", "handed")
 
     @classmethod
     @no_grad
@@ -122,6 +144,9 @@ class SteadyStep:
         sites' ``states`` and ``stats``, under ``svi``; ``plain``: no draws read, no KL in closed form,
         no learned prior, no process group), or ``None`` where the next step would not be one."""
         sites = plan.sites
+        # the traced path (Trace_ELBO, module docstring): statistics recovered from one draw's gradients
+        traced = svi is not None and not getattr(getattr(svi.loss_and_grads, "__self__", None), "produces_curvature",
+                                                 False)
         if (not plain or svi is None or not sites or plan.dense_sites or plan.weighted
                 or len(plan.mean_field) != len(sites) or config.compile or callable(config.lr)
                 or callable(config.beta) or callable(config.tau)):
@@ -131,13 +156,16 @@ class SteadyStep:
         every = sync_every(sites[0].loc.device, config.sync_every)
         # (a step whose point parameters have gradients is checked at once: its point step writes unmasked)
         deferred = every > 1 and not any(p.grad is not None for p in others)
-        if not deferred and len(plan.deferred):
+        if (not deferred and len(plan.deferred)) or (traced and (every > 1 or particles(svi) is not None)):
             return None
         ordered = [stats[site.key] for site in sites]
+        crossed = sum(site.loc.numel() for site, s in zip(sites, ordered)  # (pyro_ngvi.variance.cross_terms'
+                      if isinstance(s, SiteCurvature) and _takes_cross_terms(s))  # sites: none where too many)
         for s in ordered:
             if (type(s) is not SiteCurvature or not s.fitted or s.objective is not None or not s.watched
-                    or s.loss is None or s.prior_params() or s.mask is not None or stall_test(s)
-                    or adaptive_for(s, config.options) or (config.options.control_variate and _takes_cross_terms(s))):
+                    or (s.loss is None) != traced or s.prior_params() or s.mask is not None
+                    or (not traced and (stall_test(s) or adaptive_for(s, config.options)))
+                    or (config.options.control_variate and _takes_cross_terms(s) and (not traced or 1 < crossed <= CROSS_MAX))):
                 return None  # (decided before read_pass below, which would make the buffers of these)
         groups = plan.groups_for(plan.mean_field, stats)
         # the next step's statistics, as this step's but with the sigma this step wrote (the views the
@@ -147,7 +175,8 @@ class SteadyStep:
             own = group.owned("scale")
             scales.update(zip([site.key for site in group.sites],
                               group.cached("scale views", lambda: group.views(own))))
-        ordered = [replace(s, scale=scales[site.key]) for s, site in zip(ordered, sites)]
+        if not traced:  # (recovered statistics carry no sigma: read_pass reads the one remembered)
+            ordered = [replace(s, scale=scales[site.key]) for s, site in zip(ordered, sites)]
         order = {site.key: j for j, site in enumerate(sites)}
         if [order[site.key] for group in groups for site in group.sites] != list(range(len(sites))):
             return None  # (the groups in the sites' order: each a slice of them)
@@ -158,7 +187,7 @@ class SteadyStep:
         steady.locs, steady.states = [site.loc for site in sites], states
         steady.kinds = [_kind(s) for s in ordered]
         steady.groups, steady.records, steady.flags, steady.every, steady.others = [], None, [], every, list(others)
-        steady.deferred = deferred
+        steady.deferred, steady.sites, steady.handed = deferred, (sites if traced else None), None
         clock = max([state.taken for state in states], default=0)
         given = Settings(config.lr, config.beta, config.momentum, config.damping)
         start = 0
@@ -174,9 +203,12 @@ class SteadyStep:
             args = read_pass(ctx, group, group_stats, grad, curvature, resolve(given, group_stats[0]), config.tau,
                              group_states, False, SPAN)
             b = args.branches
-            if (b.rates != "constant" or b.momentum not in ("none", "average") or b.control_variate or b.mask
-                    or b.signs or b.far or b.guarded or b.masked != (ok is not None) or b.branch_free or b.prepared
-                    or b.kept or b.recover or not b.known_scale or args.inputs.scale is not group.owned("scale")
+            if traced and (b.rates not in ("constant", "adaptive") or b.signs != b.far or args.inputs.fresh is not None
+                           or b.recover_draws or b.tau or b.masked):
+                return None  # (the stall test once it has the last step's signs; every site started)
+            if ((not traced and (b.rates != "constant" or b.control_variate or b.signs or b.far or b.recover))
+                    or b.momentum not in ("none", "average") or b.mask or b.guarded or b.masked != (ok is not None)
+                    or b.branch_free or b.prepared or b.kept or not b.known_scale or args.inputs.scale is not group.owned("scale")
                     or args.inputs.out_scale is not (None if b.masked else args.inputs.scale)):
                 return None
             steady.groups.append(_Group(group, group_states, start, args,
@@ -195,7 +227,7 @@ class SteadyStep:
         tensors, the steady step was built on, and the sites' states as it left them."""
         live = _live_handover[0]
         for s, (flags, scale, pp, ppv, pl, plv, mp, mpv) in zip(stats, self.kinds):  # (tensors by identity)
-            if (s is None or s.handover != live or type(s) is not SiteCurvature or not s.fitted
+            if (s is None or (self.sites is None and s.handover != live) or type(s) is not SiteCurvature or not s.fitted
                     or s.objective is not None or not s.watched or s.prior_loc_param is not None
                     or s.prior_scale_param is not None or s.scale is not scale or s.prior_precision is not pp
                     or s.prior_loc is not pl or s.min_precision is not mp
@@ -204,7 +236,7 @@ class SteadyStep:
                     or (pp is not None and pp._version != ppv) or (pl is not None and pl._version != plv)
                     or (mp is not None and mp._version != mpv)):
                 return False
-        if stats[0].loss is None:
+        if (stats[0].loss is None) != (self.sites is not None):
             return False
         for part in self.groups:
             for j, state in enumerate(part.states):
@@ -217,10 +249,18 @@ class SteadyStep:
         """The step (returns whether it was taken, as :func:`~pyro_ngvi.chain.take_step`; ``point_step``:
         the point optimizer's step on the plan's other parameters, as the chain's), or ``None``, nothing
         done, where this step's statistics do not :meth:`fits` (the chain takes it)."""
-        stats = take_curvatures(self.locs)
         point = [p for p in self.others if p.grad is not None]  # (as pyro_ngvi.checks.read_checks reads them)
+        if self.sites is None:
+            stats = take_curvatures(self.locs)
+        elif particles(svi) is not None or point:
+            return None  # (nothing taken yet: the chain reads the draws, or checks the point step's at once)
+        else:  # recovered from the gradients as the chain recovers them (written over them: handed to it if unfit)
+            stats = list(step_statistics(self.sites, svi, optim.control_variate, optim._buffers).values())
         if not self.fits(stats) or self.deferred != (self.every > 1 and not point):
-            give_back(self.locs, stats)  # (for the chain, as they were handed over)
+            if self.sites is None:
+                give_back(self.locs, stats)  # (for the chain, as they were handed over)
+            else:
+                self.handed = dict(zip([site.key for site in self.sites], stats))
             return None
         # the flat g and h of each group, and the checks: finite, and the last step's flags
         flats, parts = [], []
@@ -266,9 +306,10 @@ class SteadyStep:
         for part, (grad, curvature) in zip(self.groups, flats):
             args = part.args
             if part.gathered:
-                torch._foreach_copy_(part.mean_views, part.group.loc_tensors if ok is None else
-                                     part.group.loc_tensors + part.group.raw_tensors)
+                torch._foreach_copy_(part.mean_views, part.sources)
                 inputs = args.inputs if ok is None else args.inputs._replace(ok=ok)
+                if part.traced:
+                    inputs = part.refreshed(inputs, stats[part.start:part.stop])
             else:
                 template = part.template
                 template[2], template[3] = grad, curvature
@@ -276,7 +317,17 @@ class SteadyStep:
                     template[OK] = ok
                 inputs = Inputs(*template)
                 template[2] = template[3] = template[OK] = None  # (not kept alive until the next step)
+                if part.traced:
+                    inputs = part.refreshed(inputs, stats[part.start:part.stop])
             out = mean_field_pass(args.branches, inputs, args.numbers, part.group.transform, part.scratch)
+            if part.traced:  # (the adaptive state, the stall test's signs: as the chain keeps them)
+                clamped, far, _, spreading = keep_pass(part.ctx._replace(step=clock), part.group, part.states,
+                                                       args._replace(inputs=inputs), out, None, SPAN)
+                record = Safeguards(part.group, part.states, clamped, far, spreading,
+                                    noisy_flags(part.states, plan.subsampling))
+                plan.safeguards.append(record)
+                self.flags += record.flags()
+                continue
             if out.mean is not inputs.mean or out.raw_scale is not (inputs.out_raw_scale if part.gathered else
                                                                    inputs.raw_scale) or out.scale is not inputs.scale:
                 clamped, _, _, spreading = keep_pass(part.ctx._replace(step=clock), part.group, part.states,
@@ -297,7 +348,8 @@ class SteadyStep:
                 plan.elbo_watch.reset()
             else:
                 plan.elbo_watch.one_draw = self.one_draw
-                flag = plan.elbo_watch.add(stats[0].loss)
+                loss = stats[0].loss if self.sites is None else step_loss(svi)
+                flag = None if loss is None else plan.elbo_watch.add(loss)
                 if flag is not None:
                     plan.elbo_flag = flag
         optim.num_steps += 1
