@@ -32,6 +32,15 @@ group's buffer, started), and each site's statistics of the same kind with the s
 and :math:`\\sigma` tensors (:meth:`SteadyStep.fits`). Anything else, and whenever a check or a
 safeguard fires, goes to the chain (the flags already read are handed to
 :func:`~pyro_ngvi.checks.settle_checks`), which builds the steady step anew after its step.
+
+The traced path (``AutoNormal``, ``Trace_ELBO`` of one particle, ``NGVI()``): from the second step on,
+the chain takes the same branches there too (the adaptive steps' rates and the safeguards are masks
+inside the pass; the stall test has its last signs; no cross terms where the sites with known draws hold
+more than :data:`~pyro_ngvi.variance.CROSS_MAX` elements or one). The steady step then recovers each
+site's :math:`\\hat g, \\hat h, \\epsilon = \\sigma\\hat h/\\hat g` from the gradients as the chain does
+(:func:`~pyro_ngvi.statistics.step_statistics`; handed to the chain where they do not :meth:`SteadyStep.fits`),
+reads anew the draws and the adaptive steps' pooled noise (:meth:`_Group.refreshed`), and keeps the pass's
+state as the chain keeps it (:func:`~pyro_ngvi.group_io.keep_pass`, the noisy-curvature flags).
 """
 
 import math
