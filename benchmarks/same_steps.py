@@ -2,8 +2,10 @@
 Whether a change keeps the recipe's steps to the bit (issue 24: the fixed cost cut, the steps
 unchanged): 30 steps of ``bnn.guide()``, ``NGVI()``, ``CurvatureELBO(source)`` for each source
 (``ggn``, ``ef``, ``reparam``) on the tasks of ``step_overhead.py`` (``digits``, ``w100``), a
-non-finite minibatch at step 20 (skipped with a warning), the param store and ``NGVI.get_state()``
-saved; two saved runs compared with ``torch.equal``. ``--sync-every K``: the checks read every K
+non-finite minibatch at step 20 (skipped with a warning), and 30 steps of ``NGVI()`` on the plain
+Pyro models of ``model_shapes.py`` (``AutoNormal`` and other autoguides, ``Trace_ELBO`` and the other
+losses there); the losses returned, the param store and ``NGVI.get_state()`` saved; two saved runs
+compared with ``torch.equal``. ``--sync-every K``: the checks read every K
 steps (``NGVI.sync_every``, 16 by default on CUDA), on the CPU. Run it in two checkouts::
 
     PYTHONPATH=/path/to/main python benchmarks/same_steps.py --save /tmp/main.pt
@@ -22,7 +24,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pyro  # noqa: E402
 
 import harness  # noqa: E402
+import model_shapes  # noqa: E402
 import step_overhead  # noqa: E402
+from pyro_ngvi import NGVI  # noqa: E402
+
+#: The cases of ``model_shapes.py`` run here (its larger ones only cost time).
+SHAPES = ("loop K=10", "vecplate K=10", "vecplate K=100", "subsample 1e5 by 100", "nested plates AutoNormal",
+          "nested plates AutoDiagonalNormal", "AutoMultivariateNormal D=10", "AutoLowRankMVN r=5 D=1000",
+          "logistic D=50", "logistic D=50, 8 vectorised particles", "logistic D=50, TraceMeanField_ELBO",
+          "logistic D=50, CurvatureELBO(hessian)", "random structure, 12 sites")
 
 
 def _flat(prefix: str, value, out: dict) -> None:
@@ -52,18 +62,36 @@ def run(steps: int = 30, sync_every=None) -> dict:
                     if step == 20:  # a non-finite step: skipped, with a warning
                         x = x.clone()
                         x[0, 0] = float("nan")
-                    method.step(x, y)
+                    saved[f"{task}/{source}/loss/{step}"] = method.svi.step(x, y)
                 _flat(f"{task}/{source}/params", dict(pyro.get_param_store().items()), saved)
                 _flat(f"{task}/{source}/state", method.svi.optim.get_state(), saved)
+    made = model_shapes.cases()
+    for name in SHAPES:
+        pyro.clear_param_store()
+        harness.seed(0)
+        optim = NGVI()
+        optim.sync_every = sync_every
+        step = made[name](optim)
+        with pyro.validation_enabled(False):
+            for k in range(steps):
+                saved[f"{name}/loss/{k}"] = step()
+        _flat(f"{name}/params", dict(pyro.get_param_store().items()), saved)
+        _flat(f"{name}/state", optim.get_state(), saved)
     return saved
 
 
+def _same(a, b) -> bool:
+    """Equal to the bit (``torch.equal`` for tensors), NaN where the other has NaN."""
+    if torch.is_tensor(a) and torch.is_tensor(b):
+        return a.shape == b.shape and a.dtype == b.dtype and (torch.equal(a, b) or (
+            torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())))
+    return a == b or (isinstance(a, float) and isinstance(b, float) and a != a and b != b)
+
+
 def differences(ours: dict, theirs: dict) -> list:
-    """The entries that differ (``torch.equal`` for tensors), or are in one run only."""
+    """The entries that differ (:func:`_same`), or are in one run only."""
     keys = sorted(set(ours) | set(theirs))
-    return [k for k in keys if k not in ours or k not in theirs or not (
-        torch.equal(ours[k], theirs[k]) if torch.is_tensor(ours[k]) and torch.is_tensor(theirs[k])
-        else ours[k] == theirs[k])]
+    return [k for k in keys if k not in ours or k not in theirs or not _same(ours[k], theirs[k])]
 
 
 def main(argv=None):
