@@ -45,6 +45,7 @@ __all__ = [
     "controlled_price_statistics",
     "covariance_factor",
     "factor_gradient",
+    "one_draw_whitened",
     "precision",
     "precision_cholesky",
     "price_curvature",
@@ -192,8 +193,27 @@ def controlled_price_statistics(factor: torch.Tensor, grad: torch.Tensor, whiten
     it tends to 1 as :math:`S` reaches the Hessian. Returns :math:`(g', W')`.
     """
     pulled = torch.linalg.solve_triangular(factor.transpose(-1, -2), eps.unsqueeze(-1), upper=True).squeeze(-1)
-    baseline = whitened_price_curvature(factor, torch.outer(pulled, eps).tril()) - _eye(factor.shape[-1], factor)
+    # W_S = epsilon epsilon^T exactly (one_draw_whitened with C^T C^{-T} epsilon = epsilon): O(D^2)
+    baseline = torch.outer(eps, eps) - _eye(factor.shape[-1], factor)
     return grad - level * pulled, whitened - level * baseline
+
+
+def one_draw_whitened(factor: torch.Tensor, grad: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """
+    :func:`whitened_price_curvature` of one draw's factor gradient
+    :math:`\\bar C = \\mathrm{tril}(g\\epsilon^\\top)` in :math:`O(D^2)`: :math:`C^\\top` is upper
+    triangular, so for :math:`i \\ge j`, :math:`(C^\\top \\bar C)_{ij} = \\sum_{k \\ge i} C_{ki} g_k
+    \\epsilon_j = a_i \\epsilon_j` with :math:`a = C^\\top g`, and
+
+    .. math:: C^\\top H C = \\Phi(a\\epsilon^\\top) + \\Phi(a\\epsilon^\\top)^\\top, \\qquad
+              W_{ij} = a_{\\max(i,j)}\\,\\epsilon_{\\min(i,j)}
+
+    (one matrix-vector product where the general form takes a matrix product). With
+    :math:`g = S(u - \\mu) = C^{-\\top}\\epsilon`, :math:`a = \\epsilon` and :math:`W = \\epsilon\\epsilon^\\top`.
+    """
+    inner = torch.outer(factor.transpose(-1, -2) @ grad, eps).tril()
+    inner.diagonal(dim1=-2, dim2=-1).mul_(0.5)
+    return inner + inner.transpose(-1, -2)
 
 
 def price_curvature(factor: torch.Tensor, factor_grad: torch.Tensor) -> torch.Tensor:

@@ -291,7 +291,10 @@ def full_reparam_curvature(site: FullCovarianceSite, one_draw: bool = False) -> 
     :math:`(\\nabla_\\sigma + 1/\\sigma)/\\sigma` on a diagonal). Handed on whitened,
     :math:`C^\\top H C`, which needs no inverse. With ``one_draw`` the draw is recovered
     (:func:`~pyro_ngvi.full_covariance.recovered_draw`) and handed on as ``eps_mean``, for
-    the control variate of the step (:func:`~pyro_ngvi.full_covariance.controlled_price_statistics`).
+    the control variate of the step (:func:`~pyro_ngvi.full_covariance.controlled_price_statistics`),
+    and the whitened curvature is then :func:`~pyro_ngvi.full_covariance.one_draw_whitened` of
+    :math:`g` and :math:`\\epsilon` (:math:`O(D^2)`; the recovered draw reproduces the factor gradient
+    to its round-off).
     """
     raw = site.raw_scale.detach().double()
     transform = site._scale_transform
@@ -306,7 +309,10 @@ def full_reparam_curvature(site: FullCovarianceSite, one_draw: bool = False) -> 
     factor = full_covariance.covariance_factor(scale, unit_tril)
     grad = site.loc.grad.detach()
     eps = full_covariance.recovered_draw(grad.double(), factor_grad, grad.dtype) if one_draw else None
-    curvature = full_covariance.whitened_price_curvature(factor, factor_grad)
+    if eps is None:
+        curvature = full_covariance.whitened_price_curvature(factor, factor_grad)
+    else:  # (the draw recovered: tril(g eps^T) to round-off, whitened in O(D^2))
+        curvature = full_covariance.one_draw_whitened(factor, grad.double(), eps)
     return SiteCurvature(grad, curvature.to(site.loc.dtype), sampled=True, whitened=True,
                          eps_mean=None if eps is None else eps.to(site.loc.dtype))
 

@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..full_covariance import _WORK_DTYPE, _eye, _inverse_lower, _sym, whiten
+from ..full_covariance import _WORK_DTYPE, _eye, _sym, whiten
 
 
 class FullStep(NamedTuple):
@@ -30,6 +30,21 @@ def _upper_cholesky(matrix: torch.Tensor) -> Optional[torch.Tensor]:
     permutation), or ``None`` when it is not numerically positive definite."""
     reversed_factor, info = torch.linalg.cholesky_ex(matrix.flip(-1, -2))
     return None if int(info) != 0 else reversed_factor.flip(-1, -2)
+
+
+def _within(matrix: torch.Tensor, low: float, high: float) -> bool:
+    """Whether every eigenvalue of the symmetric ``matrix`` lies in ``[low, high]``: two Cholesky
+    attempts, :math:`A - \\ell I \\succeq 0` and :math:`h I - A \\succeq 0` (:math:`O(D^3/3)` each,
+    against an eigendecomposition's ~10 times more; a Cholesky factorisation that succeeds at the
+    edge leaves an eigenvalue outside by round-off, which the clamp would move by as much)."""
+    eye = _eye(matrix.shape[-1], matrix)
+    return (int(torch.linalg.cholesky_ex(matrix - low * eye)[1]) == 0
+            and int(torch.linalg.cholesky_ex(high * eye - matrix)[1]) == 0)
+
+
+def _times_inverse_transpose(factor: torch.Tensor, upper: torch.Tensor) -> torch.Tensor:
+    """:math:`C U^{-\\top}` (lower triangular: both are) by one triangular solve, :math:`X U^\\top = C`."""
+    return torch.linalg.solve_triangular(upper.transpose(-1, -2), factor, upper=False, left=False)
 
 
 @torch.no_grad()
@@ -82,10 +97,19 @@ def natural_step(
 
     and with :math:`S'_w = U_w U_w^\\top` (:math:`U_w` upper triangular, by the
     reversal permutation) the new factor is :math:`C' = C\\,U_w^{-\\top}`, lower
-    triangular: :math:`C' C'^\\top = C S_w'^{-1} C^\\top = S'^{-1}`. One Cholesky
-    factorisation, one triangular inverse and a few products; no inverse of
-    :math:`S`, and the Price curvature of :func:`~pyro_ngvi.full_covariance.whitened_price_curvature` needs no
-    inverse either.
+    triangular: :math:`C' C'^\\top = C S_w'^{-1} C^\\top = S'^{-1}`, by one triangular solve
+    (:math:`X U_w^\\top = C`); no inverse of :math:`S`, and the Price curvature of
+    :func:`~pyro_ngvi.full_covariance.whitened_price_curvature` needs no inverse either.
+
+    **Spectral form.** Where the correction, the warm start or the clamp below changes an
+    eigenvalue, :math:`S'_w = V f(\\Lambda) V^\\top` with :math:`W = V\\Lambda V^\\top` and
+    :math:`f` the map of each eigenvalue; it is computed as
+    :math:`(1-\\beta) I + \\beta W + V_k (f - \\ell)(\\Lambda_k) V_k^\\top`, :math:`\\ell(\\lambda) =
+    (1-\\beta) + \\beta\\lambda`, over the :math:`k` eigen-directions where :math:`f \\ne \\ell` (the
+    same matrix: :math:`V \\ell(\\Lambda) V^\\top = (1-\\beta)I + \\beta W`; :math:`O(D^2 k)` where the
+    whole reconstruction is :math:`O(D^3)`). With a positive-definite target and no warm start the
+    eigendecomposition is skipped where two Cholesky attempts show every eigenvalue of
+    :math:`(1-\\beta) I + \\beta W` already within the clamp's bounds (:math:`f = \\ell`).
 
     **Warm start** (``warm``, a site's first step): the matrix form of the
     mean-field rule "take the target where it exceeds the current precision". With
@@ -153,8 +177,10 @@ def natural_step(
         if max_ratio is not None:  # the exact prior's precision within reach (its pull is not clipped)
             top = max(max_ratio, float(torch.linalg.eigvalsh(whitened_prior)[-1]))
     corrected = int(torch.linalg.cholesky_ex(target)[1]) != 0  # the target is not PD
-    if warm or corrected or max_ratio is not None:
+    new_whitened = torch.lerp(identity, target, beta)  # (1 - beta) I + beta W
+    if warm or corrected or (max_ratio is not None and not _within(new_whitened, 1 / max_ratio, top)):
         eigenvalues, vectors = torch.linalg.eigh(target)
+        linear = (1 - beta) + beta * eigenvalues
         if corrected:  # (the correction is monotone in an eigenvalue down to 1 - 1/beta, where S'_w = 1/2)
             eigenvalues = eigenvalues.clamp(min=1 - 1 / beta)
         moved = (1 - beta) + beta * eigenvalues
@@ -165,19 +191,20 @@ def natural_step(
             moved = torch.where(eigenvalues > 1, eigenvalues, moved)
         if max_ratio is not None:
             moved = moved.clamp(1 / max_ratio, top)
-        new_whitened = (vectors * moved) @ vectors.T
-    else:
-        new_whitened = torch.lerp(identity, target, beta)
+        changed = (moved != linear).nonzero().squeeze(-1)  # V f(L) V^T = lerp(I, W, beta) + V (f - lin)(L) V^T
+        if changed.numel():
+            kept = vectors[:, changed]
+            new_whitened = new_whitened + (kept * (moved - linear)[changed]) @ kept.T
     new_whitened = _sym(new_whitened)
     upper = _upper_cholesky(new_whitened)
     if upper is None:
         return None
-    new_factor = factor @ _inverse_lower(upper.T)  # C U_w^{-T}
+    new_factor = _times_inverse_transpose(factor, upper)  # C U_w^{-T}
     if damping:
         upper = _upper_cholesky(new_whitened + damping * (factor.T @ factor))
         if upper is None:
             return None
-        damped = factor @ _inverse_lower(upper.T)
+        damped = _times_inverse_transpose(factor, upper)
     else:
         damped = new_factor
 
