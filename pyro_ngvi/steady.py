@@ -39,7 +39,7 @@ inside the pass; the stall test has its last signs; no cross terms where the sit
 more than :data:`~pyro_ngvi.variance.CROSS_MAX` elements or one). The steady step then recovers each
 site's :math:`\\hat g, \\hat h, \\epsilon = \\sigma\\hat h/\\hat g` from the gradients as the chain does
 (:func:`~pyro_ngvi.statistics.step_statistics`; handed to the chain where they do not :meth:`SteadyStep.fits`),
-reads anew the draws and the adaptive steps' pooled noise (:meth:`_Group.refreshed`), and keeps the pass's
+reads anew the draws and the adaptive steps' pooled noise (``_Group.refreshed``), and keeps the pass's
 state as the chain keeps it (:func:`~pyro_ngvi.group_io.keep_pass`, the noisy-curvature flags).
 """
 
