@@ -213,10 +213,11 @@ def test_a_full_covariance_mean_that_stalls_far_from_the_posterior_is_reported()
         d = guide.get_posterior().loc.detach() - mean
         return float(d @ precision @ d) ** 0.5, [w for w in caught if "stalls" in str(w.message)]
 
-    off, stalls = run(2, 100.0, 400)
-    assert off > 50 and len(stalls) == 1 and "'AutoMultivariateNormal'" in str(stalls[0].message)
-    off, stalls = run(0, 100.0, 400)  # the same start, converged: no warning
-    assert off < 0.5 and not stalls
+    # seed 2 stalled (> 50 sds off after 400 steps, warned) while the precision's trust region clamped each
+    # eigenvalue; with the shortened beta of update.full_covariance._shortened it converges (0.098 sd), unwarned
+    for seed in (2, 0):
+        off, stalls = run(seed, 100.0, 400)
+        assert off < 0.5 and not stalls, (seed, off)
 
 
 def normal_mean(data):

@@ -42,6 +42,20 @@ def _within(matrix: torch.Tensor, low: float, high: float) -> bool:
             and int(torch.linalg.cholesky_ex(high * eye - matrix)[1]) == 0)
 
 
+def _shortened(eigenvalues: torch.Tensor, beta: float, low: float, high: float) -> float:
+    """The largest :math:`\\beta' \\le \\beta` with every eigenvalue of :math:`(1-\\beta')I + \\beta' W`
+    in ``[low, high]`` (``low`` :math:`< 1 <` ``high``): with :math:`\\lambda_{\\min}, \\lambda_{\\max}` the
+    extreme ``eigenvalues`` of :math:`W` (ascending), :math:`\\beta' = \\min(\\beta, (h - 1)/(\\lambda_{\\max} - 1),
+    (1 - \\ell)/(1 - \\lambda_{\\min}))`, each bound only where it applies (:math:`\\lambda_{\\max} > 1`,
+    :math:`\\lambda_{\\min} < 1`)."""
+    smallest, largest = float(eigenvalues[0]), float(eigenvalues[-1])
+    if largest > 1:
+        beta = min(beta, (high - 1) / (largest - 1))
+    if smallest < 1:
+        beta = min(beta, (1 - low) / (1 - smallest))
+    return beta
+
+
 @torch.no_grad()
 def natural_step(
     mean: torch.Tensor,
@@ -150,8 +164,14 @@ def natural_step(
         + \\tfrac{\\beta^2}{2}(1-\\lambda_k)^2` there and :math:`(1-\\beta) + \\beta\\lambda_k
         > 0` elsewhere (positive definite all the same; the correction's upward bias stays
         out of the directions that need none) (default: False).
-    :param max_ratio: trust region of the precision: each eigenvalue of :math:`S'_w` is
-        clamped to ``[1 / max_ratio, max(max_ratio, \\rho)]``, :math:`\\rho` the largest eigenvalue of
+    :param max_ratio: trust region of the precision: each eigenvalue of :math:`S'_w` within
+        ``[1 / max_ratio, max(max_ratio, \\rho)]``, after the warm start by a clamp, else by the
+        largest :math:`\\beta' \\le \\beta` that keeps :math:`(1-\\beta')I + \\beta' W` there
+        (:func:`_shortened`; the correction then with :math:`\\beta'`). A shorter step keeps the running
+        mean of unbiased one-draw targets unbiased in direction; clamping each eigenvalue turned noise
+        far above the signal into a random walk of the log precision, :math:`\\pm\\log 1.25` a step
+        (one draw, D = 100 regression: guide sds 0.08 to 3.7 times the exact ones, the mean frozen 22
+        posterior sd away after 2,000 steps; now 0.01). :math:`\\rho` the largest eigenvalue of
         the whitened prior precision :math:`C^\\top S_0 C` (0 without one), so that the exact prior's
         precision is always within reach, as its pull, not clipped, needs: clamped to ``max_ratio``, a
         guide of sd 0.1 under a prior of sd 1e-3 overshot the prior mean 80-fold a step and diverged
@@ -175,8 +195,13 @@ def natural_step(
             top = max(max_ratio, float(torch.linalg.eigvalsh(whitened_prior)[-1]))
     corrected = int(torch.linalg.cholesky_ex(target)[1]) != 0  # the target is not PD
     new_whitened = torch.lerp(identity, target, beta)  # (1 - beta) I + beta W
-    if warm or corrected or (max_ratio is not None and not _within(new_whitened, 1 / max_ratio, top)):
-        eigenvalues, vectors = torch.linalg.eigh(target)
+    decomposition = None
+    if max_ratio is not None and not warm and not _within(new_whitened, 1 / max_ratio, top):
+        decomposition = torch.linalg.eigh(target)  # the precision's trust region by a shorter step
+        beta = _shortened(decomposition[0], beta, 1 / max_ratio, top)
+        new_whitened = torch.lerp(identity, target, beta)
+    if warm or corrected or (max_ratio is not None and warm and not _within(new_whitened, 1 / max_ratio, top)):
+        eigenvalues, vectors = torch.linalg.eigh(target) if decomposition is None else decomposition
         linear = (1 - beta) + beta * eigenvalues
         if corrected:  # (the correction is monotone in an eigenvalue down to 1 - 1/beta, where S'_w = 1/2)
             eigenvalues = eigenvalues.clamp(min=1 - 1 / beta)
