@@ -167,7 +167,7 @@ def natural_step(
     :param max_ratio: trust region of the precision: each eigenvalue of :math:`S'_w` within
         ``[1 / max_ratio, max(max_ratio, \\rho)]``, after the warm start by a clamp, else by the
         largest :math:`\\beta' \\le \\beta` that keeps :math:`(1-\\beta')I + \\beta' W` there
-        (:func:`_shortened`; the correction then with :math:`\\beta'`). A shorter step keeps the running
+        (``_shortened``; the correction then with :math:`\\beta'`). A shorter step keeps the running
         mean of unbiased one-draw targets unbiased in direction; clamping each eigenvalue turned noise
         far above the signal into a random walk of the log precision, :math:`\\pm\\log 1.25` a step
         (one draw, D = 100 regression: guide sds 0.08 to 3.7 times the exact ones, the mean frozen 22
