@@ -56,14 +56,14 @@ from .elementwise import Inputs, mean_field_pass
 from .family import SiteCurvature, step_loss
 from .groups import flat
 from .group_io import adaptive_for, keep_pass, read_pass, stall_test
-from .handover import _live_handover, give_back, take_curvatures
+from .handover import _live_handover, give_back, take_curvatures  # (the counter read without a call: per step)
 from .hot_path import no_grad, scalar
 from .policies import Settings, resolve
 from .safeguards import Safeguards, finite, noisy_flags
 from .scales import Remembered
 from .statistics import one_draw, step_statistics
-from .steps import SPAN, Context, _scratch
-from .variance import CROSS_MAX, _takes_cross_terms
+from .steps import SPAN, Context, workspace_scratch
+from .variance import CROSS_MAX, takes_cross_terms
 
 OK = Inputs._fields.index("ok")  # (where a group of one's template holds a masked step's flag)
 
@@ -169,12 +169,12 @@ class SteadyStep:
             return None
         ordered = [stats[site.key] for site in sites]
         crossed = sum(site.loc.numel() for site, s in zip(sites, ordered)  # (pyro_ngvi.variance.cross_terms'
-                      if isinstance(s, SiteCurvature) and _takes_cross_terms(s))  # sites: none where too many)
+                      if isinstance(s, SiteCurvature) and takes_cross_terms(s))  # sites: none where too many)
         for s in ordered:
             if (type(s) is not SiteCurvature or not s.fitted or s.objective is not None or not s.watched
                     or (s.loss is None) != traced or s.prior_params() or s.mask is not None
                     or (not traced and (stall_test(s) or adaptive_for(s, config.options)))
-                    or (config.options.control_variate and _takes_cross_terms(s) and (not traced or 1 < crossed <= CROSS_MAX))):
+                    or (config.options.control_variate and takes_cross_terms(s) and (not traced or 1 < crossed <= CROSS_MAX))):
                 return None  # (decided before read_pass below, which would make the buffers of these)
         groups = plan.groups_for(plan.mean_field, stats)
         # the next step's statistics, as this step's but with the sigma this step wrote (the views the
@@ -221,7 +221,7 @@ class SteadyStep:
                     or args.inputs.out_scale is not (None if b.masked else args.inputs.scale)):
                 return None
             steady.groups.append(_Group(group, group_states, start, args,
-                                        _scratch(optim._workspace, grad.numel(), grad), ctx))
+                                        workspace_scratch(optim._workspace, grad.numel(), grad), ctx))
             start += len(group.sites)
         return steady
 

@@ -139,7 +139,7 @@ def span_step(ctx: Context, group: Group, stats: List[SiteCurvature], grad: torc
     args = read_pass(ctx, group, stats, grad, curvature, settings, tau, states, fuse, SPAN, run, phase)
     branches, inputs, numbers = args
     g = inputs.grad  # (the span's, in a run of spans)
-    scratch = None if fuse else _scratch(ctx.workspace, g.numel(), g)
+    scratch = None if fuse else workspace_scratch(ctx.workspace, g.numel(), g)
     if branches.kept:
         scratch = run.kept(ctx.workspace, scratch, g)
     if phase == "noise":
@@ -151,7 +151,7 @@ def span_step(ctx: Context, group: Group, stats: List[SiteCurvature], grad: torc
     return keep_pass(ctx, group, states, args, out, run, SPAN)
 
 
-def _scratch(workspace: Optional[Workspace], n: int, like: torch.Tensor) -> Scratch:
+def workspace_scratch(workspace: Optional[Workspace], n: int, like: torch.Tensor) -> Scratch:
     """The pass's scratch buffers of ``n`` elements from ``workspace`` (none: it allocates)."""
     if workspace is None:
         return Scratch()

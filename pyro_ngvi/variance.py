@@ -141,7 +141,7 @@ class CrossTerms(NamedTuple):
     diagonal: Optional[torch.Tensor] = None  # the regression's diagonal of H, plus the prior's (0 until usable)
 
 
-def _takes_cross_terms(stats: SiteCurvature) -> bool:
+def takes_cross_terms(stats: SiteCurvature) -> bool:
     """Sampled statistics with known draws (of any curvature source), no mask, not a
     BayesianNet's minibatch statistics."""
     known = stats.eps_mean is not None or (stats.gradients and stats.draws)
@@ -195,7 +195,7 @@ def cross_terms(sites: List[GaussianSite], stats: Dict[str, SiteCurvature],
     cross terms this step); its :math:`\\tilde H` also couples the sites' mean step
     (:func:`~pyro_ngvi.update.mean_field.coupled_mean_step`).
     """
-    chosen = [(site, state_of(site)) for site in sites if _takes_cross_terms(stats[site.key])]
+    chosen = [(site, state_of(site)) for site in sites if takes_cross_terms(stats[site.key])]
     size = sum(site.loc.numel() for site, _ in chosen)
     if (not 1 < size <= CROSS_MAX or chosen[0][0].loc.dtype not in (torch.float32, torch.float64)
             or any(site.loc.dtype != chosen[0][0].loc.dtype or site.loc.device != chosen[0][0].loc.device
