@@ -156,7 +156,7 @@ def test_pass_in_the_workspace_is_the_pass_with_new_tensors(dtype):
     bit for bit the step it takes with new tensors, in every configuration, and the workspace
     holds nothing between calls (a second configuration after the first, same buffers)."""
     from pyro_ngvi.groups import Workspace
-    from pyro_ngvi.steps import _scratch
+    from pyro_ngvi.steps import workspace_scratch
 
     workspace = Workspace()
     count = 0
@@ -164,7 +164,7 @@ def test_pass_in_the_workspace_is_the_pass_with_new_tensors(dtype):
         t = _inputs(b, n=257, dtype=dtype, seed=count)
         ref = mean_field_pass(b, _copy(t, False), _numbers(b), FastSoftplus())
         inputs = _copy(t, False)
-        out = mean_field_pass(b, inputs, _numbers(b), FastSoftplus(), _scratch(workspace, 257, inputs.grad))
+        out = mean_field_pass(b, inputs, _numbers(b), FastSoftplus(), workspace_scratch(workspace, 257, inputs.grad))
         _assert_same_step(out, ref, dtype, 0.0)
         if b.momentum in ("average", "mixed"):  # written in place into the momentum buffer
             assert out.momentum is inputs.momentum
