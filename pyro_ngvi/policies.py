@@ -341,12 +341,16 @@ def adaptive_rates(grad, direction, drift, pull, target, precision, count, hdrif
     if w.flag is None:
         known = (count > 0) | (target > 0)
     else:
-        known = torch.maximum(torch.gt(count, 0, out=w.flag), torch.gt(target, 0, out=w.flag2), out=w.flag)
-    new_count = select(known, new_count, count, w.weight, out=held)
-    if mask is not None:
-        new_count = torch.where(mask, new_count, count, out=held)
-    if w.count is not None:
-        new_count = w.count.copy_(new_count)
+        # (fmax skips a NaN as the "or" of the two comparisons does: max(n, t) > 0 in two passes, not three)
+        known = torch.gt(torch.fmax(count, target, out=w.flag2), 0, out=w.flag)
+    if mask is None and w.count is not None:  # (into the state's own buffer: no copy after; count read above)
+        new_count = select(known, new_count, count, w.weight, out=w.count)
+    else:
+        new_count = select(known, new_count, count, w.weight, out=held)
+        if mask is not None:
+            new_count = torch.where(mask, new_count, count, out=held)
+        if w.count is not None:
+            new_count = w.count.copy_(new_count)
     tiny = torch.finfo(new_count.dtype).tiny  # (1 / tiny is finite: the unselected value too)
     counted = torch.gt(new_count, 0) if w.flag is None else torch.gt(new_count, 0, out=w.flag)
     step_beta = select(counted, torch.clamp(new_count, min=tiny, out=w.beta).reciprocal_(),
