@@ -10,10 +10,10 @@ from pyro.infer.autoguide import AutoMultivariateNormal
 from pyro.infer.elbo import ELBO
 
 from ..curvature import check_source
-from ..family import calling_svi
+from ..family import begin_handover, calling_svi, end_handover
 from .full_covariance import full_covariance_loss_and_grads
 from .mean_field import mean_field_loss_and_grads
-from .protocol import handing_over, own_step
+from .protocol import own_step
 
 
 class CurvatureELBO(ELBO):
@@ -135,6 +135,7 @@ class CurvatureELBO(ELBO):
         self.antithetic = antithetic
         # prior params found to enter the model outside conjugate priors (no closed form)
         self._shared_prior_params = set()
+        self._own_step = None  # (model, guide, curvature, antithetic, its own_step) of the last evaluation
 
     #: :class:`~pyro_ngvi.NGVI` takes the statistics of an ELBO that says so (others'
     #: steps leave nothing it could take).
@@ -170,8 +171,16 @@ class CurvatureELBO(ELBO):
                 f"SVI's optimizer is {type(svi.optim).__name__}, which would find no .grad on "
                 "the guide and train nothing. Use NGVI, or Trace_ELBO with this optimizer."
             )
-        with handing_over():
-            step = own_step(model, self.curvature, self.antithetic, guide)
+        begin_handover()  # (protocol.handing_over, inline: no context-manager objects per step)
+        try:
+            # the model's own step, as own_step found it for these (model, guide, source, antithetic)
+            kept = self._own_step
+            if kept is not None and kept[0] is model and kept[1] is guide and kept[2] == self.curvature \
+                    and kept[3] == self.antithetic:
+                step = kept[4]
+            else:
+                step = own_step(model, self.curvature, self.antithetic, guide)
+                self._own_step = None if step is None else (model, guide, self.curvature, self.antithetic, step)
             if step is not None:
                 loss = step(guide, *args, curvature=self.curvature, num_particles=self.num_particles,
                             deterministic=self.deterministic, mc_samples=self.mc_samples, **kwargs)
@@ -182,3 +191,6 @@ class CurvatureELBO(ELBO):
                                               "(AutoNormal); use it without for AutoMultivariateNormal")
                 return full_covariance_loss_and_grads(self, model, guide, args, kwargs)
             return mean_field_loss_and_grads(self, model, guide, args, kwargs)
+        except BaseException:
+            end_handover(accepted=False)  # undo the evaluation's side effects
+            raise

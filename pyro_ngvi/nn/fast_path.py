@@ -17,6 +17,8 @@ from typing import List, Optional, Tuple
 import torch
 
 import pyro
+from pyro.distributions import constraints
+from pyro.poutine.runtime import _PYRO_STACK, apply_stack
 
 from ..curvature.backpack import network_curvature
 from ..family import SiteCurvature, scale_transform
@@ -27,6 +29,8 @@ from ..scales import FastExp, known_scales, sum_log_scales
 from .kronecker_step import KroneckerStep
 from .twin import LOSS_MODULES, BackpackTwin, accumulate_grad
 from .value import full_nll, kl, log_ratio
+
+_REAL = constraints.real
 
 
 def _one_dtype(tensors: List[torch.Tensor]) -> bool:
@@ -65,6 +69,8 @@ class BackpackStep(BackpackTwin):
         self._plain_loss = LOSS_MODULES[likelihood](reduction="sum")  # (a plain backward needs no hooks)
         self._buffers = {}  # name -> a tensor per site reused every step (the draws, the reparam curvature)
         self._plans = {}  # the closed-form plans of the net and its twin (pyro_ngvi.curvature.mlp.planned)
+        self._served = None  # the guide serves() took last
+        self._read = None  # the last step's reading of the guide (_read_anew), while it stands
 
     def __call__(self, model, guide, x: torch.Tensor, y: torch.Tensor, curvature: str, num_particles: int = 1,
                  deterministic: bool = False, mc_samples: int = 1) -> torch.Tensor:
@@ -129,14 +135,22 @@ class BackpackStep(BackpackTwin):
         num_data = model.effective_num_data
         factor = num_data / batch / num_particles
         # (by a 0-d tensor of their dtype, where they share one: a Python float is cast for every tensor)
-        by = scalar(factor, grads[0]) if grads and _one_dtype(grads + curvatures) else factor
-        torch._foreach_mul_(grads + curvatures, by)  # (one call for both)
+        scaled = grads + curvatures
+        by = factor
+        if grads:
+            dtype = grads[0].dtype
+            for t in scaled:  # (inline: _one_dtype)
+                if t.dtype is not dtype:
+                    break
+            else:
+                by = scalar(factor, grads[0])
+        torch._foreach_mul_(scaled, by)  # (one call for both)
         if draws is not None and num_particles > 1:
             for d in draws:
                 torch._foreach_div_(d, num_particles)
         mean_nll = nll / num_particles if num_particles > 1 else nll
         nll = full_nll(num_data, mean_nll, loss_scale, noise_scale, target, batch)
-        loss = _value(nll, sample_log_ratio, raws, locs, stddevs, self._guide_names[id(guide)][5], prior,
+        loss = _value(nll, sample_log_ratio, raws, locs, stddevs, self._read[8], prior,
                       num_particles, deterministic)
         self._hand_over(model, locs, stddevs, grads, curvatures, draws, prior, curvature, deterministic, loss)
         for value, grad in zip(points, point_grads):
@@ -151,7 +165,7 @@ class BackpackStep(BackpackTwin):
         if model.noise_limit_mode == "mean" and not deterministic:  # (a family that moves with its means:
             floors, loss = model._mean_floor(locs), None  # its loss is not one family's, the ELBO watch is not fed)
         hints = model._sites_hints(deterministic, floors)
-        handed = []
+        handed = [None] * len(locs)
         for j, (loc, grad, curv, stddev) in enumerate(zip(locs, grads, curvatures, stddevs)):
             if grad.dtype != loc.dtype:  # (a net converted, .double(), after its guide was made)
                 grad, curv = grad.to(loc.dtype), curv.to(loc.dtype)
@@ -173,7 +187,7 @@ class BackpackStep(BackpackTwin):
                 fitted=True,  # (the net's own tensors: the loc's shape, dtype and device)
                 **hints[j],
             )
-            handed.append(stats)
+            handed[j] = stats
         attach_curvatures(locs, handed)
 
     def _read_guide(self, model, guide, x, y) -> Tuple[List[torch.Tensor], List[torch.Tensor], List[torch.Tensor]]:
@@ -190,6 +204,34 @@ class BackpackStep(BackpackTwin):
         if guide.prototype_trace is None:
             guide(x, y)
         store = pyro.get_param_store()
+        params, kept = store._params, self._read
+        # the last step's reading, where the guide, its names, each tensor and constraint in the
+        # store and each weight's shape are as they were (checked by identity, no call each)
+        if kept is not None and kept[0] is guide and kept[1] == guide._pyro_name and kept[2] is model._latent_params:
+            constraints = store._constraints
+            for name, tensor, constraint, weight in kept[3]:
+                if (name not in params or params[name] is not tensor or constraints[name] is not constraint
+                        or tensor.shape != weight.shape):
+                    kept = None
+                    break
+        else:
+            kept = None
+        if kept is None:
+            kept = self._read = self._read_anew(model, guide, store)
+        locs, raws, transforms = kept[4], kept[5], kept[6]
+        stddevs = known_scales(raws)
+        for j, stddev in enumerate(stddevs):
+            if stddev is None:
+                with torch.no_grad():
+                    stddevs[j] = transforms[j][1](raws[j].detach())
+        return read_params(store, locs, kept[7]), raws, stddevs
+
+    def _read_anew(self, model, guide, store) -> tuple:
+        """What :meth:`_read_guide` reads of the guide (registering its tensors where the store
+        lacks them; refusing a tensor of another shape than its weight): ``(guide, its name,
+        model._latent_params, (name, tensor, constraint, weight) of each loc and raw scale, loc
+        names, raw scale tensors, (constraint, transform) per site, loc tensors, which sites'
+        transform is FastExp)``."""
         names = self._guide_names.get(id(guide))
         if names is None or names[0] != guide._pyro_name:
             prefix = guide._pyro_name
@@ -219,12 +261,11 @@ class BackpackStep(BackpackTwin):
             transforms = [(c, scale_transform(c)) for c in constraints]
             exps = [isinstance(t, FastExp) for _, t in transforms]
             self._guide_names[id(guide)] = names[:3] + (transforms, constraints, exps)
-        stddevs = known_scales(raws)
-        for j, stddev in enumerate(stddevs):
-            if stddev is None:
-                with torch.no_grad():
-                    stddevs[j] = transforms[j][1](raws[j].detach())
-        return [pyro.param(name).unconstrained() for name in locs], raws, stddevs
+        weights = list(model._latent_params)
+        entries = [(name, params[name], store._constraints[name], w) for group in (locs, scales)
+                   for name, w in zip(group, weights)]
+        return (guide, names[0], model._latent_params, entries, locs, raws, transforms,
+                [params[name] for name in locs], exps)
 
     @no_grad
     def _sample_into_net(self, model, locs, stddevs, deterministic) -> Optional[List[torch.Tensor]]:
@@ -269,12 +310,13 @@ class BackpackStep(BackpackTwin):
             )
         if y is None:
             raise ValueError("curvature_step needs the targets y")
-        if not serves(guide):
+        if guide is not self._served and not serves(guide):
             raise NotImplementedError(
                 f"The BayesianNet fast path needs an AutoNormal guide (or a KroneckerNormal), got "
                 f"{type(guide).__name__}. For another guide, CurvatureELBO's traced path computes the "
                 "statistics by autograd: SVI(bnn, guide, NGVI(), CurvatureELBO(...)) takes it by itself"
             )
+        self._served = guide  # (served: not asked again while the step is given this guide)
 
 
 @no_grad
@@ -290,6 +332,28 @@ def _value(nll, sample_log_ratio, raws, locs, stddevs, exps, prior, num_particle
         sample_log_ratio = sample_log_ratio / num_particles
     sample_log_ratio = sample_log_ratio - log_scale + prior.log_scale_total
     return nll + sample_log_ratio
+
+
+def read_params(store, names: List[str], tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    """
+    The unconstrained tensors of ``names`` (of the real constraint; ``tensors``: what the store
+    held for them when the names were looked up), read by ``pyro.param(name)`` statements: the
+    message ``pyro.param`` makes, through Pyro's handler stack (``SVI.step``'s trace records them,
+    a user's handler sees them), without its two wrappers' calls. A value that is the store's own
+    tensor is its unconstrained form (the identity transform), taken without a weak reference.
+    """
+    if not _PYRO_STACK:
+        return [store[name].unconstrained() for name in names]
+    get = store.get_param
+    values = []
+    for name, tensor in zip(names, tensors):
+        msg = {"type": "param", "name": name, "fn": get, "is_observed": False, "args": (name,),
+               "kwargs": {"constraint": _REAL, "event_dim": None}, "value": None, "scale": 1.0, "mask": None,
+               "cond_indep_stack": (), "done": False, "stop": False, "continuation": None, "infer": {}}
+        apply_stack(msg)
+        value = msg["value"]
+        values.append(value if value is tensor else value.unconstrained())
+    return values
 
 
 def serves(guide) -> bool:
