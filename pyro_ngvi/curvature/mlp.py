@@ -87,15 +87,21 @@ def _gelu_derivative(z: torch.Tensor, approximate: str) -> torch.Tensor:
     return 0.5 * (1 + torch.erf(z * math.sqrt(0.5))) + z * torch.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
 
 
+#: ``reduction="sum"`` as torch's loss functions pass it on
+_SUM = torch.nn._reduction.get_enum("sum")
+
+
 class Plan(NamedTuple):
     """The layers of an MLP in order: ``("flatten", module)`` (first only), ``("linear",
     module)`` or ``("activation", module)``; ``params`` in ``net.parameters()`` order; per
     layer, a ``Linear``'s weight and bias as ``(weight, bias, position of the weight in params,
-    of the bias or None)``, an activation's ``(forward, derivative)`` of :data:`ACTIVATIONS`."""
+    of the bias or None)``, an activation's ``(forward, derivative)`` of :data:`ACTIVATIONS`;
+    ``linears``: the positions of the ``Linear`` layers."""
 
     layers: List[Tuple[str, nn.Module]]
     params: List[torch.Tensor]
     parts: List[Optional[tuple]]
+    linears: List[int]
 
 
 #: Hooks that may be skipped: BackPACK's own, which store inputs for its extensions.
@@ -164,7 +170,7 @@ def plan(net: nn.Module) -> Optional[Plan]:
             position += 1 if bias is None else 2
         else:
             parts.append(ACTIVATIONS[type(module)] if kind == "activation" else None)
-    return Plan(layers, params, parts)
+    return Plan(layers, params, parts, [k for k, (kind, _) in enumerate(layers) if kind == "linear"])
 
 
 def planned(net: nn.Module, kept: Dict[int, tuple]) -> Optional[Plan]:
@@ -231,12 +237,15 @@ def output_gradient_and_hessian(loss_module: nn.Module, f: torch.Tensor, y: torc
     """
     kind = type(loss_module)
     if kind is nn.CrossEntropyLoss:
-        if loss_module.weight is not None or loss_module.label_smoothing != 0.0 or f.dim() != 2 \
-                or y.dim() != 1 or y.dtype != torch.long:
+        if loss_module.weight is not None or loss_module.label_smoothing != 0.0 or f.ndim != 2 \
+                or y.ndim != 1 or y.dtype != torch.long:
             return None
-        loss = F.cross_entropy(f, y, reduction="sum", ignore_index=loss_module.ignore_index)
+        if f.__class__ is torch.Tensor and y.__class__ is torch.Tensor:  # (no subclass: F.cross_entropy's own call)
+            loss = torch._C._nn.cross_entropy_loss(f, y, None, _SUM, loss_module.ignore_index, 0.0)
+        else:
+            loss = F.cross_entropy(f, y, reduction="sum", ignore_index=loss_module.ignore_index)
         p = torch.softmax(f, dim=-1)
-        grad = p.scatter_add(1, y.unsqueeze(1), p.new_full((len(y), 1), -1.0))
+        grad = p.scatter_add(1, y.unsqueeze(1), p.new_full((y.shape[0], 1), -1.0))
         return loss, grad, OutputHessian(p, categorical=True) if need_hessian else None
     if kind is nn.BCEWithLogitsLoss:
         if loss_module.weight is not None or loss_module.pos_weight is not None or f.shape != y.shape \
@@ -365,7 +374,7 @@ def mlp_curvature(mlp: Plan, loss_module: nn.Module, x: torch.Tensor, y: torch.T
             h = module(h)
             saved.append(None)
         elif kind == "linear":
-            if h.dim() != 2:
+            if h.ndim != 2:  # (an attribute: no call)
                 return None
             saved.append(h)
             h = F.linear(h, part[0], part[1])
@@ -387,7 +396,7 @@ def mlp_curvature(mlp: Plan, loss_module: nn.Module, x: torch.Tensor, y: torch.T
     second_order = source in ("ggn", "kflr")
     count = len(mlp.params)
     grads, curvatures, inputs = [None] * count, [None] * count, [None] * count  # (in the order of params)
-    linears = [k for k, (kind, _) in enumerate(mlp.layers) if kind == "linear"]
+    linears = mlp.linears
     for k in range(len(mlp.layers) - 1, linears[0] - 1, -1):
         kind, module = mlp.layers[k]
         if kind == "activation":

@@ -48,16 +48,17 @@ class InputChecks:
     def _check_batch(self, x, y, step: bool = False) -> int:
         """An empty batch, or targets of another length, are refused (no device sync); for a
         training ``step``, also a batch larger than the data set it stands for. Returns the batch size."""
-        if not isinstance(x, torch.Tensor) or (y is not None and not isinstance(y, torch.Tensor)):
+        if (x.__class__ is not torch.Tensor and not isinstance(x, torch.Tensor)) or (  # (a plain tensor: no call)
+                y is not None and y.__class__ is not torch.Tensor and not isinstance(y, torch.Tensor)):
             bad = "x" if not torch.is_tensor(x) else "y"
             raise TypeError(f"BayesianNet: {bad} must be a torch.Tensor, got {type(x if bad == 'x' else y).__name__}")
-        batch = x.shape[0] if x.dim() else len(x)  # (len: torch's own error for a 0-d x)
+        batch = x.shape[0] if x.ndim else len(x)  # (len: torch's own error for a 0-d x)
         if batch == 0:
             raise ValueError(
                 "BayesianNet got an empty batch x: a minibatch needs at least one example "
                 "(its log-likelihood is scaled by num_data / batch size)"
             )
-        if y is not None and (y.dim() == 0 or y.shape[0] != batch):
+        if y is not None and (y.ndim == 0 or y.shape[0] != batch):
             raise ValueError(
                 f"BayesianNet: y holds {len(y) if y.dim() else 'no'} targets for a batch of "
                 f"{batch} inputs"

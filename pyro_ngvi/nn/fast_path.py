@@ -70,6 +70,7 @@ class BackpackStep(BackpackTwin):
         self._buffers = {}  # name -> a tensor per site reused every step (the draws, the reparam curvature)
         self._plans = {}  # the closed-form plans of the net and its twin (pyro_ngvi.curvature.mlp.planned)
         self._served = None  # the guide serves() took last
+        self._order = None  # (latents, point estimates, whether the latents are all the params in order)
         self._read = None  # the last step's reading of the guide (_read_anew), while it stands
 
     def __call__(self, model, guide, x: torch.Tensor, y: torch.Tensor, curvature: str, num_particles: int = 1,
@@ -85,6 +86,7 @@ class BackpackStep(BackpackTwin):
         prior = model._weight_prior()
         target = self.loss_target(model, y)
         source = "none" if curvature == "reparam" else curvature
+        in_order = self._in_order(model)
         grads: List[torch.Tensor] = []
         curvatures: List[torch.Tensor] = []
         point_grads: List[torch.Tensor] = []
@@ -107,7 +109,7 @@ class BackpackStep(BackpackTwin):
                 check_output=partial(model._check_targets, y, source=curvature) if particle == 0 else None,
                 plans=self._plans,
             )
-            site_grads = [result.grads[w.index] for w in model._latents]
+            site_grads = result.grads if in_order else [result.grads[w.index] for w in model._latents]
             if curvature == "reparam":  # h = g eps / sigma (the first particle's into buffers kept for it;
                 # three calls for all sites, not two per site: on a GPU every call is a kernel launch)
                 site_curvatures = (list(self._buffers_like("curvature", site_grads))
@@ -116,8 +118,9 @@ class BackpackStep(BackpackTwin):
                 torch._foreach_mul_(site_curvatures, noises)
                 torch._foreach_div_(site_curvatures, stddevs)
             else:
-                site_curvatures = [result.curvatures[w.index] for w in model._latents]
-            site_point_grads = [result.grads[w.index] for w in model._point_estimates]
+                site_curvatures = (result.curvatures if in_order
+                                   else [result.curvatures[w.index] for w in model._latents])
+            site_point_grads = [result.grads[w.index] for w in model._point_estimates] if not in_order else []
             if particle == 0:  # fresh tensors, ours to scale in place below
                 grads, curvatures, point_grads = site_grads, site_curvatures, site_point_grads
             else:
@@ -156,6 +159,16 @@ class BackpackStep(BackpackTwin):
         for value, grad in zip(points, point_grads):
             accumulate_grad(value.unconstrained(), grad.mul_(factor))
         return loss
+
+    def _in_order(self, model) -> bool:
+        """Whether the latent sites are the network's trainable parameters, all of them, in order
+        (then a pass's lists of gradients and curvatures are the sites'), decided once per model."""
+        kept = self._order
+        if kept is None or kept[0] is not model._latents or kept[1] is not model._point_estimates:
+            indices = [w.index for w in model._latents]
+            kept = self._order = (model._latents, model._point_estimates,
+                                  not model._point_estimates and indices == list(range(len(indices))))
+        return kept[2]
 
     def _hand_over(self, model, locs, stddevs, grads, curvatures, draws, prior, curvature, deterministic, loss):
         """Attach :math:`g, h` (and the draws' moments, the prior, the model's
@@ -278,7 +291,7 @@ class BackpackStep(BackpackTwin):
             torch._foreach_copy_(model._latent_params, locs)
             return None
         noises = [noise.normal_() for noise in self._buffers_like("noise", locs)]  # (site by site, in order)
-        params = list(model._latent_params)
+        params = model._latent_params
         torch._foreach_copy_(params, locs)  # (two calls for all sites, not one per site)
         torch._foreach_addcmul_(params, stddevs, noises)
         return noises
@@ -287,14 +300,16 @@ class BackpackStep(BackpackTwin):
         """Tensors like ``likes`` (one per site) kept for the sites' ``name`` (made once, written
         over every step: a fresh tensor of a large site costs page faults on the CPU); a site whose
         tensor changed shape, dtype or device gets a new one."""
-        buffers = self._buffers.setdefault(name, [])
+        buffers = self._buffers[name] if name in self._buffers else self._buffers.setdefault(name, [])
         if len(buffers) != len(likes):
             buffers[len(likes):] = []
             buffers += [None] * (len(likes) - len(buffers))
-        for j, like in enumerate(likes):
+        j = 0  # (a counter, not enumerate: no call)
+        for like in likes:
             buffer = buffers[j]
             if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype or buffer.device != like.device:
                 buffers[j] = torch.empty_like(like, memory_format=torch.contiguous_format)
+            j += 1
         return buffers
 
     def _check_step(self, guide, y, curvature, deterministic):

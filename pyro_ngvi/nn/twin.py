@@ -78,8 +78,9 @@ class BackpackTwin:
         per-example weight :math:`c` of the loss module (:math:`-\\log p = c\\,`MSE +
         const), and the twin's train/eval modes matched to the network's.
         """
-        model._running_stats.keep_until_accepted()
-        points = [model._point_estimate(w) for w in model._point_estimates]
+        if model._running_stats.batch_norms:  # (nothing to keep without BatchNorm layers)
+            model._running_stats.keep_until_accepted()
+        points = [model._point_estimate(w) for w in model._point_estimates] if model._point_estimates else []
         noise_scale = model._noise_scale() if model.likelihood == "gaussian" else None
         for twin_module, module in self.module_pairs:
             if twin_module.training != module.training:
