@@ -96,12 +96,15 @@ class Plan(NamedTuple):
     module)`` or ``("activation", module)``; ``params`` in ``net.parameters()`` order; per
     layer, a ``Linear``'s weight and bias as ``(weight, bias, position of the weight in params,
     of the bias or None)``, an activation's ``(forward, derivative)`` of :data:`ACTIVATIONS`;
-    ``linears``: the positions of the ``Linear`` layers."""
+    ``linears``: the positions of the ``Linear`` layers; ``steps``: the pairs of ``layers`` and
+    ``parts``; ``backward``: the positions from the last layer down to the first ``Linear``."""
 
     layers: List[Tuple[str, nn.Module]]
     params: List[torch.Tensor]
     parts: List[Optional[tuple]]
     linears: List[int]
+    steps: List[tuple]
+    backward: List[int]
 
 
 #: Hooks that may be skipped: BackPACK's own, which store inputs for its extensions.
@@ -170,7 +173,8 @@ def plan(net: nn.Module) -> Optional[Plan]:
             position += 1 if bias is None else 2
         else:
             parts.append(ACTIVATIONS[type(module)] if kind == "activation" else None)
-    return Plan(layers, params, parts, [k for k, (kind, _) in enumerate(layers) if kind == "linear"])
+    return Plan(layers, params, parts, [k for k, (kind, _) in enumerate(layers) if kind == "linear"],
+                list(zip(layers, parts)), list(range(len(layers) - 1, first_linear - 1, -1)))
 
 
 def planned(net: nn.Module, kept: Dict[int, tuple]) -> Optional[Plan]:
@@ -215,12 +219,18 @@ def _unchanged(snapshot: list, params: List[torch.Tensor]) -> bool:
     for module, kind, children, parameters, hooks in snapshot:
         if module.__class__ is not kind or module._modules != children or (  # (_hooks, inline: no call per module)
                 module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
-                module._backward_pre_hooks) != hooks \
-                or len(module._parameters) != len(parameters):
+                module._backward_pre_hooks) != hooks:
             return False
+        now = module._parameters
+        count = 0
+        for _ in now:  # (counted, not len(): no call)
+            count += 1
         for name, tensor in parameters:
-            if name not in module._parameters or module._parameters[name] is not tensor:
+            if name not in now or now[name] is not tensor:
                 return False
+            count -= 1
+        if count:  # (a parameter added)
+            return False
     for p in params:
         if not p.requires_grad:
             return False
@@ -368,20 +378,21 @@ def mlp_curvature(mlp: Plan, loss_module: nn.Module, x: torch.Tensor, y: torch.T
     form is not covered (the caller then asks BackPACK).
     """
     h = x
-    saved = []  # per layer: its input (and an activation's output)
-    for (kind, module), part in zip(mlp.layers, mlp.parts):
+    saved = [None] * len(mlp.layers)  # per layer: its input (and an activation's output)
+    k = 0  # (a counter: no enumerate call)
+    for (kind, module), part in mlp.steps:
         if kind == "flatten":
             h = module(h)
-            saved.append(None)
         elif kind == "linear":
             if h.ndim != 2:  # (an attribute: no call)
                 return None
-            saved.append(h)
+            saved[k] = h
             h = F.linear(h, part[0], part[1])
         else:
             out = part[0](module, h)
-            saved.append((h, out))
+            saved[k] = (h, out)
             h = out
+        k += 1
     if check_output is not None:
         check_output(h)
     result = output_gradient_and_hessian(loss_module, h, y, need_hessian=source in ("ggn", "kflr"))
@@ -397,7 +408,7 @@ def mlp_curvature(mlp: Plan, loss_module: nn.Module, x: torch.Tensor, y: torch.T
     count = len(mlp.params)
     grads, curvatures, inputs = [None] * count, [None] * count, [None] * count  # (in the order of params)
     linears = mlp.linears
-    for k in range(len(mlp.layers) - 1, linears[0] - 1, -1):
+    for k in mlp.backward:
         kind, module = mlp.layers[k]
         if kind == "activation":
             derivative = mlp.parts[k][1]

@@ -77,7 +77,7 @@ class BackpackStep(BackpackTwin):
                  deterministic: bool = False, mc_samples: int = 1) -> torch.Tensor:
         """:meth:`pyro_ngvi.BayesianNet.curvature_step` of ``model`` (see there for the
         estimates and the value returned)."""
-        if isinstance(guide, KroneckerNormal):
+        if guide is not self._served and isinstance(guide, KroneckerNormal):  # (served: an AutoNormal)
             return self._kronecker_step(model, guide, x, y, curvature, num_particles, deterministic, mc_samples)
         self._check_step(guide, y, curvature, deterministic)
         batch = model._check_batch(x, y, step=True)
