@@ -105,15 +105,36 @@ def test_a_changed_source_or_antithetic_takes_the_path_it_names():
     losses, _ = _steps(svi, x, y, 7, to_hessian, at=4)
     assert all(torch.isfinite(torch.tensor(losses)))
     svi, bnn, x, y = _recipe("reparam")
-    traced = []
+    fast = []
     elbo = svi.loss_and_grads.__self__
-    original = bnn.curvature_step
+
+    class Counted:  # (the net's fast path, its calls counted)
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __call__(self, *args, **kwargs):
+            fast.append(1)
+            return self.inner(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
 
     def antithetic():
-        elbo.antithetic = True
-        bnn.curvature_step = lambda *a, **k: traced.append(1) or original(*a, **k)  # (the fast path not taken)
-    _steps(svi, x, y, 7, antithetic, at=4)
-    assert traced == []
+        elbo.antithetic = True  # (pairs of draws: the traced path's only)
+        bnn._fast_path = Counted(bnn._fast_path)
+    losses, _ = _steps(svi, x, y, 7, antithetic, at=4)
+    assert fast == [] and all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_another_guide_of_the_same_net_takes_its_own_path():
+    # (the ELBO keeps the model's own step per guide: a full-covariance guide is the traced path's)
+    from pyro.infer.autoguide import AutoMultivariateNormal
+    svi, bnn, x, y = _recipe()
+    _steps(svi, x, y, 3)
+    full = SVI(bnn, AutoMultivariateNormal(bnn), NGVI(), svi.loss_and_grads.__self__)
+    with pyro.validation_enabled(False), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert torch.isfinite(torch.tensor([full.step(x[:64], y[:64]) for _ in range(2)])).all()
 
 
 def test_the_guides_param_statements_reach_a_users_handler():
@@ -162,3 +183,14 @@ def test_a_steady_step_of_the_recipe_makes_at_most_380_python_calls(source):
             svi.step(x[:128], y[:128])
         profiler.disable()
     assert sum(v[1] for v in pstats.Stats(profiler).stats.values()) / 5 <= 380
+
+
+def test_the_same_guide_under_another_model_takes_that_models_path():
+    # (the ELBO keeps the model's own step per model: a model wrapping the net has none, its traced
+    # path runs the net inside it, which warns that its hints are lost; the net's own step would not)
+    from pyro_ngvi.monitor import NGVIWarning
+    svi, bnn, x, y = _recipe()
+    _steps(svi, x, y, 3)
+    outer = SVI(lambda xb, yb: bnn(xb, yb), svi.guide, svi.optim, svi.loss_and_grads.__self__)
+    with pyro.validation_enabled(False), pytest.warns(NGVIWarning, match="inside another model"):
+        outer.step(x[:64], y[:64])

@@ -218,9 +218,10 @@ class BackpackStep(BackpackTwin):
             guide(x, y)
         store = pyro.get_param_store()
         params, kept = store._params, self._read
-        # the last step's reading, where the guide, its names, each tensor and constraint in the
-        # store and each weight's shape are as they were (checked by identity, no call each)
-        if kept is not None and kept[0] is guide and kept[1] == guide._pyro_name and kept[2] is model._latent_params:
+        # the last step's reading, where the guide's name, each tensor and constraint in the store and
+        # each weight's shape are as they were (checked by identity, no call each; a guide of the same
+        # name reads the same tensors)
+        if kept is not None and kept[1] == guide._pyro_name and kept[2] is model._latent_params:
             constraints = store._constraints
             for name, tensor, constraint, weight in kept[3]:
                 if (name not in params or params[name] is not tensor or constraints[name] is not constraint
