@@ -61,9 +61,13 @@ class DistributedError(RuntimeError):
     rank failed, left or timed out) or the ranks run different guides."""
 
 
+#: whether torch was built with torch.distributed (fixed for the process: read once, not every step)
+_AVAILABLE = dist.is_available()
+
+
 def is_distributed() -> bool:
     """``True`` when a default process group with more than one rank is initialised."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return _AVAILABLE and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def get_rank() -> int:

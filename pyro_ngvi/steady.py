@@ -258,7 +258,7 @@ class SteadyStep:
         """The step (returns whether it was taken, as :func:`~pyro_ngvi.chain.take_step`; ``point_step``:
         the point optimizer's step on the plan's other parameters, as the chain's), or ``None``, nothing
         done, where this step's statistics do not :meth:`fits` (the chain takes it)."""
-        point = [p for p in self.others if p.grad is not None]  # (as pyro_ngvi.checks.read_checks reads them)
+        point = [p for p in self.others if p.grad is not None] if self.others else []  # (as read_checks reads them)
         if self.sites is None:
             stats = take_curvatures(self.locs)
         elif particles(svi) is not None or point:
@@ -284,7 +284,8 @@ class SteadyStep:
             if not self.deferred:
                 parts += (grad.sum(), curvature.sum())
         if not self.deferred:
-            parts += [p.grad.sum() for p in point]
+            if point:
+                parts += [p.grad.sum() for p in point]
             ok = None
             records, plan.safeguards = plan.safeguards, []
             elbo_flag, plan.elbo_flag = plan.elbo_flag, None
@@ -342,7 +343,8 @@ class SteadyStep:
                 clamped, _, _, spreading = keep_pass(part.ctx._replace(step=clock), part.group, part.states,
                                                      args._replace(inputs=inputs), out, None, SPAN)
             else:  # (pyro_ngvi.group_io.keep_pass, as it goes for these arguments)
-                if part.momentum is not None and out.momentum.data_ptr() != part.momentum.data_ptr():
+                if part.momentum is not None and out.momentum is not part.momentum \
+                        and out.momentum.data_ptr() != part.momentum.data_ptr():
                     part.momentum.copy_(out.momentum)
                 spreading = None if out.spread is None else optim._spread_watch.flag(
                     part.group, out.spread / part.count, clock)
