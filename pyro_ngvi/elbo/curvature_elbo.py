@@ -11,6 +11,7 @@ from pyro.infer.elbo import ELBO
 
 from ..curvature import check_source
 from ..family import begin_handover, calling_svi, end_handover
+from ..hot_path import reference
 from .full_covariance import full_covariance_loss_and_grads
 from .mean_field import mean_field_loss_and_grads
 from .protocol import own_step
@@ -135,7 +136,7 @@ class CurvatureELBO(ELBO):
         self.antithetic = antithetic
         # prior params found to enter the model outside conjugate priors (no closed form)
         self._shared_prior_params = set()
-        self._own_step = None  # (model, guide, curvature, antithetic, its own_step) of the last evaluation
+        self._own_step = None  # (model, guide: weak references; curvature, antithetic) served by the model's own step
 
     #: :class:`~pyro_ngvi.NGVI` takes the statistics of an ELBO that says so (others'
     #: steps leave nothing it could take).
@@ -174,13 +175,15 @@ class CurvatureELBO(ELBO):
         begin_handover()  # (protocol.handing_over, inline: no context-manager objects per step)
         try:
             # the model's own step, as own_step found it for these (model, guide, source, antithetic)
+            # (weak references: an optimizer's plan keeps this ELBO, not the fits it ran)
             kept = self._own_step
-            if kept is not None and kept[0] is model and kept[1] is guide and kept[2] == self.curvature \
+            if kept is not None and kept[0]() is model and kept[1]() is guide and kept[2] == self.curvature \
                     and kept[3] == self.antithetic:
-                step = kept[4]
+                step = model.curvature_step
             else:
                 step = own_step(model, self.curvature, self.antithetic, guide)
-                self._own_step = None if step is None else (model, guide, self.curvature, self.antithetic, step)
+                self._own_step = None if step is None else (reference(model), reference(guide), self.curvature,
+                                                            self.antithetic)
             if step is not None:
                 loss = step(guide, *args, curvature=self.curvature, num_particles=self.num_particles,
                             deterministic=self.deterministic, mc_samples=self.mc_samples, **kwargs)
