@@ -17,8 +17,6 @@ from typing import List, Optional, Tuple
 import torch
 
 import pyro
-from pyro.distributions import constraints
-from pyro.poutine.runtime import _PYRO_STACK, apply_stack
 
 from ..curvature.backpack import network_curvature
 from ..family import SiteCurvature, scale_transform
@@ -29,9 +27,6 @@ from ..scales import FastExp, known_scales, sum_log_scales
 from .kronecker_step import KroneckerStep
 from .twin import LOSS_MODULES, BackpackTwin, accumulate_grad
 from .value import full_nll, kl, log_ratio
-
-_REAL = constraints.real
-
 
 def _one_dtype(tensors: List[torch.Tensor]) -> bool:
     """Whether the tensors share one dtype."""
@@ -238,7 +233,7 @@ class BackpackStep(BackpackTwin):
             if stddev is None:
                 with torch.no_grad():
                     stddevs[j] = transforms[j][1](raws[j].detach())
-        return read_params(store, locs, kept[7]), raws, stddevs
+        return read_params(locs), raws, stddevs
 
     def _read_anew(self, model, guide, store) -> tuple:
         """What :meth:`_read_guide` reads of the guide (registering its tensors where the store
@@ -350,26 +345,12 @@ def _value(nll, sample_log_ratio, raws, locs, stddevs, exps, prior, num_particle
     return nll + sample_log_ratio
 
 
-def read_params(store, names: List[str], tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+def read_params(names: List[str]) -> List[torch.Tensor]:
     """
-    The unconstrained tensors of ``names`` (of the real constraint; ``tensors``: what the store
-    held for them when the names were looked up), read by ``pyro.param(name)`` statements: the
-    message ``pyro.param`` makes, through Pyro's handler stack (``SVI.step``'s trace records them,
-    a user's handler sees them), without its two wrappers' calls. A value that is the store's own
-    tensor is its unconstrained form (the identity transform), taken without a weak reference.
+    The unconstrained tensors of ``names``, read by ``pyro.param(name)`` statements, so that
+    ``SVI.step``'s trace records them (and a user's handler sees them) as any guide's reads.
     """
-    if not _PYRO_STACK:
-        return [store[name].unconstrained() for name in names]
-    get = store.get_param
-    values = []
-    for name, tensor in zip(names, tensors):
-        msg = {"type": "param", "name": name, "fn": get, "is_observed": False, "args": (name,),
-               "kwargs": {"constraint": _REAL, "event_dim": None}, "value": None, "scale": 1.0, "mask": None,
-               "cond_indep_stack": (), "done": False, "stop": False, "continuation": None, "infer": {}}
-        apply_stack(msg)
-        value = msg["value"]
-        values.append(value if value is tensor else value.unconstrained())
-    return values
+    return [pyro.param(name).unconstrained() for name in names]
 
 
 def serves(guide) -> bool:
