@@ -167,8 +167,11 @@ def settle_checks(optim, plan, sites, stats, groups, others_with_grad, checked, 
     plan.skips_in_a_row += 1
     if plan.skips_in_a_row >= SKIPS_IN_A_ROW:
         largest = max((float(site.mean.abs().max()) for site in sites), default=math.nan)
+        # where no step was ever taken, a guide that starts from inf or NaN (init_to_mean of a HalfCauchy)
+        start = [site.name for site in sites if not bool(torch.isfinite(site.mean).all())]
+        start += [param_label(p) for p in others_with_grad if not bool(torch.isfinite(p).all())]
         raise RuntimeError(stuck_message(plan.skips_in_a_row, ", ".join(repr(b) for b in bad), largest,
-                                         optim.num_steps) + _float16_note(sites))
+                                         optim.num_steps, ", ".join(repr(b) for b in start)) + _float16_note(sites))
     warn_skip(optim, f"non-finite gradient or curvature at {', '.join(repr(b) for b in bad)}; the guide is "
               "unchanged", NON_FINITE_ADVICE + _float16_note(sites), stacklevel=7)
     return False

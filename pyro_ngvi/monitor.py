@@ -209,9 +209,21 @@ class ElboWatch:
         )
 
 
-def stuck_message(skipped: int, sites: str, largest_mean: float, taken: int = 1) -> str:
+def stuck_message(skipped: int, sites: str, largest_mean: float, taken: int = 1, start: str = "") -> str:
     """The error when every step is skipped: the guide can only produce non-finite predictions,
-    or, where no step was ever taken (``taken`` 0), the model or the data are not finite."""
+    or, where no step was ever taken (``taken`` 0), the guide's initial values (``start``: the
+    sites or params that are not finite; an AutoMessenger guide's default ``init_to_mean`` puts
+    a HalfCauchy scale at :math:`\\log \\infty`), else the model or the data are not finite."""
+    if taken == 0 and start:  # the guide never moved from values that are not finite
+        return (
+            f"NGVI skipped all of its first {skipped} steps: every draw from the guide gave a non-finite "
+            f"gradient or curvature at {sites}, and the guide starts from values that are not finite at "
+            f"{start}: its init_loc_fn gave inf or NaN, as init_to_mean (the default of AutoNormalMessenger, "
+            "AutoRegressiveMessenger, AutoHierarchicalNormalMessenger) does for a distribution without a finite "
+            "mean (HalfCauchy, Cauchy, StudentT with df <= 1), or init_to_value with a value outside the "
+            "support. Start the guide with init_loc_fn=init_to_median or init_to_feasible "
+            "(pyro.infer.autoguide.initialization)."
+        )
     if taken == 0:  # the guide is as initialised: it did not diverge
         return (
             f"NGVI skipped all of its first {skipped} steps: every draw from the guide gave a non-finite "

@@ -1,5 +1,9 @@
 """NGVI in corners of Pyro a user reaches first, probed from outside (issue c21).
 
+The AutoMessenger guides start at ``init_to_mean``: on eight schools' ``HalfCauchy`` scale that is
+``log inf``, and NGVI, after 50 skipped steps, blamed "the model or the data ..., not the guide".
+The error now names the guide's site and ``init_to_median``.
+
 ``pyro.contrib.forecast.Forecaster(model, data, covariates, optim=NGVI())`` on a local-level
 model (a random walk: the latents enter the likelihood as cumulative sums) trains its default
 ``AutoNormal`` to a drift scale of 114 and a noise scale of 486 (the series was made with 0.1
@@ -23,7 +27,8 @@ import pyro
 import pyro.distributions as dist
 from pyro.contrib.forecast import Forecaster, ForecastingModel
 from pyro.infer import SVI, Trace_ELBO
-from pyro.infer.autoguide import AutoNormal, init_to_sample
+from pyro.infer.autoguide import (AutoNormal, AutoNormalMessenger, AutoRegressiveMessenger, init_to_mean,
+                                  init_to_median, init_to_sample)
 
 from pyro_ngvi import NGVI, LowRankPrecisionNormal, NGVIWarning
 
@@ -125,3 +130,43 @@ def test_the_noisy_curvature_warning_on_a_random_walk_names_the_guide_that_reach
         svi.step(data)
     error = (guide.median(data)["drift"].double() - exact).abs() / mean_field_sd
     assert error.max() < 0.5, error.max()
+
+
+SCHOOLS_Y = torch.tensor([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
+SCHOOLS_SIGMA = torch.tensor([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
+
+
+def eight_schools():
+    mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+    tau = pyro.sample("tau", dist.HalfCauchy(5.0))
+    with pyro.plate("schools", 8):
+        theta = pyro.sample("theta", dist.Normal(mu, tau))
+        pyro.sample("obs", dist.Normal(theta, SCHOOLS_SIGMA), obs=SCHOOLS_Y)
+
+
+@pytest.mark.parametrize("make_guide", [AutoNormalMessenger, AutoRegressiveMessenger,
+                                        lambda model, **kw: AutoNormal(model, **{"init_loc_fn": init_to_mean, **kw})],
+                         ids=["AutoNormalMessenger", "AutoRegressiveMessenger", "AutoNormal(init_to_mean)"])
+def test_a_guide_started_at_infinity_is_named_as_the_cause_not_the_model(make_guide):
+    """The guide's loc of tau is inf (checked from the param store: the HalfCauchy has no mean);
+    the error said "so the model or the data are not finite, not the guide". It now names the site
+    and init_to_median, with which the same guide trains (finite values after 50 steps)."""
+    guide = make_guide(eight_schools)
+    svi = SVI(eight_schools, guide, NGVI(), Trace_ELBO())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(RuntimeError, match="starts from values that are not finite at '(locs.)?tau'.*"
+                                               "init_loc_fn=init_to_median") as error:
+            for _ in range(60):
+                svi.step()
+    assert "not the guide" not in str(error.value)
+    locs_tau = [v for k, v in pyro.get_param_store().items() if k.endswith("locs.tau")]
+    assert len(locs_tau) == 1 and torch.isinf(locs_tau[0]).all()
+    pyro.clear_param_store()
+    guide = make_guide(eight_schools, init_loc_fn=init_to_median)
+    svi = SVI(eight_schools, guide, NGVI(), Trace_ELBO())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(60):
+            assert torch.isfinite(torch.tensor(svi.step()))
+    assert all(torch.isfinite(v).all() for v in pyro.get_param_store().values())
