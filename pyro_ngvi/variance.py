@@ -95,8 +95,7 @@ def control_variate(grad, curvature, eps_mean, eps_sq_mean_minus_one, precision,
         return sigma
     curvature.sub_(eps_sq_mean_minus_one.mul_(c))
     if baseline is not None:
-        # (h - p / sigma as one addcdiv: -1 * (p / sigma) is the exact negation, bit for bit the subtraction)
-        curvature.addcdiv_(torch.mul(baseline, known, out=product).mul_(eps_mean), sigma, value=-1.0)
+        curvature.sub_(torch.mul(baseline, known, out=product).mul_(eps_mean).div_(sigma))
     return sigma
 
 

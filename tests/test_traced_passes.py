@@ -71,8 +71,8 @@ def _passes_per_call(monkeypatch, **options) -> float:
 
 
 @pytest.mark.parametrize("options, before, bound", [
-    (dict(), 141, 122),  # the adaptive steps: two passes over the spans (125 before the count's copy,
-    #                      the known mask's third pass and a subtraction went)
+    (dict(), 141, 123),  # the adaptive steps: two passes over the spans (125 before the count's copy
+    #                      and the known mask's third pass went)
     (dict(lr=0.1, beta=0.05), 63, 60),  # constant steps (count_nonzero became two cheaper passes)
 ])
 def test_the_traced_call_makes_fewer_passes(monkeypatch, options, before, bound):
