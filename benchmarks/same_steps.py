@@ -4,7 +4,7 @@ unchanged): 30 steps of ``bnn.guide()``, ``NGVI()``, ``CurvatureELBO(source)`` f
 (``ggn``, ``ef``, ``reparam``) on the tasks of ``step_overhead.py`` (``digits``, ``w100``), a
 non-finite minibatch at step 20 (skipped with a warning), and 30 steps of ``NGVI()`` on the plain
 Pyro models of ``model_shapes.py`` (``AutoNormal`` and other autoguides, ``Trace_ELBO`` and the other
-losses there); the losses returned, the param store and ``NGVI.get_state()`` saved; two saved runs
+losses there) and a regression in bfloat16 and float64; the losses returned, the param store and ``NGVI.get_state()`` saved; two saved runs
 compared with ``torch.equal``. ``--sync-every K``: the checks read every K
 steps (``NGVI.sync_every``, 16 by default on CUDA), on the CPU. Run it in two checkouts::
 
@@ -22,6 +22,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pyro  # noqa: E402
+import pyro.distributions as dist  # noqa: E402
+from pyro.infer import SVI, Trace_ELBO  # noqa: E402
+from pyro.infer.autoguide import AutoNormal  # noqa: E402
 
 import harness  # noqa: E402
 import model_shapes  # noqa: E402
@@ -33,6 +36,30 @@ SHAPES = ("loop K=10", "vecplate K=10", "vecplate K=100", "subsample 1e5 by 100"
           "nested plates AutoDiagonalNormal", "AutoMultivariateNormal D=10", "AutoLowRankMVN r=5 D=1000",
           "logistic D=50", "logistic D=50, 8 vectorised particles", "logistic D=50, TraceMeanField_ELBO",
           "logistic D=50, CurvatureELBO(hessian)", "random structure, 12 sites")
+
+#: Dtypes the float32 cases do not cover: an op that rounds once where the old rounded twice is
+#: the same in float32 and not in bfloat16 (``addcdiv_`` for a ``sub_`` of a ``div``, session 21).
+DTYPES = (torch.bfloat16, torch.float64)
+
+
+def regression(dtype: torch.dtype):
+    """A linear regression of 3 correlated weights under ``AutoNormal`` and ``Trace_ELBO`` in
+    ``dtype`` (its cross terms and adaptive steps are taken), as a step callable of ``NGVI()``."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(100, 3, generator=generator)
+    x[:, 1] += 0.8 * x[:, 0]
+    y = x @ torch.tensor([0.5, -1.0, 2.0]) + 0.5 * torch.randn(100, generator=generator)
+    x, y = x.to(dtype), y.to(dtype)
+
+    def model():
+        w = pyro.sample("w", dist.Normal(torch.zeros(3, dtype=dtype), 1.0).to_event(1))
+        with pyro.plate("data", 100):
+            pyro.sample("y", dist.Normal(x @ w, 0.5), obs=y)
+
+    def make(optim):
+        svi = SVI(model, AutoNormal(model), optim, Trace_ELBO())
+        return svi.step
+    return make
 
 
 def _flat(prefix: str, value, out: dict) -> None:
@@ -66,7 +93,8 @@ def run(steps: int = 30, sync_every=None) -> dict:
                 _flat(f"{task}/{source}/params", dict(pyro.get_param_store().items()), saved)
                 _flat(f"{task}/{source}/state", method.svi.optim.get_state(), saved)
     made = model_shapes.cases()
-    for name in SHAPES:
+    made.update({f"regression {str(d).split('.')[-1]}": regression(d) for d in DTYPES})
+    for name in SHAPES + tuple(f"regression {str(d).split('.')[-1]}" for d in DTYPES):
         pyro.clear_param_store()
         harness.seed(0)
         optim = NGVI()
