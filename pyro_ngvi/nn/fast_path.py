@@ -24,6 +24,7 @@ from ..handover import attach_curvatures
 from ..kronecker import KroneckerNormal
 from ..hot_path import no_grad, same, scalar
 from ..scales import FastExp, known_scales, sum_log_scales
+from .kept_step import KeptStep
 from .kronecker_step import KroneckerStep
 from .twin import LOSS_MODULES, BackpackTwin, accumulate_grad
 from .value import full_nll, kl, log_ratio
@@ -67,11 +68,18 @@ class BackpackStep(BackpackTwin):
         self._served = None  # the guide serves() took last
         self._order = None  # (latents, point estimates, whether the latents are all the params in order)
         self._read = None  # the last step's reading of the guide (_read_anew), while it stands
+        self._kept = None  # the last full step's decisions, replayed straight-line while they stand (KeptStep)
 
     def __call__(self, model, guide, x: torch.Tensor, y: torch.Tensor, curvature: str, num_particles: int = 1,
                  deterministic: bool = False, mc_samples: int = 1) -> torch.Tensor:
         """:meth:`pyro_ngvi.BayesianNet.curvature_step` of ``model`` (see there for the
-        estimates and the value returned)."""
+        estimates and the value returned); a step whose decisions are those of the last full
+        step (:class:`~pyro_ngvi.nn.kept_step.KeptStep`'s guards) replays them straight-line."""
+        kept = self._kept
+        if kept is not None and kept.holds(self, model, guide, x, y, curvature, num_particles, deterministic,
+                                           mc_samples):
+            return kept.run(self, model, x, y)
+        self._kept = None
         if guide is not self._served and isinstance(guide, KroneckerNormal):  # (served: an AutoNormal)
             return self._kronecker_step(model, guide, x, y, curvature, num_particles, deterministic, mc_samples)
         self._check_step(guide, y, curvature, deterministic)
@@ -153,6 +161,8 @@ class BackpackStep(BackpackTwin):
         self._hand_over(model, locs, stddevs, grads, curvatures, draws, prior, curvature, deterministic, loss)
         for value, grad in zip(points, point_grads):
             accumulate_grad(value.unconstrained(), grad.mul_(factor))
+        self._kept = KeptStep.record(self, model, guide, x, y, curvature, num_particles, deterministic, mc_samples,
+                                     in_order, points, loss_scale, by, batch, _value.__wrapped__)
         return loss
 
     def _in_order(self, model) -> bool:

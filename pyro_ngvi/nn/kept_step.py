@@ -1,0 +1,211 @@
+"""
+The ELBO side's kept step (issue 24): the straight-line replay of a
+:class:`~pyro_ngvi.nn.fast_path.BackpackStep` step once its branches are known, the analogue
+of the optimizer's :class:`~pyro_ngvi.steady.SteadyStep`.
+
+A step of the recipe (an AutoNormal guide, one particle at a draw, a closed-form MLP,
+a categorical or Bernoulli likelihood: :math:`c = 1`, no point estimates, a fixed prior, a
+noise limit relative to the fan-in or none) computes, with :math:`w = \\mu + \\sigma\\epsilon`
+written into the net,
+
+.. math::
+
+    g = \\tfrac NB \\nabla_w \\ell, \\quad h = \\tfrac NB \\cdot
+    \\{\\text{ef}, \\text{ggn}, \\text{ggn\\_mc}\\}\\ \\text{or}\\ g\\,\\epsilon/\\sigma\\ (\\text{reparam}),
+    \\qquad \\text{value} = \\tfrac NB \\ell + \\tfrac12 \\sum [\\lambda_0 w^2 - \\epsilon^2]
+    - \\sum \\log \\sigma + \\sum \\log s_0 .
+
+:meth:`KeptStep.run` calls the same functions as the full path, in the same order
+(:func:`~pyro_ngvi.curvature.mlp.mlp_curvature`, :func:`~pyro_ngvi.nn.value.log_ratio`,
+:func:`~pyro_ngvi.nn.value.full_nll`, the value, :func:`~pyro_ngvi.handover.attach_curvatures`),
+so its tensors are those of the full path to the bit. What it keeps of the full path's step
+(:meth:`KeptStep.record`) and what guards each (:meth:`KeptStep.holds`, identity and value
+comparisons, no call but the plan's own check and the param store's lookup):
+
+* the checks that passed (source, guide served, batch types, the scale warning done) and the
+  decisions on the batch: the shapes, dtypes and devices of ``x`` and ``y``, ``N``, and the
+  factor :math:`N/B` as a 0-d tensor; the net's weight slots are compared every step (a
+  replaced tensor: the full path, which refuses it);
+* the guide's reading (``BackpackStep._read``), guarded as the full path guards it, and each
+  loc and raw scale's dtype and device (a tensor converted in place);
+* the model's structure: its latents and point estimates (none), its likelihood, no
+  ``BatchNorm``, a fixed prior (``learn_prior`` off, the prior object itself), the noise-limit
+  mode, limit and floors (the cached floor tensors themselves) and the hints made of them;
+* the closed-form plan of the net and the twin's parameter list (the plan's own
+  :func:`~pyro_ngvi.curvature.mlp._unchanged` runs every step);
+* the step's buffers (the draws, the reparam curvature), made for the guarded shapes.
+
+The data-dependent checks run every step as on the full path: the targets' values while Pyro's
+validation is enabled (``_check_targets``); their shape and dtype (checked once per shape) are
+in the guard. The whole step runs with gradients off (one switch, not one per function).
+"""
+
+from functools import partial
+
+import torch
+
+import pyro
+import pyro.distributions as dist
+
+from ..curvature import mlp
+from ..handover import attach_curvatures
+from ..curvature.backpack import network_curvature
+from ..family import SiteCurvature
+from ..hot_path import same
+from ..scales import known_scales
+from .value import full_nll, log_ratio
+
+
+class KeptStep:
+    """What one full step of ``step`` (a :class:`~pyro_ngvi.nn.fast_path.BackpackStep`) decided,
+    and its straight-line replay (see the module docstring). Made by :meth:`record` after a full
+    step, asked by :meth:`holds` before each later one."""
+
+    __slots__ = ("model", "guide", "curvature", "mc_samples", "x_key", "y_key", "num_data", "read",
+                 "latent_params", "point_estimates", "latents", "slots", "entries", "prior", "mode",
+                 "limit", "floor_cache", "hints", "plan", "snapshot", "params", "net", "loss_module",
+                 "by", "batch", "noise", "curvature_buffers", "transforms", "name", "long_targets", "value")
+
+    @classmethod
+    def record(cls, step, model, guide, x, y, curvature, num_particles, deterministic, mc_samples, in_order,
+               points, loss_scale, by, batch, value):
+        """The kept step of the full step just run, or ``None`` where it is not the recipe's
+        (more particles, at the mean, point estimates, a Gaussian likelihood, a learned prior,
+        ``noise_limit_mode="mean"``, BatchNorm, a net that is no closed-form MLP, mixed dtypes).
+        ``value``: the function of the step's value (``fast_path._value``, without its grad switch)."""
+        if (num_particles != 1 or deterministic or not in_order or points or loss_scale.__class__ is not float
+                or loss_scale != 1.0 or model.likelihood == "gaussian" or model.learn_prior
+                or model.noise_limit_mode == "mean" or model._running_stats.batch_norms
+                or not isinstance(by, torch.Tensor) or x.__class__ is not torch.Tensor
+                or y.__class__ is not torch.Tensor or step._read is None or step._read[0] is not guide):
+            return None
+        source = "none" if curvature == "reparam" else curvature
+        net = step.net if source == "none" else step.twin
+        entry = step._plans.get(id(net))
+        if entry is None or entry[0] is not net or not mlp._unchanged(entry[2], entry[1].params) \
+                or not (step.params is entry[1].params or same(step.params, entry[1].params)):
+            return None
+        kept = cls()
+        kept.model, kept.guide, kept.curvature = model, guide, curvature
+        kept.x_key = (x.shape, x.dtype, x.device)
+        kept.y_key = (y.shape, y.dtype, y.device)
+        kept.num_data, kept.batch, kept.by = model.effective_num_data, batch, by
+        kept.read = step._read
+        kept.name = step._read[1]
+        kept.transforms = step._read[6]
+        kept.latent_params, kept.point_estimates, kept.latents = (model._latent_params, model._point_estimates,
+                                                                  model._latents)
+        kept.slots = model._slots
+        kept.entries = [(t, t.dtype, t.device) for entry in step._read[3] for t in entry[1::2]]
+        if any(t.dtype is not by.dtype or t.device != by.device for t, _, _ in kept.entries):
+            return None  # (a net converted after its guide was made: the full path casts per site)
+        kept.prior = model._weight_prior()
+        if kept.prior.params is not None:
+            return None
+        kept.mode, kept.limit, kept.floor_cache = model.noise_limit_mode, model.noise_limit, model._noise_floor_cache
+        kept.hints = model._sites_hints(False)
+        kept.plan, kept.snapshot, kept.params, kept.net = entry[1], entry[2], step.params, net
+        kept.loss_module = step._plain_loss if source == "none" else step.loss_module
+        kept.noise = step._buffers.get("noise")
+        kept.curvature_buffers = step._buffers.get("curvature")
+        kept.long_targets = model.likelihood == "categorical" and y.dtype is torch.int64
+        kept.mc_samples, kept.value = mc_samples, value
+        return kept
+
+    def holds(self, step, model, guide, x, y, curvature, num_particles, deterministic, mc_samples) -> bool:
+        """Whether every decision kept still stands for this step (the module docstring's guards)."""
+        if (model is not self.model or guide is not self.guide or curvature != self.curvature or num_particles != 1
+                or deterministic or step._served is not guide or step._read is not self.read
+                or x.__class__ is not torch.Tensor or y.__class__ is not torch.Tensor
+                or (x.shape, x.dtype, x.device) != self.x_key or (y.shape, y.dtype, y.device) != self.y_key
+                or model._effective_num_data != self.num_data or not model._scale_checked
+                or model._latent_params is not self.latent_params or model._latents is not self.latents
+                or model._point_estimates is not self.point_estimates or model._slots is not self.slots
+                or model._learn_prior or model._running_stats.batch_norms
+                or model._flat_prior_cache is not self.prior or model._noise_limit_mode != self.mode
+                or model._noise_limit != self.limit or model._noise_floor_cache is not self.floor_cache
+                or step.params is not self.params or guide._pyro_name != self.name
+                or guide.prototype_trace is None or mc_samples != self.mc_samples):
+            return False
+        for table, name, value, _ in self.slots:  # (a replaced weight: the full path refuses it)
+            if name not in table or table[name] is not value:
+                return False
+        store = pyro.get_param_store()
+        params, constraints = store._params, store._constraints
+        for name, tensor, constraint, weight in self.read[3]:  # (as BackpackStep._read_guide)
+            if (name not in params or params[name] is not tensor or constraints[name] is not constraint
+                    or tensor.shape != weight.shape):
+                return False
+        for tensor, dtype, device in self.entries:
+            if tensor.dtype is not dtype or tensor.device != device:
+                return False
+        return mlp._unchanged(self.snapshot, self.plan.params)
+
+    def run(self, step, model, x, y) -> torch.Tensor:
+        """The step, straight-line: the full path's functions in its order (see the module docstring)."""
+        read = self.read
+        names, raws, transforms, exps = read[4], read[5], read[6], read[8]
+        prior, curvature = self.prior, self.curvature
+        enabled = torch.is_grad_enabled()
+        if enabled:
+            torch._C._set_grad_enabled(False)
+        try:
+            stddevs = known_scales(raws)
+            j = 0
+            for stddev in stddevs:
+                if stddev is None:
+                    stddevs[j] = transforms[j][1](raws[j].detach())
+                j += 1
+            locs = [None] * len(names)
+            j = 0
+            for name in names:  # (pyro.param statements, as read_params: SVI's trace records them)
+                locs[j] = pyro.param(name).unconstrained()
+                j += 1
+            step.begin(model)  # (points none, c = 1: the twin's modes matched to the net's)
+            target = y if self.long_targets else step.loss_target(model, y)
+            # the draws into the net (as BackpackStep._sample_into_net)
+            noises = self.noise
+            for noise in noises:
+                noise.normal_()
+            params = model._latent_params
+            torch._foreach_copy_(params, locs)
+            torch._foreach_addcmul_(params, stddevs, noises)
+            draws = [noises, list(torch._foreach_mul(noises, noises))] if curvature == "reparam" else None
+            check = partial(model._check_targets, y, source=curvature) if dist.is_validation_enabled() else None
+            source = "none" if curvature == "reparam" else curvature
+            result = mlp.mlp_curvature.__wrapped__(self.plan, self.loss_module, x, target, source, check,
+                                                   self.mc_samples)
+            if result is None:  # (not expected under the guards: the full path's network_curvature)
+                step._kept = None
+                torch._C._set_grad_enabled(enabled)
+                result = network_curvature(self.net, self.loss_module, x, target, source, mc_samples=self.mc_samples,
+                                           params=self.params, check_output=check, plans=step._plans)
+                torch._C._set_grad_enabled(False)
+            for p in self.plan.params:
+                p.grad = None
+            loss, grads, curvatures = result[0], result[1], result[2]
+            if curvature == "reparam":  # h = g eps / sigma
+                curvatures = self.curvature_buffers
+                torch._foreach_copy_(curvatures, grads)
+                torch._foreach_mul_(curvatures, noises)
+                torch._foreach_div_(curvatures, stddevs)
+            ratio = log_ratio.__wrapped__(prior, params, noises)
+            torch._foreach_mul_(grads + curvatures, self.by)
+            nll = full_nll(self.num_data, loss, 1.0, None, target, self.batch)
+            value = self.value(nll, ratio, raws, locs, stddevs, exps, prior, 1, False)
+            hints, sampled = self.hints, curvature == "reparam"
+            handed = [None] * len(locs)
+            j = 0
+            for loc in locs:  # (as BackpackStep._hand_over)
+                handed[j] = SiteCurvature(
+                    grad=grads[j], curvature=curvatures[j], prior_loc=prior.site_locs[j],
+                    prior_precision=prior.site_precisions[j], sampled=sampled, nonnegative=not sampled,
+                    scale=stddevs[j], prior_scale_param=None, eps_mean=None if draws is None else draws[0][j],
+                    eps_sq_mean=None if draws is None else draws[1][j], loss=value, watched=True, fitted=True,
+                    **hints[j])
+                j += 1
+            attach_curvatures(locs, handed)
+            return value
+        finally:
+            if enabled:
+                torch._C._set_grad_enabled(True)
