@@ -84,7 +84,7 @@ def check_step_arguments(args: tuple) -> None:
     ``torch.optim`` as a closure and fail there, obscurely).
 
     :raises TypeError: for anything else."""
-    if len(args) > 1 or (args and not callable(args[0])):
+    if args and (len(args) > 1 or not callable(args[0])):  # (none, the usual: no call)
         raise TypeError("NGVI(...)(params, *args) hands args to the point optimizer's step, as Pyro's "
                         "optimizers do (a closure); a guide's own arguments are bound with "
                         "NGVI(guide=functools.partial(guide, *args))")
@@ -101,7 +101,10 @@ def read_flags(flags) -> list:
         if f.device.type != "cpu":
             device = f.device
             break
-    return torch.stack([f if f.device == device else f.to(device) for f in flags]).tolist()
+    for f in flags:  # (all on that device, the usual: stacked as they are, no list made)
+        if f.device != device:
+            return torch.stack([f if f.device == device else f.to(device) for f in flags]).tolist()
+    return torch.stack(flags).tolist()
 
 
 def _all_finite(values: list) -> bool:

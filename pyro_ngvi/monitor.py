@@ -86,12 +86,13 @@ class SpreadWatch:
         at every :data:`SPREAD_EVERY`-th step ``value`` becomes the reference. (One comparison a
         step: with the reference, its threshold :math:`\\max(` :data:`SPREAD_LIMIT`, twice the
         reference :math:`)` is kept.)"""
-        reference = self.reference.get(id(group))
-        self.latest[id(group)] = value
+        key = id(group)
+        reference = self.reference.get(key)
+        self.latest[key] = value
         fresh = reference is None or reference[0] is not group
         flag = torch.zeros((), dtype=torch.bool, device=value.device) if fresh else value > reference[1]
         if fresh or step % SPREAD_EVERY == 0:
-            self.reference[id(group)] = (group, torch.clamp(2 * value, min=SPREAD_LIMIT))
+            self.reference[key] = (group, torch.clamp(2 * value, min=SPREAD_LIMIT))
         return flag
 
     def keep(self, groups) -> None:
@@ -159,7 +160,8 @@ class ElboWatch:
         """
         if self.warned:
             return None
-        self.losses.append(loss.detach() if torch.is_tensor(loss) and loss.requires_grad else loss)
+        self.losses.append(loss.detach() if (loss.__class__ is torch.Tensor or torch.is_tensor(loss))
+                           and loss.requires_grad else loss)
         if len(self.losses) < ELBO_WINDOW:
             return None
         window = torch.stack([torch.as_tensor(value, dtype=torch.float64) for value in self.losses])

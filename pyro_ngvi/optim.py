@@ -13,6 +13,7 @@ torch optimizer, trains everything else; it keeps state per site for
 import copy
 import math
 import numbers
+import sys
 import warnings
 import weakref
 from typing import Dict, List, Optional
@@ -176,6 +177,7 @@ class NGVI(PyroOptim):
         self._draws = GuideDraws()  # several particles' draws, read as the guide runs
         if control_variate:  # (only the control variate and the coupled step read them)
             self._draws.watch(self.guide)
+        self._svi = None  # (the SVI that last called this optimizer: a weak reference), see __call__
         self._loss_checked = False  # whether an SVI's loss function was warned about (once)
 
 
@@ -200,7 +202,15 @@ class NGVI(PyroOptim):
         """
         check_step_arguments(args)
         params = list(params)
-        svi = calling_svi("optim", self)
+        svi, kept = None, self._svi
+        if kept is not None:  # (the SVI found last, where it calls: calling_svi's first frame, no walk)
+            caller = sys._getframe(1).f_locals
+            owner = caller["self"] if "self" in caller else None
+            if owner is not None and owner is kept() and owner.optim is self:
+                svi = owner
+        if svi is None:
+            svi = calling_svi("optim", self)
+            self._svi = None if svi is None else weakref.ref(svi)
         try:
             accepted = self._step(params, svi, *args, **kwargs)
         except BaseException:

@@ -312,11 +312,13 @@ def known_scale(raw: torch.Tensor) -> Optional[torch.Tensor]:
 
 def known_scales(raws: List[torch.Tensor]) -> List[Optional[torch.Tensor]]:
     """:func:`known_scale` of each of ``raws`` (their entries looked up by ``map``, in one call)."""
-    found = [None] * len(raws)
-    for j, (raw, entry) in enumerate(zip(raws, list(map(_remembered.get, map(id, raws))))):
+    found = list(map(_remembered.get, map(id, raws)))  # (the entries, then their scales: no call for a list of None)
+    for j, (raw, entry) in enumerate(zip(raws, found)):
         if entry is not None and entry[1] == raw._version and entry[0]() is raw and entry[2].dtype == raw.dtype \
                 and entry[2].device == raw.device:  # (as _entry)
             found[j] = entry[2]
+        else:
+            found[j] = None
     return found
 
 

@@ -45,6 +45,7 @@ state as the chain keeps it (:func:`~pyro_ngvi.group_io.keep_pass`, the noisy-cu
 
 import math
 import weakref
+from operator import attrgetter
 from dataclasses import replace
 from typing import List, Optional
 
@@ -64,6 +65,9 @@ from .scales import Remembered
 from .statistics import one_draw, step_statistics
 from .steps import SPAN, Context, workspace_scratch
 from .variance import CROSS_MAX, takes_cross_terms
+
+#: what the step reads off each site's statistics and state (by ``map``: no Python-level call per site)
+_GRAD, _CURVATURE, _TAKEN = attrgetter("grad"), attrgetter("curvature"), attrgetter("taken")
 
 OK = Inputs._fields.index("ok")  # (where a group of one's template holds a masked step's flag)
 
@@ -276,7 +280,7 @@ class SteadyStep:
         for part in self.groups:
             mine = stats[part.start:part.stop]
             if part.gathered:
-                torch._foreach_copy_(part.gather, [s.grad for s in mine] + [s.curvature for s in mine])
+                torch._foreach_copy_(part.gather, list(map(_GRAD, mine)) + list(map(_CURVATURE, mine)))  # (no call each)
                 grad, curvature = part.args.inputs.grad, part.args.inputs.curvature
             else:
                 grad, curvature = mine[0].grad.reshape(-1), mine[0].curvature.reshape(-1)
@@ -311,7 +315,7 @@ class SteadyStep:
         # the step: the point optimizer's first (pyro_ngvi.chain.take_step: it may still fail), then the groups'
         if self.others:
             point_step(self.others)
-        clock = max([state.taken for state in self.states])
+        clock = max(map(_TAKEN, self.states))
         self.records, self.flags = plan.safeguards, []  # (deferred: the steps' records since the last read)
         for part, (grad, curvature) in zip(self.groups, flats):
             args = part.args

@@ -97,7 +97,8 @@ class Plan(NamedTuple):
     layer, a ``Linear``'s weight and bias as ``(weight, bias, position of the weight in params,
     of the bias or None)``, an activation's ``(forward, derivative)`` of :data:`ACTIVATIONS`;
     ``linears``: the positions of the ``Linear`` layers; ``steps``: the pairs of ``layers`` and
-    ``parts``; ``backward``: the positions from the last layer down to the first ``Linear``."""
+    ``parts``; ``backward``: the positions from the last layer down to the first ``Linear``; ``count``:
+    the number of params."""
 
     layers: List[Tuple[str, nn.Module]]
     params: List[torch.Tensor]
@@ -105,6 +106,7 @@ class Plan(NamedTuple):
     linears: List[int]
     steps: List[tuple]
     backward: List[int]
+    count: int
 
 
 #: Hooks that may be skipped: BackPACK's own, which store inputs for its extensions.
@@ -174,7 +176,7 @@ def plan(net: nn.Module) -> Optional[Plan]:
         else:
             parts.append(ACTIVATIONS[type(module)] if kind == "activation" else None)
     return Plan(layers, params, parts, [k for k, (kind, _) in enumerate(layers) if kind == "linear"],
-                list(zip(layers, parts)), list(range(len(layers) - 1, first_linear - 1, -1)))
+                list(zip(layers, parts)), list(range(len(layers) - 1, first_linear - 1, -1)), len(params))
 
 
 def planned(net: nn.Module, kept: Dict[int, tuple]) -> Optional[Plan]:
@@ -247,7 +249,9 @@ def output_gradient_and_hessian(loss_module: nn.Module, f: torch.Tensor, y: torc
     """
     kind = type(loss_module)
     if kind is nn.CrossEntropyLoss:
-        if loss_module.weight is not None or loss_module.label_smoothing != 0.0 or f.ndim != 2 \
+        buffers = loss_module._buffers  # (its class weights, a buffer: read without Module.__getattr__'s call)
+        if (buffers["weight"] if "weight" in buffers else loss_module.weight) is not None \
+                or loss_module.label_smoothing != 0.0 or f.ndim != 2 \
                 or y.ndim != 1 or y.dtype != torch.long:
             return None
         if f.__class__ is torch.Tensor and y.__class__ is torch.Tensor:  # (no subclass: F.cross_entropy's own call)
@@ -378,7 +382,7 @@ def mlp_curvature(mlp: Plan, loss_module: nn.Module, x: torch.Tensor, y: torch.T
     form is not covered (the caller then asks BackPACK).
     """
     h = x
-    saved = [None] * len(mlp.layers)  # per layer: its input (and an activation's output)
+    saved = {}  # per layer: its input (and an activation's output)
     k = 0  # (a counter: no enumerate call)
     for (kind, module), part in mlp.steps:
         if kind == "flatten":
@@ -405,7 +409,7 @@ def mlp_curvature(mlp: Plan, loss_module: nn.Module, x: torch.Tensor, y: torch.T
     elif source == "kflr":
         hessian.root_rows()
     second_order = source in ("ggn", "kflr")
-    count = len(mlp.params)
+    count = mlp.count
     grads, curvatures, inputs = [None] * count, [None] * count, [None] * count  # (in the order of params)
     linears = mlp.linears
     for k in mlp.backward:

@@ -3,6 +3,7 @@
 """
 
 import math
+import sys
 import numbers
 
 from pyro.infer import Trace_ELBO
@@ -136,6 +137,7 @@ class CurvatureELBO(ELBO):
         self.antithetic = antithetic
         # prior params found to enter the model outside conjugate priors (no closed form)
         self._shared_prior_params = set()
+        self._svi = None  # (the SVI that last ran this ELBO, its optimizer: weak references), see loss_and_grads
         self._own_step = None  # (model, guide: weak references; curvature, antithetic) served by the model's own step
 
     #: :class:`~pyro_ngvi.NGVI` takes the statistics of an ELBO that says so (others'
@@ -165,13 +167,22 @@ class CurvatureELBO(ELBO):
             :class:`~pyro_ngvi.NGVI` (any other would find no ``.grad`` on the
             guide and train nothing).
         """
-        svi = calling_svi("loss_and_grads", self.loss_and_grads)
-        if svi is not None and not getattr(svi.optim, "consumes_curvature", False):
-            raise RuntimeError(
-                "CurvatureELBO hands its gradient and curvature to pyro_ngvi.NGVI only; this "
-                f"SVI's optimizer is {type(svi.optim).__name__}, which would find no .grad on "
-                "the guide and train nothing. Use NGVI, or Trace_ELBO with this optimizer."
-            )
+        svi, kept = None, self._svi
+        if kept is not None:  # (the SVI found last, where it calls: calling_svi's first frame, no walk, no check again)
+            caller = sys._getframe(1).f_locals
+            owner = caller["self"] if "self" in caller else None
+            if owner is not None and owner is kept[0]() and owner.optim is kept[1]() \
+                    and owner.loss_and_grads == self.loss_and_grads:
+                svi = owner
+        if svi is None:
+            svi = calling_svi("loss_and_grads", self.loss_and_grads)
+            if svi is not None and not getattr(svi.optim, "consumes_curvature", False):
+                raise RuntimeError(
+                    "CurvatureELBO hands its gradient and curvature to pyro_ngvi.NGVI only; this "
+                    f"SVI's optimizer is {type(svi.optim).__name__}, which would find no .grad on "
+                    "the guide and train nothing. Use NGVI, or Trace_ELBO with this optimizer."
+                )
+            self._svi = None if svi is None else (reference(svi), reference(svi.optim))
         begin_handover()  # (protocol.handing_over, inline: no context-manager objects per step)
         try:
             # the model's own step, as own_step found it for these (model, guide, source, antithetic)

@@ -76,9 +76,10 @@ class BackpackStep(BackpackTwin):
         estimates and the value returned); a step whose decisions are those of the last full
         step (:class:`~pyro_ngvi.nn.kept_step.KeptStep`'s guards) replays them straight-line."""
         kept = self._kept
-        if kept is not None and kept.holds(self, model, guide, x, y, curvature, num_particles, deterministic,
-                                           mc_samples):
-            return kept.run(self, model, x, y)
+        if kept is not None:
+            loss = kept.run(self, model, guide, x, y, curvature, num_particles, deterministic, mc_samples)
+            if loss is not None:
+                return loss
         self._kept = None
         if guide is not self._served and isinstance(guide, KroneckerNormal):  # (served: an AutoNormal)
             return self._kronecker_step(model, guide, x, y, curvature, num_particles, deterministic, mc_samples)

@@ -19,8 +19,8 @@ written into the net,
 (:func:`~pyro_ngvi.curvature.mlp.mlp_curvature`, :func:`~pyro_ngvi.nn.value.log_ratio`,
 :func:`~pyro_ngvi.nn.value.full_nll`, the value, :func:`~pyro_ngvi.handover.attach_curvatures`),
 so its tensors are those of the full path to the bit. What it keeps of the full path's step
-(:meth:`KeptStep.record`) and what guards each (:meth:`KeptStep.holds`, identity and value
-comparisons, no call but the plan's own check and the param store's lookup):
+(:meth:`KeptStep.record`) and what guards each (checked first by :meth:`KeptStep.run`, identity and
+value comparisons, no call but the plan's own check and the param store's lookup):
 
 * the checks that passed (source, guide served, batch types, the scale warning done) and the
   decisions on the batch: the shapes, dtypes and devices of ``x`` and ``y``, ``N``, and the
@@ -59,7 +59,7 @@ from .value import full_nll, log_ratio
 class KeptStep:
     """What one full step of ``step`` (a :class:`~pyro_ngvi.nn.fast_path.BackpackStep`) decided,
     and its straight-line replay (see the module docstring). Made by :meth:`record` after a full
-    step, asked by :meth:`holds` before each later one."""
+    step, run before each later one (which it declines where a guard fails)."""
 
     __slots__ = ("model", "guide", "curvature", "mc_samples", "x_key", "y_key", "num_data", "read",
                  "latent_params", "point_estimates", "latents", "slots", "entries", "prior", "mode",
@@ -112,8 +112,9 @@ class KeptStep:
         kept.mc_samples, kept.value = mc_samples, value
         return kept
 
-    def holds(self, step, model, guide, x, y, curvature, num_particles, deterministic, mc_samples) -> bool:
-        """Whether every decision kept still stands for this step (the module docstring's guards)."""
+    def run(self, step, model, guide, x, y, curvature, num_particles, deterministic, mc_samples):
+        """The step, straight-line: the full path's functions in its order (see the module docstring), or
+        ``None`` (nothing done) where a decision kept no longer stands (the guards, inline: no call)."""
         if (model is not self.model or guide is not self.guide or curvature != self.curvature or num_particles != 1
                 or deterministic or step._served is not guide or step._read is not self.read
                 or x.__class__ is not torch.Tensor or y.__class__ is not torch.Tensor
@@ -126,26 +127,25 @@ class KeptStep:
                 or model._noise_limit != self.limit or model._noise_floor_cache is not self.floor_cache
                 or step.params is not self.params or guide._pyro_name != self.name
                 or guide.prototype_trace is None or mc_samples != self.mc_samples):
-            return False
+            return None
         for table, name, value, _ in self.slots:  # (a replaced weight: the full path refuses it)
             if name not in table or table[name] is not value:
-                return False
+                return None
         store = pyro.get_param_store()
         params, constraints = store._params, store._constraints
         for name, tensor, constraint, weight in self.read[3]:  # (as BackpackStep._read_guide)
             if (name not in params or params[name] is not tensor or constraints[name] is not constraint
                     or tensor.shape != weight.shape):
-                return False
+                return None
         for tensor, dtype, device in self.entries:
             if tensor.dtype is not dtype or tensor.device != device:
-                return False
-        return mlp._unchanged(self.snapshot, self.plan.params)
+                return None
+        if not mlp._unchanged(self.snapshot, self.plan.params):
+            return None
 
-    def run(self, step, model, x, y) -> torch.Tensor:
-        """The step, straight-line: the full path's functions in its order (see the module docstring)."""
         read = self.read
         names, raws, transforms, exps = read[4], read[5], read[6], read[8]
-        prior, curvature = self.prior, self.curvature
+        prior = self.prior
         enabled = torch.is_grad_enabled()
         if enabled:
             torch._C._set_grad_enabled(False)
@@ -156,12 +156,13 @@ class KeptStep:
                 if stddev is None:
                     stddevs[j] = transforms[j][1](raws[j].detach())
                 j += 1
-            locs = [None] * len(names)
+            locs = list(names)  # (written over below: no call for the length)
             j = 0
             for name in names:  # (pyro.param statements, as read_params: SVI's trace records them)
                 locs[j] = pyro.param(name).unconstrained()
                 j += 1
-            step.begin(model)  # (points none, c = 1: the twin's modes matched to the net's)
+            # (BackpackStep.begin: nothing to do without BatchNorm, point estimates or a noise scale; the twin's
+            # train/eval modes, which the closed form does not read, are matched by the next full step)
             target = y if self.long_targets else step.loss_target(model, y)
             # the draws into the net (as BackpackStep._sample_into_net)
             noises = self.noise
@@ -170,7 +171,7 @@ class KeptStep:
             params = model._latent_params
             torch._foreach_copy_(params, locs)
             torch._foreach_addcmul_(params, stddevs, noises)
-            draws = [noises, list(torch._foreach_mul(noises, noises))] if curvature == "reparam" else None
+            draws = [noises, torch._foreach_mul(noises, noises)] if curvature == "reparam" else None
             check = partial(model._check_targets, y, source=curvature) if dist.is_validation_enabled() else None
             source = "none" if curvature == "reparam" else curvature
             result = mlp.mlp_curvature.__wrapped__(self.plan, self.loss_module, x, target, source, check,
@@ -194,7 +195,7 @@ class KeptStep:
             nll = full_nll(self.num_data, loss, 1.0, None, target, self.batch)
             value = self.value(nll, ratio, raws, locs, stddevs, exps, prior, 1, False)
             hints, sampled = self.hints, curvature == "reparam"
-            handed = [None] * len(locs)
+            handed = list(locs)
             j = 0
             for loc in locs:  # (as BackpackStep._hand_over)
                 handed[j] = SiteCurvature(

@@ -29,7 +29,7 @@ def full_nll(num_data, nll, loss_scale, noise_scale, target, batch_size) -> torc
     """
     scale = num_data / batch_size
     if noise_scale is None:  # (a 0-d tensor of nll's dtype: no cast of a Python float)
-        return (scalar(scale, nll) if isinstance(nll, torch.Tensor) else scale) * nll
+        return (scalar(scale, nll) if nll.__class__ is torch.Tensor or isinstance(nll, torch.Tensor) else scale) * nll
     # l = N/B [sse / (2 sigma^2) + B D (log sigma + log(2 pi) / 2)], sse = nll / c
     events = target.numel()
     if isinstance(noise_scale, torch.Tensor):
@@ -53,7 +53,8 @@ def log_ratio(prior, weights, noises) -> torch.Tensor:
     """
     if prior.norm_weights is not None:  # m_0 = 0, one lambda_0 per site: norms, one kernel each
         norms = torch.stack(torch._foreach_norm(list(weights) + noises)).square_()
-        return prior.norm_weights.to(norms.dtype).dot(norms)  # (a learned prior's params may keep another dtype)
+        weights = prior.norm_weights  # (a learned prior's params may keep another dtype)
+        return (weights if weights.dtype is norms.dtype else weights.to(norms.dtype)).dot(norms)
     noise_square = torch.stack(torch._foreach_norm(noises)).square_().sum()
     total = sum(_quadratic(w, loc, precision) for w, (loc, precision) in zip(weights, prior.compact))
     return 0.5 * (total - noise_square)
