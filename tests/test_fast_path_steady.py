@@ -59,6 +59,7 @@ def _changed_then_stepped(change, forget: bool, steps=8, at=5):
         change(bnn)
         if forget:
             bnn._fast_path._read = None
+            bnn._fast_path._kept = None
     return _steps(svi, x, y, steps, before, at)
 
 
@@ -194,3 +195,97 @@ def test_the_same_guide_under_another_model_takes_that_models_path():
     outer = SVI(lambda xb, yb: bnn(xb, yb), svi.guide, svi.optim, svi.loss_and_grads.__self__)
     with pyro.validation_enabled(False), pytest.warns(NGVIWarning, match="inside another model"):
         outer.step(x[:64], y[:64])
+
+
+# --------------------------------------------------------------------------- #
+# The ELBO side's kept step (pyro_ngvi.nn.kept_step): each guard falls back to the full path
+# --------------------------------------------------------------------------- #
+
+
+def _kept_changed_then_stepped(change, forget: bool, source="reparam", steps=8, at=5):
+    """``_changed_then_stepped`` for the kept step: ``forget`` drops it (and the kept reading) after
+    ``change(svi, bnn)``, so the full path runs that step (the reference)."""
+    svi, bnn, x, y = _recipe(source)
+
+    def before():
+        change(svi, bnn)
+        if forget:
+            bnn._fast_path._read = None
+            bnn._fast_path._kept = None
+    return _steps(svi, x, y, steps, before, at)
+
+
+def _set(obj, name, value):
+    return lambda svi, bnn: setattr(obj(svi, bnn), name, value)
+
+
+@pytest.mark.parametrize("source, change", [
+    # (each changes a decision the kept step holds; kept regardless, the step would differ)
+    ("ggn", _set(lambda svi, bnn: svi.loss_and_grads.__self__, "curvature", "reparam")),  # the source
+    ("reparam", _set(lambda svi, bnn: bnn, "num_data", 2000)),  # N, the scale N / B and the hints
+    ("reparam", _set(lambda svi, bnn: bnn, "noise_limit", 0.05)),  # the noise floors handed over
+    ("reparam", _set(lambda svi, bnn: bnn, "learn_prior", True)),  # the prior read at each step
+    ("ggn_mc", _set(lambda svi, bnn: svi.loss_and_grads.__self__, "mc_samples", 3)),  # the sampled rows
+    ("reparam", _set(lambda svi, bnn: svi.loss_and_grads.__self__, "num_particles", 2)),  # the particles
+], ids=["source", "num_data", "noise_limit", "learn_prior", "mc_samples", "num_particles"])
+def test_the_kept_step_falls_back_where_a_decision_changed(source, change):
+    _same(_kept_changed_then_stepped(change, False, source), _kept_changed_then_stepped(change, True, source))
+
+
+def test_the_kept_step_falls_back_for_a_batch_of_another_size():
+    # (N / B of the last full step's batch would scale a batch of 40; the full path: exact)
+    def run(forget):
+        svi, bnn, x, y = _recipe("ggn")
+        losses = []
+        with pyro.validation_enabled(False):
+            for step in range(6):
+                if forget:
+                    bnn._fast_path._kept = None
+                size = 40 if step >= 4 else 64
+                losses.append(svi.step(x[:size], y[:size]))
+        return losses, {name: value.detach().clone() for name, value in pyro.get_param_store().items()}
+    _same(run(False), run(True))
+
+
+def test_a_weight_replaced_after_steady_steps_is_refused_as_the_full_path_refuses_it():
+    # (a layer of the plain net replaced: the twin's plan, which ggn runs, still holds; the slots do not)
+    def replace(svi, bnn):
+        bnn.net[0] = nn.Linear(8, 16)
+    with pytest.raises(ValueError, match="was replaced"):
+        _kept_changed_then_stepped(replace, forget=False, source="ggn")
+
+
+def test_a_hook_added_after_steady_steps_takes_the_hooked_pass():
+    # (the closed-form plan refuses a net with a user's hook: the pass through the modules runs it)
+    calls = []
+    _kept_changed_then_stepped(lambda svi, bnn: bnn.net[0].register_forward_hook(lambda *a: calls.append(1)),
+                               forget=False, steps=7)
+    assert len(calls) == 2
+
+
+def test_the_kept_step_checks_the_targets_values_under_validation():
+    # (a class index out of range: the fast path refuses it as the likelihood's log_prob would)
+    svi, bnn, x, y = _recipe("ggn")
+    with pyro.validation_enabled(True), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            svi.step(x[:64], y[:64])
+        bad = y[:64].clone()
+        bad[5] = 3
+        with pytest.raises(ValueError, match="class indices"):
+            svi.step(x[:64], bad)
+
+
+@pytest.mark.parametrize("source", ["ggn", "ef", "reparam"])
+def test_a_steady_step_of_the_recipe_makes_at_most_290_python_calls(source):
+    # (the main demo's MLP, digits' widths; before the ELBO's kept step: 349-364 calls a step)
+    svi, bnn, x, y = _recipe(source, widths=(64, 100, 10), n=1437)
+    with pyro.validation_enabled(False):
+        for _ in range(5):
+            svi.step(x[:128], y[:128])
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(5):
+            svi.step(x[:128], y[:128])
+        profiler.disable()
+    assert sum(v[1] for v in pstats.Stats(profiler).stats.values()) / 5 <= 290

@@ -25,12 +25,12 @@ value comparisons, no call but the plan's own check and the param store's lookup
 * the checks that passed (source, guide served, batch types, the scale warning done) and the
   decisions on the batch: the shapes, dtypes and devices of ``x`` and ``y``, ``N``, and the
   factor :math:`N/B` as a 0-d tensor; the net's weight slots are compared every step (a
-  replaced tensor: the full path, which refuses it);
+  replaced tensor or layer, which the twin's plan does not see: the full path, which refuses it);
 * the guide's reading (``BackpackStep._read``), guarded as the full path guards it, and each
   loc and raw scale's dtype and device (a tensor converted in place);
 * the model's structure: its latents and point estimates (none), its likelihood, no
   ``BatchNorm``, a fixed prior (``learn_prior`` off, the prior object itself), the noise-limit
-  mode, limit and floors (the cached floor tensors themselves) and the hints made of them;
+  mode and limit, and the hints made of them (the floors of that limit, for the guarded dtypes);
 * the closed-form plan of the net and the twin's parameter list (the plan's own
   :func:`~pyro_ngvi.curvature.mlp._unchanged` runs every step);
 * the step's buffers (the draws, the reparam curvature), made for the guarded shapes.
@@ -63,7 +63,7 @@ class KeptStep:
 
     __slots__ = ("model", "guide", "curvature", "mc_samples", "x_key", "y_key", "num_data", "read",
                  "latent_params", "point_estimates", "latents", "slots", "entries", "prior", "mode",
-                 "limit", "floor_cache", "hints", "plan", "snapshot", "params", "net", "loss_module",
+                 "limit", "hints", "plan", "snapshot", "params", "net", "loss_module",
                  "by", "batch", "noise", "curvature_buffers", "transforms", "name", "long_targets", "value")
 
     @classmethod
@@ -102,7 +102,7 @@ class KeptStep:
         kept.prior = model._weight_prior()
         if kept.prior.params is not None:
             return None
-        kept.mode, kept.limit, kept.floor_cache = model.noise_limit_mode, model.noise_limit, model._noise_floor_cache
+        kept.mode, kept.limit = model.noise_limit_mode, model.noise_limit
         kept.hints = model._sites_hints(False)
         kept.plan, kept.snapshot, kept.params, kept.net = entry[1], entry[2], step.params, net
         kept.loss_module = step._plain_loss if source == "none" else step.loss_module
@@ -124,7 +124,7 @@ class KeptStep:
                 or model._point_estimates is not self.point_estimates or model._slots is not self.slots
                 or model._learn_prior or model._running_stats.batch_norms
                 or model._flat_prior_cache is not self.prior or model._noise_limit_mode != self.mode
-                or model._noise_limit != self.limit or model._noise_floor_cache is not self.floor_cache
+                or model._noise_limit != self.limit
                 or step.params is not self.params or guide._pyro_name != self.name
                 or guide.prototype_trace is None or mc_samples != self.mc_samples):
             return None
