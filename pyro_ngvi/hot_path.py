@@ -15,11 +15,13 @@ step is mostly fixed cost).
 
 And :func:`same`, the check by identity that a step's plan (made once, kept while the guide's
 structure stands) still holds, as a plain loop: ``all(a is b for a, b in zip(...))`` runs a
-generator frame per element; and :func:`reference`, what a cache keyed by ``id()`` keeps to
-tell its object from a later one at the same address.
+generator frame per element; :func:`reference`, what a cache keyed by ``id()`` keeps to
+tell its object from a later one at the same address; and :func:`kept_caller`, the SVI that
+called last step confirmed at the calling frame, without walking the stack.
 """
 
 import functools
+import sys
 import weakref
 from typing import Callable, Dict, Sequence, Tuple, TypeVar
 
@@ -78,3 +80,20 @@ def reference(obj) -> Callable:
         return weakref.ref(obj)
     except TypeError:
         return lambda: obj
+
+
+def kept_caller(kept, attribute: str, value, depth: int = 2):
+    """
+    The SVI of ``kept`` (``(weak reference to it, weak reference to its optimizer)``, or ``None``)
+    when it is the ``self`` of the frame ``depth`` up (2: the caller's caller), still has that
+    optimizer, and its ``attribute`` is ``value``; else ``None``. What
+    :func:`~pyro_ngvi.family.calling_svi` found last step, confirmed at the first frame it would
+    look at (no walk of the stack, which costs a call per frame).
+    """
+    if kept is None:
+        return None
+    caller = sys._getframe(depth).f_locals
+    owner = caller["self"] if "self" in caller else None
+    if owner is not None and owner is kept[0]() and owner.optim is kept[1]() and getattr(owner, attribute) == value:
+        return owner
+    return None

@@ -13,7 +13,6 @@ torch optimizer, trains everything else; it keeps state per site for
 import copy
 import math
 import numbers
-import sys
 import warnings
 import weakref
 from typing import Dict, List, Optional
@@ -32,6 +31,7 @@ from .distributed import all_reduce_stats, is_distributed, without_draws
 from .draws import GuideDraws
 from .family import GaussianSite, SiteCurvature, calling_svi, end_handover, guide_parts, split_params
 from .groups import Workspace
+from .hot_path import kept_caller
 from .mean_field_kl import analytic_locs, mean_field_elbo, move_prior_to_draws
 from .monitor import NGVIWarning, SpreadWatch
 from .plan import Plan, Plans
@@ -45,6 +45,16 @@ from .steady import SteadyStep
 from .steps import Options
 
 __all__ = ["NGVI", "NGVIWarning", "Settings", "defaults", "FULL_BATCH", "DENSE", "DENSE_SAMPLED", "MINIBATCH"]
+
+
+def _calling_svi(optim):
+    """The SVI whose step calls ``optim`` (:func:`~pyro_ngvi.family.calling_svi`), confirmed at
+    the calling frame while it is the one found last (``optim._svi``: weak references)."""
+    svi = kept_caller(getattr(optim, "_svi", None), "optim", optim, depth=3)
+    if svi is None:
+        svi = calling_svi("optim", optim)
+        optim._svi = None if svi is None else (weakref.ref(svi), weakref.ref(optim))
+    return svi
 
 
 class NGVI(PyroOptim):
@@ -177,7 +187,6 @@ class NGVI(PyroOptim):
         self._draws = GuideDraws()  # several particles' draws, read as the guide runs
         if control_variate:  # (only the control variate and the coupled step read them)
             self._draws.watch(self.guide)
-        self._svi = None  # (the SVI that last called this optimizer: a weak reference), see __call__
         self._loss_checked = False  # whether an SVI's loss function was warned about (once)
 
 
@@ -202,15 +211,7 @@ class NGVI(PyroOptim):
         """
         check_step_arguments(args)
         params = list(params)
-        svi, kept = None, self._svi
-        if kept is not None:  # (the SVI found last, where it calls: calling_svi's first frame, no walk)
-            caller = sys._getframe(1).f_locals
-            owner = caller["self"] if "self" in caller else None
-            if owner is not None and owner is kept() and owner.optim is self:
-                svi = owner
-        if svi is None:
-            svi = calling_svi("optim", self)
-            self._svi = None if svi is None else weakref.ref(svi)
+        svi = _calling_svi(self)
         try:
             accepted = self._step(params, svi, *args, **kwargs)
         except BaseException:

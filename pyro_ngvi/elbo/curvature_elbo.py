@@ -3,7 +3,6 @@
 """
 
 import math
-import sys
 import numbers
 
 from pyro.infer import Trace_ELBO
@@ -12,7 +11,7 @@ from pyro.infer.elbo import ELBO
 
 from ..curvature import check_source
 from ..family import begin_handover, calling_svi, end_handover
-from ..hot_path import reference
+from ..hot_path import kept_caller, reference
 from .full_covariance import full_covariance_loss_and_grads
 from .mean_field import mean_field_loss_and_grads
 from .protocol import own_step
@@ -167,13 +166,7 @@ class CurvatureELBO(ELBO):
             :class:`~pyro_ngvi.NGVI` (any other would find no ``.grad`` on the
             guide and train nothing).
         """
-        svi, kept = None, self._svi
-        if kept is not None:  # (the SVI found last, where it calls: calling_svi's first frame, no walk, no check again)
-            caller = sys._getframe(1).f_locals
-            owner = caller["self"] if "self" in caller else None
-            if owner is not None and owner is kept[0]() and owner.optim is kept[1]() \
-                    and owner.loss_and_grads == self.loss_and_grads:
-                svi = owner
+        svi = kept_caller(self._svi, "loss_and_grads", self.loss_and_grads)  # (checked when found)
         if svi is None:
             svi = calling_svi("loss_and_grads", self.loss_and_grads)
             if svi is not None and not getattr(svi.optim, "consumes_curvature", False):
