@@ -56,12 +56,26 @@ def check_priors(priors, where: str, allow_none: bool = False) -> dict:
 def check_load_arguments(filename, map_location) -> None:
     """The arguments of a load: ``filename`` a path (``str``, ``bytes``, ``os.PathLike``: an int would be
     opened as a file descriptor, 0 the process's stdin, and closed after) and ``map_location`` what
-    :func:`torch.load` takes (``None``, a device or its name, a dict of them, a function).
+    :func:`torch.load` takes (``None``, a device or a name torch reads as one, a dict from location tags
+    to such names, a function).
 
     :raises ArgumentError: naming the argument."""
     if not isinstance(filename, (str, bytes, os.PathLike)):
         raise ArgumentError(f"filename must be a path (str or os.PathLike), got {type(filename).__name__} "
                             f"{filename!r:.60}")
-    if not (map_location is None or isinstance(map_location, (str, torch.device, dict)) or callable(map_location)):
-        raise ArgumentError("map_location must be None, a device (or its name), a dict of them or a function, as "
-                            f"torch.load takes, got {type(map_location).__name__} {map_location!r:.60}")
+    names = list(map_location.values()) if isinstance(map_location, dict) else \
+        [map_location] if isinstance(map_location, str) else []
+    if not (map_location is None or isinstance(map_location, (str, torch.device, dict)) or callable(map_location)) \
+            or not all(isinstance(name, str) and _is_device_name(name) for name in names):
+        raise ArgumentError("map_location must be None, a device (or its name), a dict of them (location tag -> "
+                            "device name) or a function, as torch.load takes, got "
+                            f"{type(map_location).__name__} {map_location!r:.60}")
+
+
+def _is_device_name(name: str) -> bool:
+    """Whether torch reads ``name`` as a device (``"cpu"``, ``"cuda:1"``, ``"meta"``; not ``"gpu"``)."""
+    try:
+        torch.device(name)
+    except RuntimeError:
+        return False
+    return True

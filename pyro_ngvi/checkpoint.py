@@ -15,6 +15,7 @@ numbers, strings, containers and the classes allowed explicitly:
 """
 
 import pickle
+import struct
 from typing import Iterable
 
 import torch
@@ -59,6 +60,10 @@ def safe_load(filename, map_location=None, allowed: Iterable[type] = (), what: s
             if isinstance(error, RuntimeError) and "PytorchStreamReader" not in str(error):
                 raise
             raise _unreadable(filename, what, str(error).split(". ")[0] or "the file ends before any object") from error
+        except (KeyError, IndexError, struct.error) as error:
+            # (the weights-only unpickler reading text or other bytes as pickle opcodes: 'h', 'g', 'j' look up
+            # a memo it never filled, '(' or 'K' pop an empty stack, 'G' unpacks a float of too few bytes)
+            raise _unreadable(filename, what, f"{type(error).__name__} {error}: not a pickle") from error
 
 
 def _unreadable(filename, what: str, reason: str) -> ValueError:

@@ -85,6 +85,8 @@ def posterior_as_prior(guide, sites=None) -> Dict[str, torch.distributions.Distr
         :class:`~pyro_ngvi.arguments.ArgumentError` (a ``ValueError`` and a ``TypeError``).
     """
     check_guide(guide, "posterior_as_prior", "a fitted AutoNormal or AutoMultivariateNormal")
+    if not (sites is None or isinstance(sites, (str, Iterable))):  # (before either kind of guide reads it)
+        raise ArgumentError(f"posterior_as_prior: sites must be a site name or a list of them, got {sites!r}")
     if isinstance(guide, AutoMultivariateNormal):
         return _full_posterior_as_prior(guide, sites)
     if not isinstance(guide, AutoNormal):
@@ -100,8 +102,6 @@ def posterior_as_prior(guide, sites=None) -> Dict[str, torch.distributions.Distr
     if sites is None:
         names = known
     else:
-        if not isinstance(sites, (str, Iterable)):
-            raise ArgumentError(f"posterior_as_prior: sites must be a site name or a list of them, got {sites!r}")
         names = [sites] if isinstance(sites, str) else list(sites)
         for name in names:
             if name not in known:

@@ -183,6 +183,44 @@ class BayesianNet(WeightPriors, NoiseLimit, GuideFactory, InputChecks, FastPath,
         self._set_priors(prior)
 
     @property
+    def likelihood(self) -> str:
+        """``"categorical"``, ``"bernoulli"`` or ``"gaussian"``: fixed at construction (the fast path's loss is
+        built for it); setting another raises ``ValueError``."""
+        return self._likelihood_kind
+
+    @likelihood.setter
+    def likelihood(self, value) -> None:
+        current = getattr(self, "_likelihood_kind", value)
+        if value != current:  # (the model would use the new one, the fast path its loss for the old: two models)
+            raise ValueError(f"likelihood is fixed at construction ({current!r}: the fast path's loss is built for it), "
+                             f"got {value!r}: make a new BayesianNet for another likelihood")
+        self._likelihood_kind = value
+
+    @property
+    def noise_scale(self) -> Optional[float]:
+        """The fixed :math:`\\sigma` of the Gaussian likelihood, or ``None`` when learned (a positive finite
+        number or ``None``; may be set)."""
+        return self._fixed_noise_scale
+
+    @noise_scale.setter
+    def noise_scale(self, value) -> None:
+        if value is not None:
+            value = positive_finite("noise_scale", value)
+            if self.likelihood != "gaussian":
+                raise ValueError(f"noise_scale is the scale of the 'gaussian' likelihood; the {self.likelihood!r} "
+                                 "likelihood has none: leave it None")
+        self._fixed_noise_scale = value
+
+    @property
+    def init_noise_scale(self) -> float:
+        """The initial :math:`\\sigma` of a learned noise scale (a positive finite number; may be set)."""
+        return self._init_noise_scale
+
+    @init_noise_scale.setter
+    def init_noise_scale(self, value) -> None:
+        self._init_noise_scale = positive_finite("init_noise_scale", value)
+
+    @property
     def num_data(self) -> int:
         """Size :math:`N` of the training set (a positive integer; may be set)."""
         return self._num_data
@@ -309,7 +347,7 @@ class BayesianNet(WeightPriors, NoiseLimit, GuideFactory, InputChecks, FastPath,
         Sites not named in ``priors`` keep their prior (a learned one at its
         current value: the new model's priors are fixed, ``learn_prior=False``);
         ``num_data``, ``augmentation_factor``, ``noise_limit`` (and its mode), the likelihood, the
-        noise scale and the name are kept (``num_data`` is a plain attribute: set it when
+        noise scale and the name are kept (``num_data`` may be set when
         the next task has another size).
 
         Each prior must be the law a site of this model could have: a Normal in
