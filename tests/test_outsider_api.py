@@ -141,3 +141,18 @@ def test_a_noise_scale_set_after_construction_is_checked_as_the_constructor_chec
     with pytest.raises(ValueError, match="noise_scale is the scale of the 'gaussian' likelihood"):
         bernoulli.noise_scale = 1.0
     assert bernoulli.noise_scale is None
+
+
+@pytest.mark.parametrize("bad", [3, "init_to_mean", None, torch.zeros(3)], ids=repr)
+def test_bayesian_net_guide_refuses_an_init_loc_fn_that_is_not_callable(bad):
+    """``bnn.guide(init_loc_fn=3)`` was taken, and the guide's first run raised ``TypeError: 'int'
+    object is not callable`` from Pyro's initialisation, naming no argument (``KroneckerNormal`` and
+    ``LowRankPrecisionNormal`` named it). A function given is used: the guide starts where it says."""
+    bnn = gaussian_net()
+    with pytest.raises(ValueError, match="BayesianNet.guide: init_loc_fn must be a function of a site"):
+        bnn.guide(init_loc_fn=bad)
+    assert dict(pyro.get_param_store().items()) == {}
+    guide = bnn.guide(init_loc_fn=lambda site: torch.full(site["fn"].shape(), 0.25))
+    guide(torch.randn(4, 3), torch.randn(4))
+    assert torch.equal(pyro.param("AutoNormal.locs.weight").detach(), torch.full((1, 3), 0.25))
+    assert torch.equal(pyro.param("AutoNormal.locs.bias").detach(), torch.full((1,), 0.25))

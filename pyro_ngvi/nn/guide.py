@@ -18,6 +18,7 @@ from pyro.distributions import constraints
 from pyro.infer.autoguide import AutoNormal
 from pyro.infer.autoguide.initialization import init_to_feasible
 
+from ..arguments import check_callable
 from ..family import CURVATURE_PER_EXAMPLE
 from ..kronecker import KroneckerLayer
 from .checks import positive_finite
@@ -58,10 +59,11 @@ class GuideFactory:
         :param init_scale: another initial standard deviation, a positive finite
             number (default: None, :meth:`initial_scale`).
         :param kwargs: other arguments of ``AutoNormal`` (an ``init_loc_fn`` given
-            replaces :meth:`init_loc_fn`).
+            replaces :meth:`init_loc_fn`; one that is not callable raises ``ValueError`` naming it).
         """
         init_scale = self.initial_scale() if init_scale is None else positive_finite("init_scale", init_scale)
         kwargs.setdefault("init_loc_fn", self.init_loc_fn)
+        check_callable(kwargs["init_loc_fn"], "BayesianNet.guide: init_loc_fn", "a function of a site, as Pyro's init_to_*")
         guide = AutoNormal(self, init_scale=init_scale, **kwargs)
         guide.scale_constraint = constraints.positive  # sigma = exp(r): one exp or log per step
         return guide
