@@ -1,7 +1,8 @@
 """
 Whether a change keeps the recipe's steps to the bit (issue 24: the fixed cost cut, the steps
 unchanged): 30 steps of ``bnn.guide()``, ``NGVI()``, ``CurvatureELBO(source)`` for each source
-(``ggn``, ``ef``, ``reparam``) on the tasks of ``step_overhead.py`` (``digits``, ``w100``), a
+(``ggn``, ``ef``, ``reparam``) on the tasks of ``step_overhead.py`` (``digits``, ``w100``) and on the
+regression recipe's (``diabetes``: the Gaussian likelihood, its noise scale learned, minibatches of 64), a
 non-finite minibatch at step 20 (skipped with a warning), and 30 steps of ``NGVI()`` on the plain
 Pyro models of ``model_shapes.py`` (``AutoNormal`` and other autoguides, ``Trace_ELBO`` and the other
 losses there) and a regression in bfloat16 and float64; the losses returned, the param store and ``NGVI.get_state()`` saved; two saved runs
@@ -75,17 +76,19 @@ def _flat(prefix: str, value, out: dict) -> None:
 
 def run(steps: int = 30, sync_every=None) -> dict:
     saved = {}
-    for task in ("digits", "w100"):
+    for task in ("digits", "w100", "diabetes"):
+        batch = 64 if task == "diabetes" else 128
         for source in ("ggn", "ef", "reparam"):
             pyro.clear_param_store()
             harness.seed(0)
-            method = step_overhead.make(task, source)
+            method = (harness.ngvi_recipe(harness.diabetes_mlp(0, batch_size=batch), source) if task == "diabetes"
+                      else step_overhead.make(task, source))
             method.svi.optim.sync_every = sync_every
             split = method.task.split
             with pyro.validation_enabled(False), method.active():
                 for step in range(steps):
-                    start = (step * 128) % max(len(split.x_train) - 128, 1)
-                    x, y = split.x_train[start:start + 128], split.y_train[start:start + 128]
+                    start = (step * batch) % max(len(split.x_train) - batch, 1)
+                    x, y = split.x_train[start:start + batch], split.y_train[start:start + batch]
                     if step == 20:  # a non-finite step: skipped, with a warning
                         x = x.clone()
                         x[0, 0] = float("nan")
