@@ -4,19 +4,26 @@ The ELBO side's kept step (issue 24): the straight-line replay of a
 of the optimizer's :class:`~pyro_ngvi.steady.SteadyStep`.
 
 A step of the recipe (an AutoNormal guide, one particle at a draw, a closed-form MLP,
-a categorical or Bernoulli likelihood: :math:`c = 1`, no point estimates, a fixed prior, a
-noise limit relative to the fan-in or none) computes, with :math:`w = \\mu + \\sigma\\epsilon`
-written into the net,
+a categorical or Bernoulli likelihood, :math:`c = 1`, or the Gaussian one with its noise scale
+:math:`s` learned or fixed, :math:`c = 1/(2s^2)`; no point estimates of the net, no ``BatchNorm``;
+a fixed prior, a noise limit relative to the fan-in or none) computes, with
+:math:`w = \\mu + \\sigma\\epsilon` written into the net and :math:`\\ell = c \\cdot` the loss
+module's batch sum,
 
 .. math::
 
     g = \\tfrac NB \\nabla_w \\ell, \\quad h = \\tfrac NB \\cdot
-    \\{\\text{ef}, \\text{ggn}, \\text{ggn\\_mc}\\}\\ \\text{or}\\ g\\,\\epsilon/\\sigma\\ (\\text{reparam}),
-    \\qquad \\text{value} = \\tfrac NB \\ell + \\tfrac12 \\sum [\\lambda_0 w^2 - \\epsilon^2]
-    - \\sum \\log \\sigma + \\sum \\log s_0 .
+    \\{\\text{ef}\\ (c^2), \\text{ggn}, \\text{ggn\\_mc}\\ (c)\\}\\ \\text{or}\\ g\\,\\epsilon/\\sigma\\ (\\text{reparam}),
+    \\qquad \\text{value} = \\text{nll} + \\tfrac12 \\sum [\\lambda_0 w^2 - \\epsilon^2]
+    - \\sum \\log \\sigma + \\sum \\log s_0 ,
+
+:math:`\\text{nll} = \\tfrac NB \\ell` (categorical, Bernoulli) or
+:math:`\\tfrac NB [\\text{SSE}/(2s^2) + BD (\\log s + \\tfrac12 \\log 2\\pi)]` (Gaussian, whose
+:math:`\\partial\\,\\text{nll} / \\partial` (unconstrained :math:`s`) goes into that param's ``.grad``).
 
 :meth:`KeptStep.run` calls the same functions as the full path, in the same order
-(:func:`~pyro_ngvi.curvature.mlp.mlp_curvature`, :func:`~pyro_ngvi.nn.value.log_ratio`,
+(the Gaussian's :meth:`~pyro_ngvi.nn.twin.BackpackTwin.begin`, :func:`~pyro_ngvi.curvature.mlp.mlp_curvature`,
+its ``_scaled`` by :math:`c`, :func:`~pyro_ngvi.nn.value.log_ratio`,
 :func:`~pyro_ngvi.nn.value.full_nll`, the value, :func:`~pyro_ngvi.handover.attach_curvatures`),
 so its tensors are those of the full path to the bit. What it keeps of the full path's step
 (:meth:`KeptStep.record`) and what guards each (checked first by :meth:`KeptStep.run`, identity and
@@ -28,7 +35,10 @@ value comparisons, no call but the plan's own check and the param store's lookup
   replaced tensor or layer, which the twin's plan does not see: the full path, which refuses it);
 * the guide's reading (``BackpackStep._read``), guarded as the full path guards it, and each
   loc and raw scale's dtype and device (a tensor converted in place);
-* the model's structure: its latents and point estimates (none), its likelihood, no
+* the model's structure: its latents and point estimates (none), its likelihood (the Gaussian's
+  noise scale is not kept: ``begin`` reads it every step by its ``pyro.param`` statement, with
+  gradients on, as the full path does, so a param replaced in the store, a fixed scale set or
+  unset by ``bnn.noise_scale = ...`` between steps, are this step's), no
   ``BatchNorm``, a fixed prior (``learn_prior`` off, the prior object itself), the noise-limit
   mode and limit, and the hints made of them (the floors of that limit, for the guarded dtypes);
 * the closed-form plan of the net and the twin's parameter list (the plan's own
@@ -49,7 +59,7 @@ import pyro.distributions as dist
 
 from ..curvature import mlp
 from ..handover import attach_curvatures
-from ..curvature.backpack import network_curvature
+from ..curvature.backpack import _scaled, network_curvature
 from ..family import SiteCurvature
 from ..hot_path import same
 from ..scales import known_scales
@@ -64,17 +74,19 @@ class KeptStep:
     __slots__ = ("model", "guide", "curvature", "mc_samples", "x_key", "y_key", "num_data", "read",
                  "latent_params", "point_estimates", "latents", "slots", "entries", "prior", "mode",
                  "limit", "hints", "plan", "snapshot", "params", "net", "loss_module",
-                 "by", "batch", "noise", "curvature_buffers", "transforms", "name", "long_targets", "value")
+                 "by", "batch", "noise", "curvature_buffers", "transforms", "name", "long_targets", "value",
+                 "gaussian")
 
     @classmethod
     def record(cls, step, model, guide, x, y, curvature, num_particles, deterministic, mc_samples, in_order,
                points, loss_scale, by, batch, value):
         """The kept step of the full step just run, or ``None`` where it is not the recipe's
-        (more particles, at the mean, point estimates, a Gaussian likelihood, a learned prior,
+        (more particles, at the mean, point estimates, a learned prior,
         ``noise_limit_mode="mean"``, BatchNorm, a net that is no closed-form MLP, mixed dtypes).
         ``value``: the function of the step's value (``fast_path._value``, without its grad switch)."""
-        if (num_particles != 1 or deterministic or not in_order or points or loss_scale.__class__ is not float
-                or loss_scale != 1.0 or model.likelihood == "gaussian" or model.learn_prior
+        gaussian = model.likelihood == "gaussian"  # (c = 1 / (2 s^2), read by begin at each step)
+        if (num_particles != 1 or deterministic or not in_order or points
+                or (not gaussian and (loss_scale.__class__ is not float or loss_scale != 1.0)) or model.learn_prior
                 or model.noise_limit_mode == "mean" or model._running_stats.batch_norms
                 or not isinstance(by, torch.Tensor) or x.__class__ is not torch.Tensor
                 or y.__class__ is not torch.Tensor or step._read is None or step._read[0] is not guide):
@@ -109,7 +121,7 @@ class KeptStep:
         kept.noise = step._buffers.get("noise")
         kept.curvature_buffers = step._buffers.get("curvature")
         kept.long_targets = model.likelihood == "categorical" and y.dtype is torch.int64
-        kept.mc_samples, kept.value = mc_samples, value
+        kept.mc_samples, kept.value, kept.gaussian = mc_samples, value, gaussian
         return kept
 
     def run(self, step, model, guide, x, y, curvature, num_particles, deterministic, mc_samples):
@@ -161,8 +173,14 @@ class KeptStep:
             for name in names:  # (pyro.param statements, as read_params: SVI's trace records them)
                 locs[j] = pyro.param(name).unconstrained()
                 j += 1
-            # (BackpackStep.begin: nothing to do without BatchNorm, point estimates or a noise scale; the twin's
-            # train/eval modes, which the closed form does not read, are matched by the next full step)
+            gaussian, noise_scale, loss_scale = self.gaussian, None, 1.0
+            if gaussian:  # (its noise scale's pyro.param statement, with gradients on as on the full path: a
+                # learned scale's graph, which full_nll backpropagates)
+                torch._C._set_grad_enabled(enabled)
+                _, noise_scale, loss_scale = step.begin(model)
+                torch._C._set_grad_enabled(False)
+            # (else BackpackStep.begin has nothing to do without BatchNorm, point estimates or a noise scale; the
+            # twin's train/eval modes, which the closed form does not read, are matched by the next full step)
             target = y if self.long_targets else step.loss_target(model, y)
             # the draws into the net (as BackpackStep._sample_into_net)
             noises = self.noise
@@ -180,10 +198,14 @@ class KeptStep:
                 step._kept = None
                 torch._C._set_grad_enabled(enabled)
                 result = network_curvature(self.net, self.loss_module, x, target, source, mc_samples=self.mc_samples,
-                                           params=self.params, check_output=check, plans=step._plans)
+                                           loss_scale=loss_scale, params=self.params, check_output=check,
+                                           plans=step._plans)
                 torch._C._set_grad_enabled(False)
-            for p in self.plan.params:
-                p.grad = None
+            else:
+                for p in self.plan.params:
+                    p.grad = None
+                if not (loss_scale.__class__ is float and loss_scale == 1.0):  # (as network_curvature: times c)
+                    result = _scaled(result[0], result[1], result[2], source, loss_scale)
             loss, grads, curvatures = result[0], result[1], result[2]
             if curvature == "reparam":  # h = g eps / sigma
                 curvatures = self.curvature_buffers
@@ -192,7 +214,12 @@ class KeptStep:
                 torch._foreach_div_(curvatures, stddevs)
             ratio = log_ratio.__wrapped__(prior, params, noises)
             torch._foreach_mul_(grads + curvatures, self.by)
-            nll = full_nll(self.num_data, loss, 1.0, None, target, self.batch)
+            if gaussian:  # (a learned scale's gradient: a backward, with gradients on as on the full path)
+                torch._C._set_grad_enabled(enabled)
+                nll = full_nll(self.num_data, loss, loss_scale, noise_scale, target, self.batch)
+                torch._C._set_grad_enabled(False)
+            else:
+                nll = full_nll(self.num_data, loss, 1.0, None, target, self.batch)
             value = self.value(nll, ratio, raws, locs, stddevs, exps, prior, 1, False)
             hints, sampled = self.hints, curvature == "reparam"
             handed = list(locs)
