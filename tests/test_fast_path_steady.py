@@ -275,3 +275,98 @@ def test_a_steady_step_of_the_recipe_makes_at_most_290_python_calls(source):
             svi.step(x[:128], y[:128])
         profiler.disable()
     assert sum(v[1] for v in pstats.Stats(profiler).stats.values()) / 5 <= 290
+
+
+# --------------------------------------------------------------------------- #
+# The kept step of the Gaussian likelihood (the regression recipe, its noise scale learned)
+# --------------------------------------------------------------------------- #
+
+
+def _gaussian_recipe(source="ggn", widths=(10, 16, 1), n=256, seed=0):
+    pyro.clear_param_store()
+    torch.manual_seed(seed)
+    bnn = BayesianNet(nn.Sequential(nn.Linear(widths[0], widths[1]), nn.Tanh(), nn.Linear(widths[1], widths[2])),
+                      "gaussian", num_data=n)
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, widths[0], generator=generator)
+    y = torch.sin(x @ torch.randn(widths[0], generator=generator)) + 0.3 * torch.randn(n, generator=generator)
+    return SVI(bnn, bnn.guide(), NGVI(), CurvatureELBO(source)), bnn, x, y
+
+
+def _gaussian_run(source, changes, forget, steps=12):
+    """The Gaussian recipe, ``changes[k](bnn)`` made before step ``k`` (a batch of ``sizes``); ``forget``:
+    the kept step and reading dropped before every step (the full path throughout: the reference).
+    Also which steps the kept step ran: the one run before the step is still there after it (a full
+    step drops it and records another)."""
+    svi, bnn, x, y = _gaussian_recipe(source)
+    losses, kept_ran = [], []
+    with pyro.validation_enabled(False), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(steps):
+            size = changes.get(step, (None, 64))[1] if step in changes else (40 if step >= 10 else 64)
+            if step in changes and changes[step][0] is not None:
+                changes[step][0](bnn)
+            if forget:
+                bnn._fast_path._read = None
+                bnn._fast_path._kept = None
+            before = bnn._fast_path._kept
+            losses.append(svi.step(x[(step * 64) % 192:][:size], y[(step * 64) % 192:][:size]))
+            kept_ran.append(before is not None and bnn._fast_path._kept is before)
+    params = {name: value.detach().clone() for name, value in pyro.get_param_store().items()}
+    grads = {name: None if value.grad is None else value.grad.clone()
+             for name, value in pyro.get_param_store()._params.items()}
+    return (losses, params), grads, kept_ran
+
+
+def _new_noise_scale(value, dtype=torch.float32):
+    def change(bnn):  # (a new tensor under the same name: the kept step's begin reads it)
+        pyro.get_param_store()["noise_scale"] = torch.tensor(value, dtype=dtype)
+    return change
+
+
+def _fixed_noise_scale(value):
+    def change(bnn):
+        bnn.noise_scale = value
+    return change
+
+
+@pytest.mark.parametrize("source", ["ggn", "ef", "reparam", "ggn_mc"])
+def test_the_gaussian_recipe_keeps_its_steps_to_the_bit_with_the_noise_scale_replaced_or_fixed(source):
+    # (the kept step runs the steps of a new noise-scale tensor, of a fixed scale and back, each as the
+    # full path does; a noise scale or c = 1/(2 s^2) kept from the recorded step would differ from step 4 on)
+    changes = {4: (_new_noise_scale(0.3), 64), 6: (_new_noise_scale(2.0, torch.float64), 64),
+               7: (_fixed_noise_scale(0.5), 64), 9: (_fixed_noise_scale(None), 64)}
+    run, grads, kept_ran = _gaussian_run(source, changes, forget=False)
+    reference, reference_grads, _ = _gaussian_run(source, changes, forget=True)
+    _same(run, reference)
+    assert all(kept_ran[k] for k in (4, 6, 7, 9))  # (the kept step took each change itself)
+    assert sum(kept_ran) >= 9
+    for name, grad in reference_grads.items():  # (the learned scale's gradient, left by the last step)
+        assert (grad is None) == (grads[name] is None) and (grad is None or torch.equal(grad, grads[name])), name
+
+
+@pytest.mark.parametrize("change, step", [
+    (lambda bnn: bnn.set_prior(0.3), 5),  # a prior set between steps: its precisions and log s_0
+    (lambda bnn: setattr(bnn, "num_data", 1000), 5),  # N, the scale N / B and the hints
+    (None, 10),  # a batch of 40 (from step 10 on): N / B, the events of the Gaussian's log s term
+], ids=["set_prior", "num_data", "batch_size"])
+def test_the_gaussian_kept_step_falls_back_where_a_decision_changed(change, step):
+    changes = {step: (change, 64)} if change is not None else {}
+    run, _, kept_ran = _gaussian_run("ggn", changes, forget=False)
+    _same(run, _gaussian_run("ggn", changes, forget=True)[0])
+    assert kept_ran[step - 1] and not kept_ran[step] and kept_ran[step + 1]  # (the full path, then kept anew)
+
+
+def test_a_steady_step_of_the_gaussian_recipe_makes_at_most_560_python_calls():
+    # (the regression recipe's MLP 10-50-1, batches of 64, the noise scale learned: 591 calls a step
+    # before the ELBO's kept step took the Gaussian likelihood, 536 with it)
+    svi, bnn, x, y = _gaussian_recipe("ggn", widths=(10, 50, 1), n=353)
+    with pyro.validation_enabled(False):
+        for _ in range(5):
+            svi.step(x[:64], y[:64])
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(5):
+            svi.step(x[:64], y[:64])
+        profiler.disable()
+    assert sum(v[1] for v in pstats.Stats(profiler).stats.values()) / 5 <= 560

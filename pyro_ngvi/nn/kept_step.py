@@ -13,7 +13,8 @@ module's batch sum,
 .. math::
 
     g = \\tfrac NB \\nabla_w \\ell, \\quad h = \\tfrac NB \\cdot
-    \\{\\text{ef}\\ (c^2), \\text{ggn}, \\text{ggn\\_mc}\\ (c)\\}\\ \\text{or}\\ g\\,\\epsilon/\\sigma\\ (\\text{reparam}),
+    \\{\\text{ef}\\ (c^2), \\text{ggn}, \\text{ggn\\_mc}\\ (c)\\}
+    \\ \\text{or}\\ g\\,\\epsilon/\\sigma\\ (\\text{reparam}),
     \\qquad \\text{value} = \\text{nll} + \\tfrac12 \\sum [\\lambda_0 w^2 - \\epsilon^2]
     - \\sum \\log \\sigma + \\sum \\log s_0 ,
 
