@@ -1,6 +1,6 @@
 """
 The ELBO side's kept step (issue 24): the straight-line replay of a
-:class:`~pyro_ngvi.nn.fast_path.BackpackStep` step once its branches are known, the analogue
+``fast_path.BackpackStep`` step once its branches are known, the analogue
 of the optimizer's :class:`~pyro_ngvi.steady.SteadyStep`.
 
 A step of the recipe (an AutoNormal guide, one particle at a draw, a closed-form MLP,
@@ -23,9 +23,9 @@ module's batch sum,
 :math:`\\partial\\,\\text{nll} / \\partial` (unconstrained :math:`s`) goes into that param's ``.grad``).
 
 :meth:`KeptStep.run` calls the same functions as the full path, in the same order
-(the Gaussian's :meth:`~pyro_ngvi.nn.twin.BackpackTwin.begin`, :func:`~pyro_ngvi.curvature.mlp.mlp_curvature`,
-its ``_scaled`` by :math:`c`, :func:`~pyro_ngvi.nn.value.log_ratio`,
-:func:`~pyro_ngvi.nn.value.full_nll`, the value, :func:`~pyro_ngvi.handover.attach_curvatures`),
+(the Gaussian's ``BackpackTwin.begin``, :func:`~pyro_ngvi.curvature.mlp.mlp_curvature`,
+its ``_scaled`` by :math:`c`, ``value.log_ratio``,
+``value.full_nll``, the value, :func:`~pyro_ngvi.handover.attach_curvatures`),
 so its tensors are those of the full path to the bit. What it keeps of the full path's step
 (:meth:`KeptStep.record`) and what guards each (checked first by :meth:`KeptStep.run`, identity and
 value comparisons, no call but the plan's own check and the param store's lookup):
@@ -43,7 +43,7 @@ value comparisons, no call but the plan's own check and the param store's lookup
   ``BatchNorm``, a fixed prior (``learn_prior`` off, the prior object itself), the noise-limit
   mode and limit, and the hints made of them (the floors of that limit, for the guarded dtypes);
 * the closed-form plan of the net and the twin's parameter list (the plan's own
-  :func:`~pyro_ngvi.curvature.mlp._unchanged` runs every step);
+  ``mlp._unchanged`` runs every step);
 * the step's buffers (the draws, the reparam curvature), made for the guarded shapes.
 
 The data-dependent checks run every step as on the full path: the targets' values while Pyro's
@@ -68,7 +68,7 @@ from .value import full_nll, log_ratio
 
 
 class KeptStep:
-    """What one full step of ``step`` (a :class:`~pyro_ngvi.nn.fast_path.BackpackStep`) decided,
+    """What one full step of ``step`` (a ``fast_path.BackpackStep``) decided,
     and its straight-line replay (see the module docstring). Made by :meth:`record` after a full
     step, run before each later one (which it declines where a guard fails)."""
 
