@@ -160,8 +160,7 @@ class ElboWatch:
         """
         if self.warned:
             return None
-        self.losses.append(loss.detach() if (loss.__class__ is torch.Tensor or torch.is_tensor(loss))
-                           and loss.requires_grad else loss)
+        self.losses.append(loss.detach() if torch.is_tensor(loss) and loss.requires_grad else loss)
         if len(self.losses) < ELBO_WINDOW:
             return None
         window = torch.stack([torch.as_tensor(value, dtype=torch.float64) for value in self.losses])

@@ -262,7 +262,7 @@ def test_the_kept_step_checks_the_targets_values_under_validation():
 
 
 @pytest.mark.parametrize("source", ["ggn", "ef", "reparam"])
-def test_a_steady_step_of_the_recipe_makes_at_most_290_python_calls(source):
+def test_a_steady_step_of_the_recipe_makes_at_most_300_python_calls(source):
     # (the main demo's MLP, digits' widths; 420-445 calls a step before the kept readings, 349-364 before
     # the ELBO's kept step)
     svi, bnn, x, y = _recipe(source, widths=(64, 100, 10), n=1437)
@@ -274,7 +274,7 @@ def test_a_steady_step_of_the_recipe_makes_at_most_290_python_calls(source):
         for _ in range(5):
             svi.step(x[:128], y[:128])
         profiler.disable()
-    assert sum(v[1] for v in pstats.Stats(profiler).stats.values()) / 5 <= 290
+    assert sum(v[1] for v in pstats.Stats(profiler).stats.values()) / 5 <= 300
 
 
 # --------------------------------------------------------------------------- #

@@ -221,18 +221,12 @@ def _unchanged(snapshot: list, params: List[torch.Tensor]) -> bool:
     for module, kind, children, parameters, hooks in snapshot:
         if module.__class__ is not kind or module._modules != children or (  # (_hooks, inline: no call per module)
                 module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
-                module._backward_pre_hooks) != hooks:
+                module._backward_pre_hooks) != hooks \
+                or len(module._parameters) != len(parameters):
             return False
-        now = module._parameters
-        count = 0
-        for _ in now:  # (counted, not len(): no call)
-            count += 1
         for name, tensor in parameters:
-            if name not in now or now[name] is not tensor:
+            if name not in module._parameters or module._parameters[name] is not tensor:
                 return False
-            count -= 1
-        if count:  # (a parameter added)
-            return False
     for p in params:
         if not p.requires_grad:
             return False

@@ -29,7 +29,7 @@ def full_nll(num_data, nll, loss_scale, noise_scale, target, batch_size) -> torc
     """
     scale = num_data / batch_size
     if noise_scale is None:  # (a 0-d tensor of nll's dtype: no cast of a Python float)
-        return (scalar(scale, nll) if nll.__class__ is torch.Tensor or isinstance(nll, torch.Tensor) else scale) * nll
+        return (scalar(scale, nll) if isinstance(nll, torch.Tensor) else scale) * nll
     # l = N/B [sse / (2 sigma^2) + B D (log sigma + log(2 pi) / 2)], sse = nll / c
     events = target.numel()
     if isinstance(noise_scale, torch.Tensor):
