@@ -370,3 +370,24 @@ def test_a_steady_step_of_the_gaussian_recipe_makes_at_most_560_python_calls():
             svi.step(x[:64], y[:64])
         profiler.disable()
     assert sum(v[1] for v in pstats.Stats(profiler).stats.values()) / 5 <= 560
+
+
+@pytest.mark.parametrize("source", ["ggn", "reparam"])
+def test_autocast_entered_between_steady_steps_takes_the_full_path(source):
+    # (under torch.autocast the net's gradients come in bfloat16: the full path scales them by N/B = 1437/64,
+    # not a bfloat16 number, as a 0-d bfloat16 tensor and makes the reparam curvature's buffers in bfloat16;
+    # a kept step recorded outside autocast kept the float32 ones: ggn's loss at step 7 2022.917 vs 2022.852;
+    # a step recorded under autocast is refused by the dtype of its factor, as before)
+    def run(forget):
+        svi, bnn, x, y = _recipe(source, n=1437)
+        losses = []
+        with pyro.validation_enabled(False), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for step in range(8):
+                if forget:
+                    bnn._fast_path._read = None
+                    bnn._fast_path._kept = None
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=step >= 5):
+                    losses.append(svi.step(x[(step * 64) % 192:][:64], y[(step * 64) % 192:][:64]))
+        return losses, {name: value.detach().clone() for name, value in pyro.get_param_store().items()}
+    _same(run(False), run(True))

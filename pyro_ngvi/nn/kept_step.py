@@ -44,7 +44,10 @@ value comparisons, no call but the plan's own check and the param store's lookup
   mode and limit, and the hints made of them (the floors of that limit, for the guarded dtypes);
 * the closed-form plan of the net and the twin's parameter list (the plan's own
   ``mlp._unchanged`` runs every step);
-* the step's buffers (the draws, the reparam curvature), made for the guarded shapes.
+* the step's buffers (the draws, the reparam curvature), made for the guarded shapes;
+* no autocast on ``x``'s device (``torch.autocast`` around the step computes the net's
+  gradients in a lower dtype, which the full path's buffers, its factor :math:`N/B` and its
+  hand-over follow; none of these is kept under it).
 
 The data-dependent checks run every step as on the full path: the targets' values while Pyro's
 validation is enabled (``_check_targets``); their shape and dtype (checked once per shape) are
@@ -76,7 +79,7 @@ class KeptStep:
                  "latent_params", "point_estimates", "latents", "slots", "entries", "prior", "mode",
                  "limit", "hints", "plan", "snapshot", "params", "net", "loss_module",
                  "by", "batch", "noise", "curvature_buffers", "transforms", "name", "long_targets", "value",
-                 "gaussian")
+                 "gaussian", "device_type")
 
     @classmethod
     def record(cls, step, model, guide, x, y, curvature, num_particles, deterministic, mc_samples, in_order,
@@ -90,7 +93,8 @@ class KeptStep:
                 or (not gaussian and (loss_scale.__class__ is not float or loss_scale != 1.0)) or model.learn_prior
                 or model.noise_limit_mode == "mean" or model._running_stats.batch_norms
                 or not isinstance(by, torch.Tensor) or x.__class__ is not torch.Tensor
-                or y.__class__ is not torch.Tensor or step._read is None or step._read[0] is not guide):
+                or y.__class__ is not torch.Tensor or step._read is None or step._read[0] is not guide
+                or torch.is_autocast_enabled(x.device.type)):  # (autocast: the full path's casts, every step)
             return None
         source = "none" if curvature == "reparam" else curvature
         net = step.net if source == "none" else step.twin
@@ -101,6 +105,7 @@ class KeptStep:
         kept = cls()
         kept.model, kept.guide, kept.curvature = model, guide, curvature
         kept.x_key = (x.shape, x.dtype, x.device)
+        kept.device_type = x.device.type
         kept.y_key = (y.shape, y.dtype, y.device)
         kept.num_data, kept.batch, kept.by = model.effective_num_data, batch, by
         kept.read = step._read
@@ -139,7 +144,8 @@ class KeptStep:
                 or model._flat_prior_cache is not self.prior or model._noise_limit_mode != self.mode
                 or model._noise_limit != self.limit
                 or step.params is not self.params or guide._pyro_name != self.name
-                or guide.prototype_trace is None or mc_samples != self.mc_samples):
+                or guide.prototype_trace is None or mc_samples != self.mc_samples
+                or torch.is_autocast_enabled(self.device_type)):
             return None
         for table, name, value, _ in self.slots:  # (a replaced weight: the full path refuses it)
             if name not in table or table[name] is not value:
