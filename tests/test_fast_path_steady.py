@@ -391,3 +391,30 @@ def test_autocast_entered_between_steady_steps_takes_the_full_path(source):
                     losses.append(svi.step(x[(step * 64) % 192:][:64], y[(step * 64) % 192:][:64]))
         return losses, {name: value.detach().clone() for name, value in pyro.get_param_store().items()}
     _same(run(False), run(True))
+
+
+@pytest.mark.parametrize("source", ["ggn", "reparam"])
+def test_a_trained_net_pickles_and_its_copy_steps_as_the_original(source):
+    # (the closed-form plans a step keeps hold the activations' functions: pickle.dumps(bnn) and
+    # torch.save(bnn) raised PicklingError after the first step; a copy drops what steps rebuild)
+    import copy as copy_module
+    import io
+    import pickle
+
+    svi, bnn, x, y = _recipe(source)
+    _steps(svi, x, y, 5)
+    buffer = io.BytesIO()
+    torch.save(bnn, buffer)
+    copy = pickle.loads(pickle.dumps(bnn))
+    assert torch.load(io.BytesIO(buffer.getvalue()), weights_only=False).state_dict().keys() == bnn.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(copy.state_dict().values(), bnn.state_dict().values()))
+    saved = copy_module.deepcopy(pyro.get_param_store().get_state())
+    state = svi.optim.get_state()
+    torch.manual_seed(7)
+    original, after = _steps(svi, x, y, 3)
+    pyro.get_param_store().set_state(saved)  # (the same guide and optimizer state, the copy's net)
+    svi.optim.set_state(state)
+    torch.manual_seed(7)
+    copied, after_copy = _steps(SVI(copy, svi.guide, svi.optim, svi.loss_and_grads.__self__), x, y, 3)
+    assert copied == original
+    assert all(torch.equal(after_copy[name], value) for name, value in after.items())

@@ -70,6 +70,14 @@ class BackpackStep(BackpackTwin):
         self._read = None  # the last step's reading of the guide (_read_anew), while it stands
         self._kept = None  # the last full step's decisions, replayed straight-line while they stand (KeptStep)
 
+    def __getstate__(self) -> dict:
+        """What a pickle or a copy keeps: all but what the next step rebuilds (the closed-form plans
+        hold the activations' functions, the kept readings and step refer to a guide and the param
+        store), so that a trained :class:`~pyro_ngvi.BayesianNet` pickles (``torch.save(bnn)``)."""
+        state = self.__dict__.copy()
+        state.update(_plans={}, _guide_names={}, _served=None, _order=None, _read=None, _kept=None)
+        return state
+
     def __call__(self, model, guide, x: torch.Tensor, y: torch.Tensor, curvature: str, num_particles: int = 1,
                  deterministic: bool = False, mc_samples: int = 1) -> torch.Tensor:
         """:meth:`pyro_ngvi.BayesianNet.curvature_step` of ``model`` (see there for the
