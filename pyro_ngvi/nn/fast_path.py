@@ -12,7 +12,7 @@ guide takes the path of :mod:`.kronecker_step`.
 """
 
 from functools import partial
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -43,6 +43,22 @@ def _all_in(names: List[str], params: dict) -> bool:
         if name not in params:
             return False
     return True
+
+
+class GuideReading(NamedTuple):
+    """What :meth:`BackpackStep._read_guide` reads of a guide, kept while it stands: the guide
+    and its name, the net's latent parameter list, ``(name, tensor, constraint, weight)`` of each
+    loc and raw scale in the param store, the loc names, the raw scale tensors, ``(constraint,
+    transform)`` per site and which of those transforms are :class:`~pyro_ngvi.scales.FastExp`."""
+
+    guide: object
+    name: str
+    latent_params: list
+    entries: list
+    loc_names: List[str]
+    raws: List[torch.Tensor]
+    transforms: list
+    exps: List[bool]
 
 
 class BackpackStep(BackpackTwin):
@@ -165,7 +181,7 @@ class BackpackStep(BackpackTwin):
                 torch._foreach_div_(d, num_particles)
         mean_nll = nll / num_particles if num_particles > 1 else nll
         nll = full_nll(num_data, mean_nll, loss_scale, noise_scale, target, batch)
-        loss = _value(nll, sample_log_ratio, raws, locs, stddevs, self._read[8], prior,
+        loss = _value(nll, sample_log_ratio, raws, locs, stddevs, self._read.exps, prior,
                       num_particles, deterministic)
         self._hand_over(model, locs, stddevs, grads, curvatures, draws, prior, curvature, deterministic, loss)
         for value, grad in zip(points, point_grads):
@@ -235,9 +251,9 @@ class BackpackStep(BackpackTwin):
         # the last step's reading, where the guide's name, each tensor and constraint in the store and
         # each weight's shape are as they were (checked by identity, no call each; a guide of the same
         # name reads the same tensors)
-        if kept is not None and kept[1] == guide._pyro_name and kept[2] is model._latent_params:
+        if kept is not None and kept.name == guide._pyro_name and kept.latent_params is model._latent_params:
             constraints = store._constraints
-            for name, tensor, constraint, weight in kept[3]:
+            for name, tensor, constraint, weight in kept.entries:
                 if (name not in params or params[name] is not tensor or constraints[name] is not constraint
                         or tensor.shape != weight.shape):
                     kept = None
@@ -246,7 +262,7 @@ class BackpackStep(BackpackTwin):
             kept = None
         if kept is None:
             kept = self._read = self._read_anew(model, guide, store)
-        locs, raws, transforms = kept[4], kept[5], kept[6]
+        locs, raws, transforms = kept.loc_names, kept.raws, kept.transforms
         stddevs = known_scales(raws)
         for j, stddev in enumerate(stddevs):
             if stddev is None:
@@ -254,12 +270,9 @@ class BackpackStep(BackpackTwin):
                     stddevs[j] = transforms[j][1](raws[j].detach())
         return read_params(locs), raws, stddevs
 
-    def _read_anew(self, model, guide, store) -> tuple:
+    def _read_anew(self, model, guide, store) -> GuideReading:
         """What :meth:`_read_guide` reads of the guide (registering its tensors where the store
-        lacks them; refusing a tensor of another shape than its weight): ``(guide, its name,
-        model._latent_params, (name, tensor, constraint, weight) of each loc and raw scale, loc
-        names, raw scale tensors, (constraint, transform) per site, loc tensors, which sites'
-        transform is FastExp)``."""
+        lacks them; refusing a tensor of another shape than its weight)."""
         names = self._guide_names.get(id(guide))
         if names is None or names[0] != guide._pyro_name:
             prefix = guide._pyro_name
@@ -292,8 +305,7 @@ class BackpackStep(BackpackTwin):
         weights = list(model._latent_params)
         entries = [(name, params[name], store._constraints[name], w) for group in (locs, scales)
                    for name, w in zip(group, weights)]
-        return (guide, names[0], model._latent_params, entries, locs, raws, transforms,
-                [params[name] for name in locs], exps)
+        return GuideReading(guide, names[0], model._latent_params, entries, locs, raws, transforms, exps)
 
     @no_grad
     def _sample_into_net(self, model, locs, stddevs, deterministic) -> Optional[List[torch.Tensor]]:

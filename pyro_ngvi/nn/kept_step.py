@@ -93,7 +93,7 @@ class KeptStep:
                 or (not gaussian and (loss_scale.__class__ is not float or loss_scale != 1.0)) or model.learn_prior
                 or model.noise_limit_mode == "mean" or model._running_stats.batch_norms
                 or not isinstance(by, torch.Tensor) or x.__class__ is not torch.Tensor
-                or y.__class__ is not torch.Tensor or step._read is None or step._read[0] is not guide
+                or y.__class__ is not torch.Tensor or step._read is None or step._read.guide is not guide
                 or torch.is_autocast_enabled(x.device.type)):  # (autocast: the full path's casts, every step)
             return None
         source = "none" if curvature == "reparam" else curvature
@@ -109,12 +109,12 @@ class KeptStep:
         kept.y_key = (y.shape, y.dtype, y.device)
         kept.num_data, kept.batch, kept.by = model.effective_num_data, batch, by
         kept.read = step._read
-        kept.name = step._read[1]
-        kept.transforms = step._read[6]
+        kept.name = step._read.name
+        kept.transforms = step._read.transforms
         kept.latent_params, kept.point_estimates, kept.latents = (model._latent_params, model._point_estimates,
                                                                   model._latents)
         kept.slots = model._slots
-        kept.entries = [(t, t.dtype, t.device) for entry in step._read[3] for t in entry[1::2]]
+        kept.entries = [(t, t.dtype, t.device) for entry in step._read.entries for t in entry[1::2]]
         if any(t.dtype is not by.dtype or t.device != by.device for t, _, _ in kept.entries):
             return None  # (a net converted after its guide was made: the full path casts per site)
         kept.prior = model._weight_prior()
@@ -152,7 +152,7 @@ class KeptStep:
                 return None
         store = pyro.get_param_store()
         params, constraints = store._params, store._constraints
-        for name, tensor, constraint, weight in self.read[3]:  # (as BackpackStep._read_guide)
+        for name, tensor, constraint, weight in self.read.entries:  # (as BackpackStep._read_guide)
             if (name not in params or params[name] is not tensor or constraints[name] is not constraint
                     or tensor.shape != weight.shape):
                 return None
@@ -163,7 +163,7 @@ class KeptStep:
             return None
 
         read = self.read
-        names, raws, transforms, exps = read[4], read[5], read[6], read[8]
+        names, raws, transforms, exps = read.loc_names, read.raws, read.transforms, read.exps
         prior = self.prior
         enabled = torch.is_grad_enabled()
         if enabled:
